@@ -1,0 +1,249 @@
+"""Mixed-precision GEMM: FP16/BF16 operands on the Tensor Cores, FP32 accumulation.
+
+One kernel serves the forward pass and both backward GEMMs of a linear layer:
+
+    A'  = A * f(S)                     prologue (backward only): f is the ReLU mask
+                                        (S > 0) or the identity, S the saved tensor
+    C   = act(round(A') @ round(B) + bias)   round() = to the compute dtype
+    G   = act'(round(A') @ round(B) + bias)  (optional, GELU only: saved for backward)
+    R   = sum_k A'[:, k]               (optional, FP32: the bias gradient)
+
+Operands may arrive as FP32 (master weights, a first layer's input), FP16 or BF16
+and are rounded to the compute dtype in registers, so no cast kernel runs.
+Every operand is addressed through its strides: a transposed view needs no copy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter runs the kernels on the CPU through numpy; it must be chosen before
+# triton is imported, so it is read once here.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
+PROLOGUES = {None: 0, "relu_mask": 1, "mul": 2}
+
+
+def _hopper_configs() -> list[triton.Config]:
+    """Tiles for an H100: large tiles with 3-4 pipeline stages for big GEMMs, small ones
+    for skinny problems (a batch of 128 rows), each with a group of 8 for L2 reuse."""
+    tiles = [
+        # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (128, 128, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+        (64, 32, 64, 5, 2),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+            num_stages=stages,
+            num_warps=warps,
+        )
+        for bm, bn, bk, stages, warps in tiles
+    ]
+
+
+def _interpreter_configs() -> list[triton.Config]:
+    # Autotuning times each config on a GPU; the interpreter has none, so one config.
+    return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
+
+
+CONFIGS = _interpreter_configs() if INTERPRET else _hopper_configs()
+
+
+@triton.jit
+def _round_to_bf16_rne(x):
+    """FP32 ``x`` rounded to the nearest BF16 (ties to even), still as FP32: the
+    interpreter's own conversion truncates, so it gets its rounding done here."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even on the GPU and in the interpreter alike."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        x = _round_to_bf16_rne(x.to(tl.float32))
+    return x.to(dtype)
+
+
+@triton.jit
+def _gelu_and_derivative(z):
+    """Exact (erf) GELU, as torch.nn.functional.gelu(approximate="none"), and its
+    derivative, sharing the erf: gelu(z) = z Phi(z), gelu'(z) = Phi(z) + z phi(z)."""
+    cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+    return z * cdf, cdf + z * pdf
+
+
+@triton.jit
+def _gemm_kernel(
+    # operands and outputs
+    a_ptr, b_ptr, c_ptr, bias_ptr, s_ptr, g_ptr, r_ptr,
+    # problem size: A is (M, K), B is (K, N), C is (M, N)
+    M, N, K,
+    # strides, in elements
+    stride_am, stride_ak,
+    stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    stride_sm, stride_sk,
+    stride_gm, stride_gn,
+    # what to compute
+    COMPUTE_BF16: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_ACT_GRAD: tl.constexpr,
+    ROWSUM_A: tl.constexpr,
+    # tiling
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped ordering: GROUP_M row-blocks share their B column-blocks while in L2.
+    # N == 0 still gets one column of programs when the row sums are wanted.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.maximum(tl.cdiv(N, BLOCK_N), 1)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # 64-bit row/column offsets: an operand may span more than 2**31 elements.
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    if PROLOGUE != 0:
+        s_ptrs = s_ptr + rows[:, None] * stride_sm + offs_k[None, :] * stride_sk
+
+    compute_dtype = tl.bfloat16 if COMPUTE_BF16 else tl.float16
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rowsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a_mask = mask_m[:, None] & mask_k[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if PROLOGUE != 0:
+            s = tl.load(s_ptrs, mask=a_mask, other=0.0)
+            if PROLOGUE == 1:
+                a = tl.where(s > 0, a.to(tl.float32), 0.0)
+            else:
+                a = a.to(tl.float32) * s.to(tl.float32)
+            s_ptrs += BLOCK_K * stride_sk
+        if ROWSUM_A:
+            # Only the first column of programs owns the row sums.
+            if pid_n == 0:
+                rowsum += tl.sum(a.to(tl.float32), axis=1)
+        a = _cast(a, compute_dtype, INTERPRETED)
+        b = _cast(b, compute_dtype, INTERPRETED)
+        if INTERPRETED:
+            # The interpreter multiplies BF16 as raw 16-bit integers; widening the rounded
+            # operands to FP32 is exact, so the numerics stay 16-bit-operand/FP32-accumulate.
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Epilogue, while the accumulator is still FP32.
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_mask = mask_m[:, None] & mask_n[None, :]
+    if ACTIVATION == 1:
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == 2:
+        acc, act_grad = _gelu_and_derivative(acc)
+        if STORE_ACT_GRAD:
+            g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
+            tl.store(g_ptrs, _cast(act_grad, g_ptr.dtype.element_ty, INTERPRETED), mask=c_mask)
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, _cast(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=c_mask)
+    if ROWSUM_A:
+        if pid_n == 0:
+            tl.store(r_ptr + rows, rowsum, mask=mask_m)
+
+
+_AUTOTUNE_KEY = [
+    "M", "N", "K", "COMPUTE_BF16", "PROLOGUE", "HAS_BIAS", "ACTIVATION", "ROWSUM_A",
+]
+gemm_kernel = triton.autotune(configs=CONFIGS, key=_AUTOTUNE_KEY)(_gemm_kernel)
+
+
+def triton_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    store_act_grad: bool = False,
+    prologue: str | None = None,
+    prologue_operand: torch.Tensor | None = None,
+    rowsum_a: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the kernel; see the module docstring for the math.
+
+    a: (M, K), b: (K, N), any strides, float32/float16/bfloat16. bias: (N,).
+    prologue_operand: (M, K), the S of the prologue. out: an (M, N) tensor of
+    out_dtype to write C into (any strides), else a contiguous one is allocated.
+    Returns (C, G or None, R or None); G is of out_dtype, R is FP32 of shape (M,).
+    The caller has validated shapes, dtypes and devices.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), device=a.device, dtype=out_dtype) if out is None else out
+    g = torch.empty((M, N), device=a.device, dtype=out_dtype) if store_act_grad else None
+    r = torch.empty((M,), device=a.device, dtype=torch.float32) if rowsum_a else None
+    if M == 0 or (N == 0 and not rowsum_a):
+        return c, g, r
+
+    # Unused pointer arguments get a live tensor so that no null pointer is formed.
+    s = prologue_operand if prologue_operand is not None else a
+    grid = lambda meta: (  # noqa: E731
+        triton.cdiv(M, meta["BLOCK_M"]) * max(triton.cdiv(N, meta["BLOCK_N"]), 1),
+    )
+    gemm_kernel[grid](
+        a, b, c,
+        bias if bias is not None else c,
+        s,
+        g if g is not None else c,
+        r if r is not None else c,
+        M, N, K,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1),
+        c.stride(0), c.stride(1),
+        s.stride(0), s.stride(1),
+        *(g.stride() if g is not None else (0, 0)),
+        COMPUTE_BF16=compute_dtype == torch.bfloat16,
+        INTERPRETED=INTERPRET,
+        PROLOGUE=PROLOGUES[prologue],
+        HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATIONS[activation],
+        STORE_ACT_GRAD=store_act_grad,
+        ROWSUM_A=rowsum_a,
+    )
+    return c, g, r

@@ -1,0 +1,21 @@
+"""mpgemm: mixed-precision GEMMs for PyTorch training.
+
+16-bit (FP16 or BF16) operands on the Tensor Cores, FP32 accumulation, FP32 master
+weights. CUDA tensors run Triton kernels; CPU tensors run the reference implementation
+with the same numerics (or the Triton kernels themselves under ``TRITON_INTERPRET=1``,
+which must be set before ``triton`` is first imported).
+"""
+
+from mpgemm.functional import backend, linear, matmul
+from mpgemm.modules import Linear, convert
+from mpgemm.reference import linear_ref, matmul_ref
+
+__all__ = [
+    "Linear",
+    "backend",
+    "convert",
+    "linear",
+    "linear_ref",
+    "matmul",
+    "matmul_ref",
+]

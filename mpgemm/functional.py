@@ -1,0 +1,248 @@
+"""``mpgemm.matmul`` and ``mpgemm.linear``: checks, dispatch and the autograd function.
+
+Both ops run through ``LinearFunction``: ``matmul(a, b)`` is ``linear(a, b.T)`` on a
+transposed view, so one forward and one backward serve both.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from mpgemm.reference import gemm_ref
+
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+VALID_ACTIVATIONS = (None, "relu", "gelu")
+
+# The backward prologue that applies each activation's derivative to the output gradient:
+# ReLU's from its saved output (y > 0 exactly where z > 0), GELU's by multiplying with the
+# act'(z) its forward epilogue stored.
+_DERIVATIVE_PROLOGUE = {None: None, "relu": "relu_mask", "gelu": "mul"}
+
+
+def _triton_gemm() -> Callable | None:
+    try:
+        from mpgemm.kernels.gemm import triton_gemm
+    except ImportError:  # no triton on this platform: CPU tensors still run gemm_ref
+        return None
+    return triton_gemm
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def backend(device: torch.device) -> str:
+    """Which implementation runs tensors on ``device``: ``"triton"`` (compiled for CUDA,
+    or interpreted on the CPU when ``TRITON_INTERPRET=1``) or ``"reference"``."""
+    if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
+        return "triton"
+    return "reference"
+
+
+def _gemm(device: torch.device) -> Callable:
+    if backend(device) == "reference":
+        return gemm_ref
+    impl = _triton_gemm()
+    if impl is None:
+        raise RuntimeError(f"mpgemm: tensors on {device} need triton, which is not installed")
+    return impl
+
+
+# ---------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------
+
+
+def _check_compute_dtype(op: str, compute_dtype: torch.dtype) -> None:
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise TypeError(
+            f"{op}: compute_dtype must be torch.float16 or torch.bfloat16, got {compute_dtype}"
+        )
+
+
+def _check_out_dtype(op: str, out_dtype: torch.dtype | None) -> None:
+    if out_dtype is not None and out_dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"{op}: out_dtype must be None, torch.float32, torch.float16 or torch.bfloat16, "
+            f"got {out_dtype}"
+        )
+
+
+def _check_activation(op: str, activation: str | None) -> None:
+    if activation not in VALID_ACTIVATIONS:
+        raise ValueError(
+            f"{op}: unknown activation {activation!r}; valid ones are {VALID_ACTIVATIONS}"
+        )
+
+
+def _check_tensors(op: str, **tensors: torch.Tensor | None) -> None:
+    """Each tensor must be a float32/float16/bfloat16 tensor, all on one device."""
+    given = {name: t for name, t in tensors.items() if t is not None}
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in INPUT_DTYPES:
+            raise TypeError(
+                f"{op}: {name} has dtype {t.dtype}; supported are torch.float32, "
+                "torch.float16 and torch.bfloat16"
+            )
+    devices = {t.device for t in given.values()}
+    if len(devices) > 1:
+        listing = ", ".join(f"{name} on {t.device}" for name, t in given.items())
+        raise ValueError(f"{op}: tensors must be on one device, got {listing}")
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """(*, K) -> (prod(*), K), a view where the strides allow; explicit sizes because
+    reshape(-1, 0) is ambiguous for zero-size tensors."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------------------
+
+
+class LinearFunction(torch.autograd.Function):
+    """y = act(x @ W.T + bias) with 16-bit operands and FP32 accumulation.
+
+    x: (*, K) float32/float16/bfloat16; W: (N, K), any strides; bias: (N,) or None.
+    Forward: one GEMM with bias, activation and the output cast in the epilogue.
+    Backward: dZ = dY * act'(z) is applied as the GEMMs load dY, then
+    dx = dZ @ W (in x's dtype) and dW = dZ.T @ x (in W's dtype, FP32 for master weights,
+    laid out like W), with the bias gradient, the FP32 column sum of dZ, computed by
+    the dW GEMM as it reads dZ.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, compute_dtype, out_dtype):
+        gemm = _gemm(x.device)
+        x2d = _as_rows(x)
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), device=x.device, dtype=out_dtype)
+        save_gelu_derivative = activation == "gelu" and any(ctx.needs_input_grad[:3])
+        _, act_grad, _ = gemm(
+            x2d,
+            weight.t(),
+            compute_dtype=compute_dtype,
+            out_dtype=out_dtype,
+            bias=bias,
+            activation=activation,
+            store_act_grad=save_gelu_derivative,
+            out=_as_rows(out),
+        )
+        # What the derivative prologue reads: ReLU's own output, GELU's stored act'(z).
+        derivative_operand = {None: None, "relu": out, "gelu": act_grad}[activation]
+        ctx.save_for_backward(x2d, weight, derivative_operand)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.activation, ctx.compute_dtype = activation, compute_dtype
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x2d, weight, derivative_operand = ctx.saved_tensors
+        gemm = _gemm(grad_out.device)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dy = _as_rows(grad_out)
+        s = None if derivative_operand is None else _as_rows(derivative_operand)
+        prologue = _DERIVATIVE_PROLOGUE[ctx.activation]
+
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x, _, _ = gemm(
+                dy, weight,
+                compute_dtype=ctx.compute_dtype, out_dtype=ctx.x_dtype,
+                prologue=prologue, prologue_operand=s,
+            )
+            grad_x = grad_x.view(ctx.x_shape)
+        if need_w or (need_b and ctx.has_bias):
+            # A frozen weight still lets its GEMM sum the bias gradient: B gets no columns.
+            x_operand = x2d if need_w else x2d[:, :0]
+            grad_w = torch.empty_like(weight) if need_w else None
+            _, _, grad_b = gemm(
+                dy.t(), x_operand,
+                compute_dtype=ctx.compute_dtype, out_dtype=weight.dtype,
+                prologue=prologue, prologue_operand=None if s is None else s.t(),
+                rowsum_a=need_b and ctx.has_bias,
+                out=grad_w,
+            )
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+# ---------------------------------------------------------------------------------------
+# public functions
+# ---------------------------------------------------------------------------------------
+
+
+def linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    compute_dtype: torch.dtype = torch.float16,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``act(input @ weight.T + bias)``, the contract of ``torch.nn.functional.linear``
+    with 16-bit Tensor Core operands and FP32 accumulation.
+
+    input: (*, in_features); weight: (out_features, in_features); bias: (out_features,)
+    or None; each float32, float16 or bfloat16, all on one device. Operands are rounded
+    to ``compute_dtype`` (float16 or bfloat16); bias and ``activation`` (None, "relu" or
+    "gelu", the exact erf form) are applied to the FP32 accumulator, which is then
+    rounded to ``out_dtype`` (default ``compute_dtype``). Returns (*, out_features).
+    Differentiable in input, weight and bias; each gradient has its tensor's dtype, so
+    FP32 master weights get FP32 gradients.
+    """
+    op = "mpgemm.linear"
+    _check_tensors(op, input=input, weight=weight, bias=bias)
+    _check_compute_dtype(op, compute_dtype)
+    _check_out_dtype(op, out_dtype)
+    _check_activation(op, activation)
+    if input.dim() < 1 or weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{op}: input of shape {tuple(input.shape)} and weight of shape "
+            f"{tuple(weight.shape)} are incompatible: weight must be (out_features, "
+            "in_features) with in_features equal to input's last dimension"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"{op}: bias of shape {tuple(bias.shape)} does not match weight of shape "
+            f"{tuple(weight.shape)}; expected ({weight.shape[0]},)"
+        )
+    return LinearFunction.apply(
+        input, weight, bias, activation, compute_dtype, out_dtype or compute_dtype
+    )
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype = torch.float16,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``a @ b`` with 16-bit Tensor Core operands and FP32 accumulation.
+
+    a: (*, K); b: (K, N); float32, float16 or bfloat16, on one device. The shape rule is
+    ``torch.matmul``'s with a 2-D ``b``: the result is (*, N). Operands are rounded to
+    ``compute_dtype`` (float16 or bfloat16), products accumulate in FP32, and the result
+    is rounded to ``out_dtype`` (default ``compute_dtype``). Differentiable in both.
+    """
+    op = "mpgemm.matmul"
+    _check_tensors(op, a=a, b=b)
+    _check_compute_dtype(op, compute_dtype)
+    _check_out_dtype(op, out_dtype)
+    if a.dim() < 1 or b.dim() != 2 or a.shape[-1] != b.shape[0]:
+        raise ValueError(
+            f"{op}: a of shape {tuple(a.shape)} and b of shape {tuple(b.shape)} cannot be "
+            "multiplied: b must be 2-D (K, N) with K equal to a's last dimension"
+        )
+    return LinearFunction.apply(a, b.t(), None, None, compute_dtype, out_dtype or compute_dtype)

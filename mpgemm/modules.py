@@ -1,0 +1,149 @@
+"""``mpgemm.Linear``, the drop-in ``nn.Linear``, and ``mpgemm.convert`` for whole models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mpgemm.functional import (
+    _check_activation,
+    _check_compute_dtype,
+    _check_out_dtype,
+    linear,
+)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product runs with 16-bit operands and FP32 accumulation.
+
+    Parameters stay FP32: they are the master weights, and their gradients arrive in
+    FP32. ``forward`` takes (*, in_features) inputs of dtype float32, float16 or
+    bfloat16 and returns ``act(input @ weight.T + bias)`` of ``out_dtype`` (default
+    ``compute_dtype``). ``state_dict`` is ``nn.Linear``'s, so checkpoints load both ways.
+
+    Mixed-precision rule: the layer whose output is the model's output (the logits)
+    should use ``out_dtype=torch.float32`` so softmax and loss run in FP32;
+    ``mpgemm.convert`` does that for you.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        compute_dtype: torch.dtype = torch.float16,
+        activation: str | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        if dtype not in (None, torch.float32):
+            raise TypeError(
+                f"mpgemm.Linear keeps FP32 master weights, so dtype must be None or "
+                f"torch.float32, got {dtype}; choose the product's precision with "
+                "compute_dtype"
+            )
+        _check_compute_dtype("mpgemm.Linear", compute_dtype)
+        _check_out_dtype("mpgemm.Linear", out_dtype)
+        _check_activation("mpgemm.Linear", activation)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.compute_dtype = compute_dtype
+        self.activation = activation
+        self.out_dtype = out_dtype
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(
+            input,
+            self.weight,
+            self.bias,
+            activation=self.activation,
+            compute_dtype=self.compute_dtype,
+            out_dtype=self.out_dtype,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, compute_dtype={self.compute_dtype}, "
+            f"activation={self.activation}, out_dtype={self.out_dtype or self.compute_dtype}"
+        )
+
+    @classmethod
+    def from_linear(
+        cls,
+        module: nn.Linear,
+        *,
+        compute_dtype: torch.dtype = torch.float16,
+        out_dtype: torch.dtype | None = None,
+    ) -> Linear:
+        """An ``mpgemm.Linear`` holding ``module``'s very own Parameter objects (no copy),
+        so an optimizer built over ``module`` keeps stepping them."""
+        # Built on the meta device so no throw-away weights are allocated or initialised.
+        new = cls(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            device="meta",
+            compute_dtype=compute_dtype,
+            out_dtype=out_dtype,
+        )
+        new.weight = module.weight
+        new.bias = module.bias
+        new.train(module.training)
+        return new
+
+
+def convert(
+    module: nn.Module,
+    *,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    compute_dtype: torch.dtype = torch.float16,
+    keep_output_fp32: bool | str = True,
+) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``module`` by an ``mpgemm.Linear`` sharing its
+    Parameters, in place; returns ``module`` (or the new layer if ``module`` itself is
+    an ``nn.Linear``).
+
+    module_filter_fn(layer, fully_qualified_name) -> bool picks the layers to convert
+    (default: all). Only exact ``nn.Linear`` instances are converted: subclasses may
+    have a ``forward`` of their own.
+
+    Converted layers write their output in ``compute_dtype``, except the model's output
+    layer, which writes FP32 so the logits, softmax and loss stay FP32 (the
+    mixed-precision rule). ``keep_output_fp32`` says which layer that is: ``True`` (the
+    default) means the last converted layer in ``named_modules()`` order, the output
+    layer of an ``nn.Sequential`` MLP; a string names the layer; ``False`` means none.
+    """
+    _check_compute_dtype("mpgemm.convert", compute_dtype)
+    chosen = [
+        name
+        for name, layer in module.named_modules()
+        if type(layer) is nn.Linear and (module_filter_fn is None or module_filter_fn(layer, name))
+    ]
+    if keep_output_fp32 is True:
+        fp32_name = chosen[-1] if chosen else None
+    elif keep_output_fp32 is False:
+        fp32_name = None
+    else:
+        if keep_output_fp32 not in chosen:
+            raise ValueError(
+                f"mpgemm.convert: keep_output_fp32={keep_output_fp32!r} names no converted "
+                f"nn.Linear; converted layers are {chosen}"
+            )
+        fp32_name = keep_output_fp32
+
+    def replacement(name: str) -> Linear:
+        return Linear.from_linear(
+            module.get_submodule(name),
+            compute_dtype=compute_dtype,
+            out_dtype=torch.float32 if name == fp32_name else None,
+        )
+
+    if chosen == [""]:  # the root itself is an nn.Linear and cannot be swapped in place
+        return replacement("")
+    for name in chosen:
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(module.get_submodule(parent_name), child_name, replacement(name))
+    return module

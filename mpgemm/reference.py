@@ -1,0 +1,97 @@
+"""Reference implementations, with the kernels' numerics, in plain PyTorch.
+
+Operands are rounded to the compute dtype (FP16 or BF16), products accumulate in FP32,
+bias and activation are applied in FP32, and only then is the result rounded to the
+output dtype. ``gemm_ref`` has the contract of ``mpgemm.kernels.gemm.triton_gemm`` and
+runs CPU tensors when the Triton interpreter is off; ``matmul_ref`` and ``linear_ref``
+are the references the tests and benchmarks compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def round_to(t: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to ``compute_dtype`` and widened back to FP32 (exact)."""
+    return t.to(compute_dtype).to(torch.float32)
+
+
+def activation_and_derivative(
+    z: torch.Tensor, activation: str | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """act(z) and, for GELU (exact erf form), act'(z); z is FP32."""
+    if activation is None:
+        return z, None
+    if activation == "relu":
+        return torch.relu(z), None
+    cdf = 0.5 * (1.0 + torch.erf(z * 0.7071067811865476))
+    pdf = torch.exp(-0.5 * z * z) * 0.3989422804014327
+    return z * cdf, cdf + z * pdf
+
+
+def gemm_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    store_act_grad: bool = False,
+    prologue: str | None = None,
+    prologue_operand: torch.Tensor | None = None,
+    rowsum_a: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The math of ``triton_gemm`` (see ``mpgemm.kernels.gemm``), same arguments and
+    results: C = act(round(A') @ round(B) + bias), G = act'(...) if asked,
+    R = FP32 row sums of A', where A' = A * f(S) for the prologue f."""
+    a32 = a.to(torch.float32)
+    if prologue == "relu_mask":
+        a32 = torch.where(prologue_operand > 0, a32, 0.0)
+    elif prologue == "mul":
+        a32 = a32 * prologue_operand.to(torch.float32)
+    z = round_to(a32, compute_dtype) @ round_to(b, compute_dtype)
+    if bias is not None:
+        z = z + bias.to(torch.float32)
+    y, dy_dz = activation_and_derivative(z, activation)
+    if out is None:
+        out = y.to(out_dtype)
+    else:
+        out.copy_(y)
+    g = dy_dz.to(out_dtype) if store_act_grad else None
+    r = a32.sum(dim=1) if rowsum_a else None
+    return out, g, r
+
+
+def matmul_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype = torch.float16,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``mpgemm.matmul``'s math: a (*, K) @ b (K, N) -> (*, N), operands rounded to
+    compute_dtype, FP32 accumulation, result of out_dtype (default compute_dtype)."""
+    out = round_to(a, compute_dtype) @ round_to(b, compute_dtype)
+    return out.to(out_dtype or compute_dtype)
+
+
+def linear_ref(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    compute_dtype: torch.dtype = torch.float16,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``mpgemm.linear``'s math: act(round(input) @ round(weight).T + bias) with FP32
+    accumulation, bias and activation, rounded to out_dtype (default compute_dtype)."""
+    z = F.linear(round_to(input, compute_dtype), round_to(weight, compute_dtype))
+    if bias is not None:
+        z = z + bias.to(torch.float32)
+    y, _ = activation_and_derivative(z, activation)
+    return y.to(out_dtype or compute_dtype)
