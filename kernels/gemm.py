@@ -30,18 +30,23 @@ PROLOGUES = {None: 0, "relu_mask": 1, "mul": 2}
 
 
 def _hopper_configs() -> list[triton.Config]:
-    """Tiles for an H100: large tiles with 3-4 pipeline stages for big GEMMs, small ones
-    for skinny problems (a batch of 128 rows), each with a group of 8 for L2 reuse."""
+    """Tiles for an H100, each with a group of 8 row-blocks for L2 reuse. The first three
+    hold a 128-register FP32 accumulator per thread and are kept only for launches that
+    leave room for it (``fits_registers``); the rest compile without spills for every
+    launch (checked ahead of time by ``mpgemm.kernels.aot``). Small tiles serve skinny
+    problems such as a batch of 128 rows."""
     tiles = [
         # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
         (128, 256, 64, 3, 8),
-        (256, 128, 64, 3, 8),
+        (128, 256, 32, 3, 8),
+        (256, 128, 32, 3, 8),
         (128, 128, 64, 4, 8),
-        (128, 128, 64, 4, 4),
-        (128, 64, 64, 4, 4),
-        (64, 128, 64, 4, 4),
+        (128, 128, 32, 4, 8),
+        (64, 256, 64, 3, 8),
+        (128, 64, 64, 4, 8),
+        (64, 128, 64, 4, 8),
+        (128, 64, 32, 4, 4),
         (64, 64, 64, 4, 4),
-        (64, 32, 64, 5, 2),
     ]
     return [
         triton.Config(
@@ -56,6 +61,39 @@ def _hopper_configs() -> list[triton.Config]:
 def _interpreter_configs() -> list[triton.Config]:
     # Autotuning times each config on a GPU; the interpreter has none, so one config.
     return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
+
+
+def fits_registers(
+    config: triton.Config, *, sixteen_bit_operands: bool, prologue: int, store_act_grad: bool
+) -> bool:
+    """Whether ``config`` compiles without register spills for such a launch on Hopper.
+
+    A tile whose FP32 accumulator takes 128 registers per thread leaves too few for a
+    prologue (A and S pass through registers), for GELU's derivative beside the output,
+    or, at BLOCK_K 64, for converting FP32 operand tiles in registers (255 registers and
+    0.3-3 KB of spills per thread, measured with ``python -m mpgemm.kernels.aot``)."""
+    meta = config.kwargs
+    accumulator_registers = meta["BLOCK_M"] * meta["BLOCK_N"] // (32 * config.num_warps)
+    if accumulator_registers < 128:
+        return True
+    if prologue or store_act_grad:
+        return False
+    return meta["BLOCK_K"] == 32 or sixteen_bit_operands
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    sixteen_bit = all(
+        named_args[name].element_size() == 2 for name in ("a_ptr", "b_ptr")
+    )
+    return [
+        config for config in configs
+        if fits_registers(
+            config,
+            sixteen_bit_operands=sixteen_bit,
+            prologue=kwargs["PROLOGUE"],
+            store_act_grad=kwargs["STORE_ACT_GRAD"],
+        )
+    ]
 
 
 CONFIGS = _interpreter_configs() if INTERPRET else _hopper_configs()
@@ -188,7 +226,9 @@ def _gemm_kernel(
 _AUTOTUNE_KEY = [
     "M", "N", "K", "COMPUTE_BF16", "PROLOGUE", "HAS_BIAS", "ACTIVATION", "ROWSUM_A",
 ]
-gemm_kernel = triton.autotune(configs=CONFIGS, key=_AUTOTUNE_KEY)(_gemm_kernel)
+gemm_kernel = triton.autotune(
+    configs=CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
+)(_gemm_kernel)
 
 
 def triton_gemm(

@@ -1,0 +1,212 @@
+"""Compile the shipped GEMM kernels ahead of time for an H100, on any machine.
+
+The interpreter runs the kernels' Python, not the GPU compiler, which has rules of its
+own (layouts, register budgets, what lowers to Hopper's wgmma). This compiles every
+autotune config for each launch the autograd function makes (forward, input gradient,
+weight gradient, in FP16 and BF16) for ``GPUTarget("cuda", 90, 32)`` with the ptxas that
+ships inside the triton wheel, and reports, per kernel, whether the PTX uses ``wgmma``
+and what ptxas says of registers and spills. No GPU or driver is needed.
+
+    python -m mpgemm.kernels.aot     # prints one JSON line per kernel, exit 1 on a defect
+
+Must run without ``TRITON_INTERPRET=1``: the interpreter replaces ``triton.jit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mpgemm.kernels.gemm import (
+    ACTIVATIONS,
+    PROLOGUES,
+    _gemm_kernel,
+    _hopper_configs,
+    fits_registers,
+)
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+# Which strides are 1 in each launch of LinearFunction (the JIT turns an int argument of
+# 1 into a constant, and marks the others divisible by 16 when they are, as for 4096-wide
+# layers). Strides not named here are the ones that are 1.
+_LAYOUTS = {
+    # y = x @ W.T: A = x (row-major), B = W.T (a transposed view), C row-major
+    "forward": {"stride_ak", "stride_bk", "stride_sk", "stride_cn", "stride_gn"},
+    # dx = dZ @ W: A = dY, B = W, S = the saved activation tensor, all row-major
+    "grad_input": {"stride_ak", "stride_bn", "stride_sk", "stride_cn", "stride_gn"},
+    # dW = dZ.T @ x: A = dY.T and S.T (transposed views), B = x, C = dW row-major
+    "grad_weight": {"stride_am", "stride_bn", "stride_sm", "stride_cn", "stride_gn"},
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launch of the kernel: its layout, dtypes and constexpr flags."""
+
+    layout: str
+    a: str
+    b: str
+    out: str
+    compute_bf16: bool
+    prologue: str | None = None
+    has_bias: bool = False
+    activation: str | None = None
+    store_act_grad: bool = False
+    rowsum_a: bool = False
+
+    def flags(self) -> dict:
+        return {
+            "COMPUTE_BF16": self.compute_bf16,
+            "INTERPRETED": False,
+            "PROLOGUE": PROLOGUES[self.prologue],
+            "HAS_BIAS": self.has_bias,
+            "ACTIVATION": ACTIVATIONS[self.activation],
+            "STORE_ACT_GRAD": self.store_act_grad,
+            "ROWSUM_A": self.rowsum_a,
+        }
+
+
+def shipped_variants() -> list[Variant]:
+    """The launches matmul and a training step make, in FP16 and BF16: a plain 16-bit
+    product; layers with bias and activation from FP32 master weights (GELU storing its
+    derivative; an FP32 first-layer input); the input gradient with each derivative
+    prologue; the weight gradient with and without prologue and bias row sums."""
+    variants = []
+    for bf16, half in ((False, "fp16"), (True, "bf16")):
+        variants += [
+            Variant("forward", half, half, half, bf16),
+            Variant("forward", half, "fp32", half, bf16, has_bias=True,
+                    activation="gelu", store_act_grad=True),
+            Variant("forward", "fp32", "fp32", "fp32", bf16, has_bias=True, activation="relu"),
+            Variant("grad_input", half, "fp32", half, bf16, prologue="relu_mask"),
+            Variant("grad_input", half, "fp32", "fp32", bf16, prologue="mul"),
+            Variant("grad_weight", half, half, "fp32", bf16, prologue="mul", rowsum_a=True),
+            Variant("grad_weight", half, "fp32", "fp32", bf16),
+        ]
+    return variants
+
+
+def launched_configs(variant: Variant) -> list[triton.Config]:
+    """The configs the autotuner may launch for ``variant``, after pruning."""
+    return [
+        config for config in _hopper_configs()
+        if fits_registers(
+            config,
+            sixteen_bit_operands=variant.a != "fp32" and variant.b != "fp32",
+            prologue=PROLOGUES[variant.prologue],
+            store_act_grad=variant.store_act_grad,
+        )
+    ]
+
+
+def _signature(variant: Variant, config: triton.Config) -> tuple[dict, dict, dict]:
+    dtypes = {"a_ptr": variant.a, "b_ptr": variant.b, "c_ptr": variant.out,
+              "bias_ptr": "fp32", "s_ptr": variant.out, "g_ptr": variant.out,
+              "r_ptr": "fp32"}
+    unit_strides = _LAYOUTS[variant.layout]
+    constexprs = {**variant.flags(), **config.kwargs}
+    signature, attrs = {}, {}
+    for index, name in enumerate(_gemm_kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in dtypes:
+            signature[name] = "*" + dtypes[name]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name in unit_strides:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        else:  # M, N, K and the strides that are not 1
+            signature[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def _ptxas_path() -> str:
+    # The ptxas triton itself assembles sm_90 with (the wheel ships two, by version).
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(HOPPER.arch).path
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Registers and spill bytes per thread, from ``ptxas -v`` for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [_ptxas_path(), "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.o")],
+            check=True, capture_output=True, text=True,
+        ).stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "registers": int(registers.group(1)),
+        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+    }
+
+
+@dataclass
+class KernelReport:
+    variant: dict
+    config: str
+    wgmma: bool
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+
+    @property
+    def ok(self) -> bool:
+        return self.wgmma and self.spill_bytes == 0
+
+
+def compile_for_hopper(variant: Variant, config: triton.Config) -> KernelReport:
+    signature, constexprs, attrs = _signature(variant, config)
+    source = ASTSource(_gemm_kernel, signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(
+        source, target=HOPPER,
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+    )
+    ptx = compiled.asm["ptx"]
+    return KernelReport(
+        variant=asdict(variant),
+        config=str(config),
+        wgmma="wgmma" in ptx,
+        shared_bytes=compiled.metadata.shared,
+        **ptxas_report(ptx),
+    )
+
+
+def _compile_job(job: tuple[Variant, triton.Config]) -> KernelReport:
+    return compile_for_hopper(*job)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("mpgemm.kernels.aot: unset TRITON_INTERPRET to compile", file=sys.stderr)
+        return 2
+    jobs = [(v, c) for v in shipped_variants() for c in launched_configs(v)]
+    # Compiles are independent and CPU-bound: one process per core.
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        reports = list(pool.map(_compile_job, jobs))
+    for report in reports:
+        print(json.dumps({**asdict(report), "ok": report.ok}))
+    defects = sum(not report.ok for report in reports)
+    print(f"{len(reports)} kernels compiled for sm_90a, {defects} without wgmma or with spills")
+    return 1 if defects else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

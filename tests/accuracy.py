@@ -1,0 +1,36 @@
+"""Shared test helpers: the accuracy bar, and operands that expose missing masks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_within_torch_error(
+    out: torch.Tensor, exact: torch.Tensor, baseline: torch.Tensor, what: str, rtol: float = 1e-6
+) -> None:
+    """``out``'s max error against the FP64 ``exact`` is at most twice ``baseline``'s
+    (torch's own product of the same 16-bit operands), plus ``rtol`` of ``exact``'s
+    largest magnitude. Non-finite values never pass."""
+    assert out.shape == exact.shape, f"{what}: shape {tuple(out.shape)} != {tuple(exact.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: {(~torch.isfinite(out)).sum()} non-finite"
+    if exact.numel() == 0:
+        return
+    exact = exact.to("cpu", torch.float64)
+    err = (out.to("cpu", torch.float64) - exact).abs().max().item()
+    base = (baseline.to("cpu", torch.float64) - exact).abs().max().item()
+    atol = rtol * exact.abs().max().item() + 1e-30
+    assert err <= 2 * base + atol, f"{what}: error {err:.3g} > 2 x torch's {base:.3g} + {atol:.3g}"
+
+
+def nan_padded(t: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """A copy of 2-D ``t`` living as a strided view inside a NaN-filled buffer (stored
+    column-major when ``transposed``), so any read outside ``t`` shows up as NaN."""
+    rows, cols = t.shape
+    if transposed:
+        buf = torch.full((cols + 5, rows + 3), float("nan"), dtype=t.dtype, device=t.device)
+        view = buf[2 : 2 + cols, 1 : 1 + rows].t()
+    else:
+        buf = torch.full((rows + 3, cols + 5), float("nan"), dtype=t.dtype, device=t.device)
+        view = buf[1 : 1 + rows, 2 : 2 + cols]
+    view.copy_(t)
+    return view

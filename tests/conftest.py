@@ -1,0 +1,40 @@
+"""Run the Triton kernels on CUDA when there is a GPU, else through the interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported, hence at the top here.
+"""
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def poison_allocations(monkeypatch):
+    """Every floating tensor made by torch.empty/empty_like starts as NaN, so an output
+    element the kernels leave unwritten fails the test (NaN never passes)."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(make):
+        def allocate(*args, **kwargs):
+            t = make(*args, **kwargs)
+            if t.is_floating_point() and t.device.type != "meta":
+                t.fill_(math.nan)
+            return t
+
+        return allocate
+
+    monkeypatch.setattr(torch, "empty", poisoned(real_empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(real_empty_like))

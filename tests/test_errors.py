@@ -1,0 +1,58 @@
+"""Bad input gets a clear error naming the shapes, dtypes or devices at fault."""
+
+import pytest
+import torch
+
+import mpgemm
+
+
+def test_incompatible_shapes_name_both_shapes():
+    with pytest.raises(ValueError, match=r"\(2, 3\).*\(4, 5\)"):
+        mpgemm.matmul(torch.randn(2, 3), torch.randn(4, 5))
+    with pytest.raises(ValueError, match="2-D"):
+        mpgemm.matmul(torch.randn(2, 3), torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match=r"\(2, 3\).*\(4, 5\)"):
+        mpgemm.linear(torch.randn(2, 3), torch.randn(4, 5))
+    with pytest.raises(ValueError, match=r"bias of shape \(5,\)"):
+        mpgemm.linear(torch.randn(2, 3), torch.randn(4, 3), torch.randn(5))
+    with pytest.raises(ValueError):
+        mpgemm.linear(torch.tensor(1.0), torch.randn(4, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.complex64, torch.bool])
+def test_unsupported_input_dtypes_raise_type_error(dtype):
+    bad = torch.ones(2, 3, dtype=dtype)
+    with pytest.raises(TypeError, match=str(dtype)):
+        mpgemm.matmul(bad, torch.randn(3, 4))
+    with pytest.raises(TypeError, match=str(dtype)):
+        mpgemm.linear(torch.randn(2, 3), torch.ones(4, 3, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
+def test_compute_dtype_must_be_16_bit(dtype):
+    with pytest.raises(TypeError, match="compute_dtype"):
+        mpgemm.matmul(torch.randn(2, 3), torch.randn(3, 4), compute_dtype=dtype)
+    with pytest.raises(TypeError, match="compute_dtype"):
+        mpgemm.convert(torch.nn.Linear(3, 4), compute_dtype=dtype)
+
+
+def test_out_dtype_must_be_a_float_type_we_store():
+    with pytest.raises(TypeError, match="out_dtype"):
+        mpgemm.matmul(torch.randn(2, 3), torch.randn(3, 4), out_dtype=torch.float64)
+
+
+def test_tensors_on_different_devices_name_the_devices():
+    with pytest.raises(ValueError, match="a on cpu, b on meta"):
+        mpgemm.matmul(torch.randn(2, 3), torch.randn(3, 4, device="meta"))
+    with pytest.raises(ValueError, match="bias on meta"):
+        mpgemm.linear(torch.randn(2, 3), torch.randn(4, 3), torch.randn(4, device="meta"))
+
+
+def test_unknown_activation_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"'swish'.*None, 'relu', 'gelu'"):
+        mpgemm.linear(torch.randn(2, 3), torch.randn(4, 3), activation="swish")
+
+
+def test_non_tensor_argument():
+    with pytest.raises(TypeError, match="list"):
+        mpgemm.matmul([[1.0]], torch.randn(1, 1))

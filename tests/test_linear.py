@@ -1,0 +1,152 @@
+"""mpgemm.linear forward and backward against FP64 nn.Linear, with torch's own 16-bit
+computation (linear_ref through autograd) as the bar; and kernels against the
+reference path, which must agree to FP32 rounding."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from accuracy import assert_within_torch_error, nan_padded
+
+import mpgemm
+from mpgemm import functional
+from mpgemm.reference import linear_ref
+
+ACTIVATIONS = [None, "relu", "gelu"]
+COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
+SHAPES = [(1, 7, 16), (7, 33, 130), (33, 16, 7), (130, 257, 33), (16, 1, 257), (257, 130, 1)]
+CASES = list(itertools.product(ACTIVATIONS, [True, False], COMPUTE_DTYPES))
+
+
+def fp64_linear(x, w, b, activation):
+    z = F.linear(x, w, b)
+    return {None: z, "relu": F.relu(z), "gelu": F.gelu(z)}[activation]
+
+
+def leaves(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+
+
+def run_three_ways(x, w, b, activation, compute_dtype, out_dtype, grad_out):
+    """(mpgemm, FP64, linear_ref) results as (output, grads) with the same grad_out."""
+    results = []
+    for fn, cast in (
+        (mpgemm.linear, lambda t: t),
+        (fp64_linear, lambda t: t.double()),
+        (linear_ref, lambda t: t),
+    ):
+        xl, wl, bl = leaves(*(None if t is None else cast(t) for t in (x, w, b)))
+        if fn is fp64_linear:
+            y = fn(xl, wl, bl, activation)
+        else:
+            y = fn(xl, wl, bl, activation=activation, compute_dtype=compute_dtype,
+                   out_dtype=out_dtype)
+        y.backward(cast(grad_out.to(y.dtype)))
+        results.append((y, [None if t is None else t.grad for t in (xl, wl, bl)]))
+    return results
+
+
+@pytest.mark.parametrize("activation, has_bias, compute_dtype", CASES)
+def test_linear_forward_and_backward_match_fp64(activation, has_bias, compute_dtype, device):
+    case = CASES.index((activation, has_bias, compute_dtype))
+    m, n, k = SHAPES[case % len(SHAPES)]
+    out_dtype = [None, torch.float32][case % 2]
+    x = nan_padded(torch.randn(m, k, device=device), transposed=case % 3 == 0)
+    w = nan_padded(torch.randn(n, k, device=device) / k**0.5, transposed=case % 2 == 0)
+    b = torch.randn(n, device=device) if has_bias else None
+    grad_out = torch.randn(m, n, device=device)
+
+    (y, grads), (y64, grads64), (y_ref, grads_ref) = run_three_ways(
+        x, w, b, activation, compute_dtype, out_dtype, grad_out
+    )
+
+    assert y.dtype == (out_dtype or compute_dtype)
+    assert_within_torch_error(y, y64, y_ref, "output")
+    for name, g, g64, g_ref in zip("xwb", grads, grads64, grads_ref, strict=True):
+        if name == "b" and not has_bias:
+            continue
+        assert g.dtype == torch.float32, f"grad {name} must have its tensor's dtype"
+        assert_within_torch_error(g, g64, g_ref, f"grad {name}")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_kernels_agree_with_the_reference_path(activation, device, monkeypatch):
+    """The kernels and gemm_ref (what CPU tensors run without the interpreter) compute
+    the same rounded math, so outputs and gradients agree to FP32 accumulation order."""
+    x = torch.randn(3, 11, 130, device=device)
+    w = torch.randn(33, 130, device=device) / 130**0.5
+    b = torch.randn(33, device=device)
+    grad_out = torch.randn(3, 11, 33, device=device)
+
+    def forward_backward(*tensors):
+        xl, wl, bl = leaves(*tensors)
+        y = mpgemm.linear(xl, wl, bl, activation=activation, out_dtype=torch.float32)
+        y.backward(grad_out.to(y.device))
+        return y, xl.grad, wl.grad, bl.grad
+
+    on_kernels = forward_backward(x, w, b)
+    monkeypatch.setattr(functional, "_interpreting", lambda: False)
+    assert mpgemm.backend(torch.device("cpu")) == "reference"
+    on_reference = forward_backward(*(t.cpu() for t in (x, w, b)))
+    for name, got, want in zip(("y", "dx", "dw", "db"), on_kernels, on_reference, strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-3, atol=1e-4, msg=name)
+
+
+def test_batched_non_contiguous_input_and_input_dtypes(device):
+    w = torch.randn(16, 33, device=device, requires_grad=True)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(7, 2, 33, device=device, dtype=dtype).transpose(0, 1)  # (2, 7, 33)
+        x.requires_grad_()
+        y = mpgemm.linear(x, w, out_dtype=torch.float32)
+        assert y.shape == (2, 7, 16)
+        y.sum().backward()
+        assert x.grad.dtype == dtype and x.grad.shape == x.shape
+        exact = F.linear(x.detach().double(), w.detach().double())
+        assert_within_torch_error(y, exact, linear_ref(x, w, out_dtype=torch.float32), "fwd")
+
+
+@pytest.mark.parametrize("m, n, k", [(0, 7, 16), (7, 0, 16), (7, 16, 0)])
+def test_zero_size_dimensions_with_bias(m, n, k, device):
+    x = torch.randn(m, k, device=device, requires_grad=True)
+    w = torch.randn(n, k, device=device, requires_grad=True)
+    b = torch.randn(n, device=device, requires_grad=True)
+    y = mpgemm.linear(x, w, b, activation="relu", out_dtype=torch.float32)
+    assert y.shape == (m, n)
+    # With K = 0 the product is zero and the output is relu(bias) on every row.
+    torch.testing.assert_close(y, F.relu(b.detach()).expand(m, n), rtol=0, atol=0)
+    grad_out = torch.randn(m, n, device=device)
+    y.backward(grad_out)
+    mask = (b.detach() > 0).float()
+    torch.testing.assert_close(b.grad, (grad_out * mask).sum(0), rtol=1e-6, atol=1e-6)
+    # Nothing flows to x or w: either they are empty, or N = 0, or they meet no rows.
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_weight_gradient_accumulates_into_existing_grad_like_nn_linear(device):
+    layer = mpgemm.Linear(33, 16, device=device, compute_dtype=torch.float16,
+                          out_dtype=torch.float32)
+    reference = torch.nn.Linear(33, 16, device=device, dtype=torch.float64)
+    reference.load_state_dict(layer.state_dict())
+    xs = [torch.randn(7, 33, device=device) for _ in range(2)]
+    for x in xs:
+        layer(x).square().sum().backward()
+        reference(x.double()).square().sum().backward()
+    # The second backward added to the first: the sum of both micro-batches' gradients.
+    torch.testing.assert_close(layer.weight.grad.double(), reference.weight.grad,
+                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(layer.bias.grad.double(), reference.bias.grad,
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_frozen_weight_still_gets_bias_and_input_gradients(device):
+    x = torch.randn(9, 33, device=device, requires_grad=True)
+    w = torch.randn(16, 33, device=device)
+    b = torch.randn(16, device=device, requires_grad=True)
+    grad_out = torch.randn(9, 16, device=device)
+    mpgemm.linear(x, w, b, activation="gelu", out_dtype=torch.float32).backward(grad_out)
+    x64, b64 = leaves(x.double(), b.double())
+    F.gelu(F.linear(x64, w.double(), b64)).backward(grad_out.double())
+    torch.testing.assert_close(b.grad.double(), b64.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-2, atol=2e-2)

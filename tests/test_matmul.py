@@ -1,0 +1,107 @@
+"""mpgemm.matmul against FP64, with torch's own product of the rounded operands as the bar."""
+
+import itertools
+
+import pytest
+import torch
+from accuracy import assert_within_torch_error, nan_padded
+
+import mpgemm
+from mpgemm.reference import matmul_ref, round_to
+
+SIZES = [1, 7, 16, 33, 130, 257]
+# Every size in every position (M, N, K) twice, with other sizes beside it.
+SHAPES = [(SIZES[i], SIZES[(i + 1) % 6], SIZES[(i + 2) % 6]) for i in range(6)] + [
+    (SIZES[i], SIZES[(i + 4) % 6], SIZES[(i + 3) % 6]) for i in range(6)
+]
+INPUT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def exact_matmul(a, b, compute_dtype):
+    """The FP64 product of the operands rounded to compute_dtype: the math claimed."""
+    return round_to(a, compute_dtype).double() @ round_to(b, compute_dtype).double()
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+@pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
+@pytest.mark.parametrize("case", range(len(SHAPES)))
+def test_matmul_matches_fp64(case, compute_dtype, out_dtype, device):
+    m, n, k = SHAPES[case]
+    # Layouts and input dtypes rotate through the cases; all operands sit in NaN padding.
+    a_transposed, b_transposed = [(False, False), (True, False), (False, True), (True, True)][
+        case % 4
+    ]
+    dtype = INPUT_DTYPES[case % 3]
+    a = nan_padded(torch.randn(m, k, device=device, dtype=dtype), a_transposed)
+    b = nan_padded(torch.randn(k, n, device=device, dtype=dtype), b_transposed)
+
+    out = mpgemm.matmul(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype)
+
+    assert out.dtype == (out_dtype or compute_dtype)
+    baseline = matmul_ref(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype)
+    assert_within_torch_error(out, exact_matmul(a, b, compute_dtype), baseline, f"{m}x{n}x{k}")
+
+
+@pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
+def test_matmul_is_close_to_the_unrounded_fp64_product(compute_dtype, device):
+    """The end-to-end error, operand rounding included, is that of 16-bit operands."""
+    a = torch.randn(130, 257, device=device)
+    b = torch.randn(257, 33, device=device)
+    exact = a.double() @ b.double()
+    out = mpgemm.matmul(a, b, compute_dtype=compute_dtype, out_dtype=torch.float32)
+    relative = ((out.double() - exact).norm() / exact.norm()).item()
+    unit_roundoff = torch.finfo(compute_dtype).eps / 2
+    assert relative < 2 * unit_roundoff
+
+
+def test_batched_and_non_contiguous_a(device):
+    a = torch.randn(7, 3, 33, device=device).transpose(0, 1)  # (3, 7, 33), not contiguous
+    b = torch.randn(33, 16, device=device)
+    out = mpgemm.matmul(a, b, out_dtype=torch.float32)
+    assert out.shape == (3, 7, 16)
+    exact = exact_matmul(a, b, torch.float16)
+    assert_within_torch_error(out, exact, matmul_ref(a, b, out_dtype=torch.float32), "batched")
+
+
+def test_one_dimensional_a_follows_torch_matmul(device):
+    a = torch.randn(33, device=device)
+    b = torch.randn(33, 7, device=device)
+    out = mpgemm.matmul(a, b, out_dtype=torch.float32)
+    assert out.shape == torch.matmul(a, b).shape == (7,)
+    exact = exact_matmul(a, b, torch.float16)
+    assert_within_torch_error(out, exact, matmul_ref(a, b, out_dtype=torch.float32), "1-D a")
+
+
+@pytest.mark.parametrize("m, n, k", [(0, 7, 16), (7, 0, 16), (7, 16, 0), (0, 0, 0)])
+def test_zero_size_dimensions(m, n, k, device):
+    a = torch.randn(m, k, device=device, requires_grad=True)
+    b = torch.randn(k, n, device=device, requires_grad=True)
+    out = mpgemm.matmul(a, b, out_dtype=torch.float32)
+    assert out.shape == (m, n)
+    assert torch.equal(out, torch.zeros(m, n, device=device))
+    out.sum().backward()
+    assert torch.equal(a.grad, torch.zeros_like(a))
+    assert torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize(
+    "compute_dtype, shape", list(itertools.product(COMPUTE_DTYPES, [(33, 7, 130), (1, 257, 16)]))
+)
+def test_matmul_gradients(compute_dtype, shape, device):
+    m, n, k = shape
+    a = torch.randn(m, k, device=device, requires_grad=True)
+    b = torch.randn(k, n, device=device, requires_grad=True)
+    grad_out = torch.randn(m, n, device=device).to(compute_dtype)
+
+    mpgemm.matmul(a, b, compute_dtype=compute_dtype).backward(grad_out)
+
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    (a64 @ b64).backward(grad_out.double())
+    a_ref, b_ref = (t.detach().requires_grad_() for t in (a, b))
+    matmul_ref(a_ref, b_ref, compute_dtype=compute_dtype).backward(grad_out)
+    assert a.grad.dtype == b.grad.dtype == torch.float32
+    # b.grad must come back in b's own layout, as autograd's accumulation expects.
+    assert b.grad.stride() == b.stride()
+    assert_within_torch_error(a.grad, a64.grad, a_ref.grad, "grad a")
+    assert_within_torch_error(b.grad, b64.grad, b_ref.grad, "grad b")

@@ -1,0 +1,98 @@
+"""mpgemm.Linear as a drop-in nn.Linear, and mpgemm.convert on whole models."""
+
+import pytest
+import torch
+from torch import nn
+
+import mpgemm
+
+
+def mlp(device):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10)
+    ).to(device)
+
+
+def test_linear_is_an_nn_linear_with_fp32_parameters(device):
+    layer = mpgemm.Linear(33, 16, device=device)
+    assert isinstance(layer, nn.Linear)
+    assert layer.weight.dtype == layer.bias.dtype == torch.float32
+    assert "compute_dtype=torch.float16" in repr(layer)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(2, 5, 33, device=device, dtype=dtype)
+        assert layer(x).shape == (2, 5, 16)
+        assert layer(x).dtype == torch.float16
+
+
+def test_state_dict_loads_both_ways(device):
+    plain = nn.Linear(33, 16, device=device)
+    ours = mpgemm.Linear(33, 16, device=device)
+    ours.load_state_dict(plain.state_dict())
+    assert torch.equal(ours.weight, plain.weight) and torch.equal(ours.bias, plain.bias)
+    again = nn.Linear(33, 16, device=device)
+    again.load_state_dict(ours.state_dict())
+    assert torch.equal(again.weight, plain.weight)
+    no_bias = mpgemm.Linear(33, 16, bias=False, device=device)
+    assert set(no_bias.state_dict()) == set(nn.Linear(33, 16, bias=False).state_dict())
+
+
+def test_linear_output_tracks_fp32_nn_linear(device):
+    plain = nn.Linear(130, 33, device=device)
+    ours = mpgemm.Linear(130, 33, device=device, out_dtype=torch.float32, activation="gelu")
+    ours.load_state_dict(plain.state_dict())
+    x = torch.randn(16, 130, device=device)
+    expected = nn.functional.gelu(plain(x))
+    torch.testing.assert_close(ours(x), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_linear_refuses_non_fp32_master_weights_and_bad_options():
+    with pytest.raises(TypeError, match="float16"):
+        mpgemm.Linear(4, 4, dtype=torch.float16)
+    with pytest.raises(TypeError, match="compute_dtype"):
+        mpgemm.Linear(4, 4, compute_dtype=torch.float32)
+    with pytest.raises(ValueError, match="'tanh'"):
+        mpgemm.Linear(4, 4, activation="tanh")
+
+
+def test_convert_reuses_parameters_and_keeps_the_optimizer_working(device):
+    model = mlp(device)
+    params_before = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    converted = mpgemm.convert(model)
+
+    assert converted is model
+    assert [type(m) for m in model if isinstance(m, nn.Linear)] == [mpgemm.Linear] * 3
+    assert all(p is q for p, q in zip(model.parameters(), params_before, strict=True))
+    # The mixed-precision rule: hidden layers write FP16, the logits come out FP32.
+    assert [m.out_dtype for m in model if isinstance(m, mpgemm.Linear)] == [
+        None, None, torch.float32
+    ]
+    x = torch.randn(8, 33, device=device)
+    logits = model(x)
+    assert logits.dtype == torch.float32
+    before = model[0].weight.detach().clone()
+    nn.functional.cross_entropy(logits, torch.arange(8, device=device)).backward()
+    optimizer.step()
+    assert not torch.equal(model[0].weight, before)
+
+
+def test_convert_filter_and_output_choice(device):
+    model = mlp(device)
+    mpgemm.convert(model, module_filter_fn=lambda module, name: name != "0",
+                   compute_dtype=torch.bfloat16, keep_output_fp32="2")
+    assert type(model[0]) is nn.Linear
+    assert model[2].compute_dtype == torch.bfloat16 and model[2].out_dtype == torch.float32
+    assert model[4].out_dtype is None
+
+    none_fp32 = mpgemm.convert(mlp(device), keep_output_fp32=False)
+    assert none_fp32(torch.randn(2, 33, device=device)).dtype == torch.float16
+    with pytest.raises(ValueError, match="'head'"):
+        mpgemm.convert(mlp(device), keep_output_fp32="head")
+
+
+def test_convert_a_bare_linear_returns_the_replacement(device):
+    layer = nn.Linear(8, 4, device=device)
+    converted = mpgemm.convert(layer)
+    assert type(converted) is mpgemm.Linear and converted.weight is layer.weight
+    assert converted.out_dtype == torch.float32
