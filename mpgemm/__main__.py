@@ -1,0 +1,3 @@
+from mpgemm.demo import main
+
+main()
