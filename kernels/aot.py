@@ -103,17 +103,18 @@ def launched_configs(variant: Variant) -> list[triton.Config]:
         config for config in _hopper_configs()
         if fits_registers(
             config,
-            sixteen_bit_operands=variant.a != "fp32" and variant.b != "fp32",
             prologue=PROLOGUES[variant.prologue],
             store_act_grad=variant.store_act_grad,
+            rowsum_a=variant.rowsum_a,
         )
     ]
 
 
 def _signature(variant: Variant, config: triton.Config) -> tuple[dict, dict, dict]:
+    # S is ReLU's saved output (of the output dtype) or GELU's FP32 derivative.
+    saved = "fp32" if variant.prologue == "mul" else variant.out
     dtypes = {"a_ptr": variant.a, "b_ptr": variant.b, "c_ptr": variant.out,
-              "bias_ptr": "fp32", "s_ptr": variant.out, "g_ptr": variant.out,
-              "r_ptr": "fp32"}
+              "bias_ptr": "fp32", "s_ptr": saved, "g_ptr": "fp32", "r_ptr": "fp32"}
     unit_strides = _LAYOUTS[variant.layout]
     constexprs = {**variant.flags(), **config.kwargs}
     signature, attrs = {}, {}

@@ -5,7 +5,7 @@ One kernel serves the forward pass and both backward GEMMs of a linear layer:
     A'  = A * f(S)                     prologue (backward only): f is the ReLU mask
                                         (S > 0) or the identity, S the saved tensor
     C   = act(round(A') @ round(B) + bias)   round() = to the compute dtype
-    G   = act'(round(A') @ round(B) + bias)  (optional, GELU only: saved for backward)
+    G   = act'(round(A') @ round(B) + bias)  (optional, GELU only, FP32: saved for backward)
     R   = sum_k A'[:, k]               (optional, FP32: the bias gradient)
 
 Operands may arrive as FP32 (master weights, a first layer's input), FP16 or BF16
@@ -30,16 +30,15 @@ PROLOGUES = {None: 0, "relu_mask": 1, "mul": 2}
 
 
 def _hopper_configs() -> list[triton.Config]:
-    """Tiles for an H100, each with a group of 8 row-blocks for L2 reuse. The first three
-    hold a 128-register FP32 accumulator per thread and are kept only for launches that
-    leave room for it (``fits_registers``); the rest compile without spills for every
-    launch (checked ahead of time by ``mpgemm.kernels.aot``). Small tiles serve skinny
-    problems such as a batch of 128 rows."""
+    """Tiles for an H100, each with a group of 8 row-blocks for L2 reuse; small tiles
+    serve skinny problems such as a batch of 128 rows. ``fits_registers`` says which
+    each launch may use. Every (launch, config) the autotuner can pick compiles with
+    wgmma and no register spills under Triton 3.6 and 3.9 (``mpgemm.kernels.aot``);
+    128x256x64 (spills 624 bytes on a plain FP16 GEMM under 3.6) and 256x128x32 (spills
+    with FP32 operands) were dropped for that reason."""
     tiles = [
         # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
-        (128, 256, 64, 3, 8),
         (128, 256, 32, 3, 8),
-        (256, 128, 32, 3, 8),
         (128, 128, 64, 4, 8),
         (128, 128, 32, 4, 8),
         (64, 256, 64, 3, 8),
@@ -63,35 +62,37 @@ def _interpreter_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps) of the tiles that leave registers for a prologue or
+# row sums (A and S pass through registers): the others spill under Triton 3.6.
+_PROLOGUE_TILES = {(128, 128, 32, 8), (64, 128, 64, 8)}
+
+
 def fits_registers(
-    config: triton.Config, *, sixteen_bit_operands: bool, prologue: int, store_act_grad: bool
+    config: triton.Config, *, prologue: int, store_act_grad: bool, rowsum_a: bool
 ) -> bool:
     """Whether ``config`` compiles without register spills for such a launch on Hopper.
 
-    A tile whose FP32 accumulator takes 128 registers per thread leaves too few for a
-    prologue (A and S pass through registers), for GELU's derivative beside the output,
-    or, at BLOCK_K 64, for converting FP32 operand tiles in registers (255 registers and
-    0.3-3 KB of spills per thread, measured with ``python -m mpgemm.kernels.aot``)."""
+    Launches with a derivative prologue or row sums get the tiles that leave room for
+    them; storing GELU's derivative beside the output needs an accumulator of fewer
+    than 128 registers per thread. Measured with ``python -m mpgemm.kernels.aot``."""
     meta = config.kwargs
-    accumulator_registers = meta["BLOCK_M"] * meta["BLOCK_N"] // (32 * config.num_warps)
-    if accumulator_registers < 128:
-        return True
-    if prologue or store_act_grad:
-        return False
-    return meta["BLOCK_K"] == 32 or sixteen_bit_operands
+    if prologue or rowsum_a:
+        tile = (meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"], config.num_warps)
+        return tile in _PROLOGUE_TILES
+    if store_act_grad:
+        return meta["BLOCK_M"] * meta["BLOCK_N"] // (32 * config.num_warps) < 128
+    return True
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    sixteen_bit = all(
-        named_args[name].element_size() == 2 for name in ("a_ptr", "b_ptr")
-    )
     return [
-        config for config in configs
+        config
+        for config in configs
         if fits_registers(
             config,
-            sixteen_bit_operands=sixteen_bit,
             prologue=kwargs["PROLOGUE"],
             store_act_grad=kwargs["STORE_ACT_GRAD"],
+            rowsum_a=kwargs["ROWSUM_A"],
         )
     ]
 
@@ -250,13 +251,14 @@ def triton_gemm(
     a: (M, K), b: (K, N), any strides, float32/float16/bfloat16. bias: (N,).
     prologue_operand: (M, K), the S of the prologue. out: an (M, N) tensor of
     out_dtype to write C into (any strides), else a contiguous one is allocated.
-    Returns (C, G or None, R or None); G is of out_dtype, R is FP32 of shape (M,).
+    Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,).
     The caller has validated shapes, dtypes and devices.
     """
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), device=a.device, dtype=out_dtype) if out is None else out
-    g = torch.empty((M, N), device=a.device, dtype=out_dtype) if store_act_grad else None
+    # FP32: a 16-bit derivative would round dZ = dY * act' twice (here and for the dot).
+    g = torch.empty((M, N), device=a.device, dtype=torch.float32) if store_act_grad else None
     r = torch.empty((M,), device=a.device, dtype=torch.float32) if rowsum_a else None
     if M == 0 or (N == 0 and not rowsum_a):
         return c, g, r

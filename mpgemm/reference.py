@@ -61,7 +61,7 @@ def gemm_ref(
         out = y.to(out_dtype)
     else:
         out.copy_(y)
-    g = dy_dz.to(out_dtype) if store_act_grad else None
+    g = dy_dz if store_act_grad else None
     r = a32.sum(dim=1) if rowsum_a else None
     return out, g, r
 

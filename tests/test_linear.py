@@ -24,6 +24,13 @@ def fp64_linear(x, w, b, activation):
     return {None: z, "relu": F.relu(z), "gelu": F.gelu(z)}[activation]
 
 
+def away_from_relu_kink(grad_out, x, w, b):
+    """grad_out, zeroed where z is within operand-rounding noise of ReLU's kink: there
+    16-bit rounding decides the mask, differently for every implementation."""
+    z = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return torch.where(z.abs() < 0.02 * z.abs().max(), 0.0, grad_out.double()).to(grad_out)
+
+
 def leaves(*tensors):
     return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
 
@@ -55,7 +62,7 @@ def test_linear_forward_and_backward_match_fp64(activation, has_bias, compute_dt
     x = nan_padded(torch.randn(m, k, device=device), transposed=case % 3 == 0)
     w = nan_padded(torch.randn(n, k, device=device) / k**0.5, transposed=case % 2 == 0)
     b = torch.randn(n, device=device) if has_bias else None
-    grad_out = torch.randn(m, n, device=device)
+    grad_out = away_from_relu_kink(torch.randn(m, n, device=device), x, w, b)
 
     (y, grads), (y64, grads64), (y_ref, grads_ref) = run_three_ways(
         x, w, b, activation, compute_dtype, out_dtype, grad_out
@@ -73,11 +80,12 @@ def test_linear_forward_and_backward_match_fp64(activation, has_bias, compute_dt
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_kernels_agree_with_the_reference_path(activation, device, monkeypatch):
     """The kernels and gemm_ref (what CPU tensors run without the interpreter) compute
-    the same rounded math, so outputs and gradients agree to FP32 accumulation order."""
+    the same rounded math, so outputs and gradients agree up to FP32 accumulation order,
+    which may tip a 16-bit rounding of dZ by one ulp: 1e-3 of the tensor's scale."""
     x = torch.randn(3, 11, 130, device=device)
     w = torch.randn(33, 130, device=device) / 130**0.5
     b = torch.randn(33, device=device)
-    grad_out = torch.randn(3, 11, 33, device=device)
+    grad_out = away_from_relu_kink(torch.randn(3, 11, 33, device=device), x, w, b)
 
     def forward_backward(*tensors):
         xl, wl, bl = leaves(*tensors)
@@ -90,7 +98,8 @@ def test_kernels_agree_with_the_reference_path(activation, device, monkeypatch):
     assert mpgemm.backend(torch.device("cpu")) == "reference"
     on_reference = forward_backward(*(t.cpu() for t in (x, w, b)))
     for name, got, want in zip(("y", "dx", "dw", "db"), on_kernels, on_reference, strict=True):
-        torch.testing.assert_close(got.cpu(), want, rtol=2e-3, atol=1e-4, msg=name)
+        atol = 1e-3 * want.abs().max().item()
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-3, atol=atol, msg=name)
 
 
 def test_batched_non_contiguous_input_and_input_dtypes(device):
