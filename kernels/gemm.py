@@ -84,17 +84,13 @@ def fits_registers(
     return True
 
 
+# The launch flags fits_registers decides by, as the kernel names them.
+_PRUNE_FLAGS = ("PROLOGUE", "STORE_ACT_GRAD", "ROWSUM_A")
+
+
 def _prune_configs(configs, named_args, **kwargs):
-    return [
-        config
-        for config in configs
-        if fits_registers(
-            config,
-            prologue=kwargs["PROLOGUE"],
-            store_act_grad=kwargs["STORE_ACT_GRAD"],
-            rowsum_a=kwargs["ROWSUM_A"],
-        )
-    ]
+    flags = {name.lower(): kwargs[name] for name in _PRUNE_FLAGS}
+    return [config for config in configs if fits_registers(config, **flags)]
 
 
 CONFIGS = _interpreter_configs() if INTERPRET else _hopper_configs()
@@ -224,8 +220,11 @@ def _gemm_kernel(
             tl.store(r_ptr + rows, rowsum, mask=mask_m)
 
 
+# Every flag that changes the code or the pruned config list is part of the key
+# (triton adds the tensors' dtypes itself).
 _AUTOTUNE_KEY = [
-    "M", "N", "K", "COMPUTE_BF16", "PROLOGUE", "HAS_BIAS", "ACTIVATION", "ROWSUM_A",
+    "M", "N", "K",
+    "COMPUTE_BF16", "PROLOGUE", "HAS_BIAS", "ACTIVATION", "STORE_ACT_GRAD", "ROWSUM_A",
 ]
 gemm_kernel = triton.autotune(
     configs=CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
