@@ -96,3 +96,37 @@ def test_convert_a_bare_linear_returns_the_replacement(device):
     converted = mpgemm.convert(layer)
     assert type(converted) is mpgemm.Linear and converted.weight is layer.weight
     assert converted.out_dtype == torch.float32
+
+
+def test_convert_reaches_nested_layers_by_their_qualified_names(device):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    names = []
+    model = mpgemm.convert(
+        Net().to(device),
+        module_filter_fn=lambda module, name: names.append(name) or name != "blocks.1.fc",
+    )
+    assert names == ["blocks.0.fc", "blocks.1.fc", "head"]
+    assert type(model.blocks[0].fc) is mpgemm.Linear
+    assert type(model.blocks[1].fc) is nn.Linear
+    assert model.head.out_dtype == torch.float32 and model.blocks[0].fc.out_dtype is None
+    # blocks.1.fc stays FP32 nn.Linear and must receive FP32: pass it FP32 input.
+    model.blocks[0].fc.out_dtype = torch.float32
+    assert model(torch.randn(3, 16, device=device)).dtype == torch.float32
