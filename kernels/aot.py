@@ -37,9 +37,9 @@ from mpgemm.kernels.gemm import (
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
-# Which strides are 1 in each launch of LinearFunction (the JIT turns an int argument of
-# 1 into a constant, and marks the others divisible by 16 when they are, as for 4096-wide
-# layers). Strides not named here are the ones that are 1.
+# The strides that are 1 in each launch of LinearFunction: the JIT turns an int argument
+# of 1 into a constant. The strides not named are compiled as divisible by 16, as the JIT
+# marks them for 4096-wide layers.
 _LAYOUTS = {
     # y = x @ W.T: A = x (row-major), B = W.T (a transposed view), C row-major
     "forward": {"stride_ak", "stride_bk", "stride_sk", "stride_cn", "stride_gn"},
@@ -142,7 +142,8 @@ def _ptxas_path() -> str:
 
 
 def ptxas_report(ptx: str) -> dict:
-    """Registers and spill bytes per thread, from ``ptxas -v`` for sm_90a."""
+    """Registers and spill bytes per thread, from ``ptxas -v`` for sm_90a. ptxas runs a
+    second time here because triton.compile discards the log of its own run."""
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
