@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels.rounding import cast_rne
+
 # The interpreter runs the kernels on the CPU through numpy; it must be chosen before
 # triton is imported, so it is read once here.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -94,23 +96,6 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 CONFIGS = _interpreter_configs() if INTERPRET else _hopper_configs()
-
-
-@triton.jit
-def _round_to_bf16_rne(x):
-    """FP32 ``x`` rounded to the nearest BF16 (ties to even), still as FP32: the
-    interpreter's own conversion truncates, so it gets its rounding done here."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``x.to(dtype)`` rounding to nearest even on the GPU and in the interpreter alike."""
-    if INTERPRETED and dtype == tl.bfloat16:
-        x = _round_to_bf16_rne(x.to(tl.float32))
-    return x.to(dtype)
 
 
 @triton.jit
@@ -191,8 +176,8 @@ def _gemm_kernel(
             # Only the first column of programs owns the row sums.
             if pid_n == 0:
                 rowsum += tl.sum(a.to(tl.float32), axis=1)
-        a = _cast(a, compute_dtype, INTERPRETED)
-        b = _cast(b, compute_dtype, INTERPRETED)
+        a = cast_rne(a, compute_dtype, INTERPRETED)
+        b = cast_rne(b, compute_dtype, INTERPRETED)
         if INTERPRETED:
             # The interpreter multiplies BF16 as raw 16-bit integers; widening the rounded
             # operands to FP32 is exact, so the numerics stay 16-bit-operand/FP32-accumulate.
@@ -212,9 +197,9 @@ def _gemm_kernel(
         acc, act_grad = _gelu_and_derivative(acc)
         if STORE_ACT_GRAD:
             g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
-            tl.store(g_ptrs, _cast(act_grad, g_ptr.dtype.element_ty, INTERPRETED), mask=c_mask)
+            tl.store(g_ptrs, cast_rne(act_grad, g_ptr.dtype.element_ty, INTERPRETED), mask=c_mask)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, _cast(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=c_mask)
+    tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=c_mask)
     if ROWSUM_A:
         if pid_n == 0:
             tl.store(r_ptr + rows, rowsum, mask=mask_m)

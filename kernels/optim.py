@@ -1,0 +1,213 @@
+"""Fused optimizer steps that unscale as they read and skip on the device.
+
+One launch per list of tensors (``tensor_table``) updates parameters and optimizer
+state in FP32 registers, with the math of ``mpgemm.scaling_ref.sgd_step_ref_`` and
+``adam_step_ref_`` (torch.optim.SGD's and Adam's). The scaled gradient is multiplied by
+``inv_scale`` and rounded to its own dtype, as ``GradScaler.unscale_`` would leave it;
+where ``found_inf`` is nonzero, every load and store is masked off, so the parameters
+and state keep their bits and the host never has to read the flag.
+
+Hyperparameters arrive in an FP64 table (``scalar_table``), as torch computes its
+Python-side scalars (bias corrections, ``1 - lr * weight_decay``) in double before
+rounding them to FP32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from mpgemm.kernels.gemm import INTERPRET
+from mpgemm.kernels.rounding import cast_rne
+from mpgemm.kernels.tensor_table import (
+    BLOCK,
+    TRITON_DTYPES,
+    scalar_table,
+    table_block,
+    table_pointer,
+    tensor_table,
+)
+
+
+@triton.jit
+def _load_step_inputs(
+    table_ptr, num_tensors, found_inf_ptr, inv_scale_ptr, NUM_LISTS: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """This block's parameter and unscaled gradient in FP32, and the mask of elements to
+    update: none when found_inf is set."""
+    tensor, offsets, mask = table_block(table_ptr, num_tensors, NUM_LISTS, BLOCK)
+    if HAS_FOUND_INF:
+        # Broadcast first: the interpreter cannot AND a block with a scalar.
+        mask = mask & (tl.zeros_like(offsets) + tl.load(found_inf_ptr) == 0.0)
+    p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE) + offsets
+    g_ptr = table_pointer(table_ptr, num_tensors, tensor, 1, GRAD_DTYPE) + offsets
+    p = tl.load(p_ptr, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr, mask=mask).to(tl.float32)
+    if HAS_INV_SCALE:
+        g = cast_rne(g * tl.load(inv_scale_ptr), GRAD_DTYPE, INTERPRETED).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    return tensor, offsets, mask, p_ptr, p, g
+
+
+@triton.jit
+def _sgd_kernel(
+    # table of [param, grad, momentum buffer] tensors and its size
+    table_ptr, num_tensors,
+    # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_INV_SCALE)
+    found_inf_ptr, inv_scale_ptr,
+    # FP64 table: lr, momentum, weight_decay
+    hyper_ptr,
+    # element types
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    # flags
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    tensor, offsets, mask, p_ptr, p, g = _load_step_inputs(
+        table_ptr, num_tensors, found_inf_ptr, inv_scale_ptr, 3, PARAM_DTYPE, GRAD_DTYPE,
+        HAS_FOUND_INF, HAS_INV_SCALE, MAXIMIZE, INTERPRETED, BLOCK,
+    )
+    lr = tl.load(hyper_ptr)
+    momentum = tl.load(hyper_ptr + 1)
+    weight_decay = tl.load(hyper_ptr + 2)
+    if weight_decay != 0:
+        g = g + weight_decay.to(tl.float32) * p
+    if HAS_MOMENTUM:
+        buf_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE) + offsets
+        buf = tl.load(buf_ptr, mask=mask).to(tl.float32) * momentum.to(tl.float32) + g
+        tl.store(buf_ptr, cast_rne(buf, PARAM_DTYPE, INTERPRETED), mask=mask)
+        if NESTEROV:
+            g = g + momentum.to(tl.float32) * buf
+        else:
+            g = buf
+    p = p - lr.to(tl.float32) * g
+    tl.store(p_ptr, cast_rne(p, PARAM_DTYPE, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _adam_kernel(
+    # table of [param, grad, exp_avg, exp_avg_sq, step] tensors and its size
+    table_ptr, num_tensors,
+    # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_INV_SCALE)
+    found_inf_ptr, inv_scale_ptr,
+    # FP64 table: lr, beta1, beta2, eps, weight_decay
+    hyper_ptr,
+    # element types
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    # flags
+    DECOUPLED_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    tensor, offsets, mask, p_ptr, p, g = _load_step_inputs(
+        table_ptr, num_tensors, found_inf_ptr, inv_scale_ptr, 5, PARAM_DTYPE, GRAD_DTYPE,
+        HAS_FOUND_INF, HAS_INV_SCALE, MAXIMIZE, INTERPRETED, BLOCK,
+    )
+    lr = tl.load(hyper_ptr)
+    beta1 = tl.load(hyper_ptr + 1)
+    beta2 = tl.load(hyper_ptr + 2)
+    eps = tl.load(hyper_ptr + 3)
+    weight_decay = tl.load(hyper_ptr + 4)
+    if weight_decay != 0:
+        if DECOUPLED_WEIGHT_DECAY:
+            p = p * (1.0 - lr * weight_decay).to(tl.float32)
+        else:
+            g = g + weight_decay.to(tl.float32) * p
+    m_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE) + offsets
+    v_ptr = table_pointer(table_ptr, num_tensors, tensor, 3, PARAM_DTYPE) + offsets
+    m = tl.load(m_ptr, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr, mask=mask).to(tl.float32)
+    # torch.lerp's two forms, each exact at its end of the weight range
+    weight = (1.0 - beta1).to(tl.float32)
+    if weight < 0.5:
+        m = m + weight * (g - m)
+    else:
+        m = g - (g - m) * (1.0 - weight)
+    v = v * beta2.to(tl.float32) + (1.0 - beta2).to(tl.float32) * g * g
+    # The step count, already advanced for this step, gives the bias corrections.
+    t = tl.load(table_pointer(table_ptr, num_tensors, tensor, 4, tl.float32)).to(tl.float64)
+    step_size = (lr / (1.0 - tl.exp(t * tl.log(beta1)))).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(tl.float32)
+    denom = tl.sqrt(v) / bias_correction2_sqrt + eps.to(tl.float32)
+    p = p - step_size * (m / denom)
+    tl.store(m_ptr, cast_rne(m, PARAM_DTYPE, INTERPRETED), mask=mask)
+    tl.store(v_ptr, cast_rne(v, PARAM_DTYPE, INTERPRETED), mask=mask)
+    tl.store(p_ptr, cast_rne(p, PARAM_DTYPE, INTERPRETED), mask=mask)
+
+
+def _launch(kernel, lists, found_inf, inv_scale, hyper, **flags) -> None:
+    table, num_tensors, num_blocks = tensor_table(lists)
+    if num_blocks == 0:
+        return
+    kernel[(num_blocks,)](
+        table, num_tensors,
+        found_inf if found_inf is not None else table,
+        inv_scale if inv_scale is not None else table,
+        scalar_table(hyper, table.device),
+        PARAM_DTYPE=TRITON_DTYPES[lists[0][0].dtype], GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
+        HAS_FOUND_INF=found_inf is not None, HAS_INV_SCALE=inv_scale is not None,
+        INTERPRETED=INTERPRET, BLOCK=BLOCK,
+        num_warps=8,
+        **flags,
+    )
+
+
+def triton_sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor] | None,
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """``sgd_step_ref_`` in one launch. ``params`` (and buffers) share a dtype, ``grads``
+    share a dtype; all flat, one device, parallel tensors with equal strides."""
+    if not params:
+        return
+    buffers = momentum_buffers if momentum != 0 else params
+    _launch(
+        _sgd_kernel, [params, grads, buffers], found_inf, inv_scale,
+        (lr, momentum, weight_decay),
+        HAS_MOMENTUM=momentum != 0, NESTEROV=nesterov, MAXIMIZE=maximize,
+    )
+
+
+def triton_adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """``adam_step_ref_`` in one launch. ``params`` and moments share a dtype, ``grads``
+    share a dtype, ``steps`` are FP32 one-element tensors; all on one device."""
+    if not params:
+        return
+    _launch(
+        _adam_kernel, [params, grads, exp_avgs, exp_avg_sqs, steps], found_inf, inv_scale,
+        (lr, beta1, beta2, eps, weight_decay),
+        DECOUPLED_WEIGHT_DECAY=decoupled_weight_decay, MAXIMIZE=maximize,
+    )

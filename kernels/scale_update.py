@@ -1,0 +1,56 @@
+"""The dynamic loss scale's update, on the device: the rule of ``torch._amp_update_scale_``.
+
+    found_inf != 0:  scale *= backoff_factor;   tracker = 0
+    otherwise:       tracker += 1; once tracker == growth_interval:
+                     scale *= growth_factor (kept only if finite);   tracker = 0
+
+``scale`` is an FP32 tensor and ``tracker`` an int32 tensor of one element; products are
+taken in FP64 and rounded to FP32, as torch does. One program, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mpgemm.kernels.tensor_table import scalar_table
+
+
+@triton.jit
+def _update_scale_kernel(
+    scale_ptr, tracker_ptr, found_inf_ptr,
+    # FP64 table: growth_factor, backoff_factor (a factor such as 1.1 is inexact in FP32)
+    factors_ptr,
+    growth_interval,
+):
+    growth_factor = tl.load(factors_ptr)
+    backoff_factor = tl.load(factors_ptr + 1)
+    scale = tl.load(scale_ptr).to(tl.float64)
+    tracker = tl.load(tracker_ptr)
+    found_inf = tl.load(found_inf_ptr) != 0.0
+    grown = (scale * growth_factor).to(tl.float32)
+    grow = (tracker + 1 == growth_interval) & (tl.abs(grown) != float("inf")) & (grown == grown)
+    new_scale = tl.where(grow, grown, scale.to(tl.float32))
+    new_scale = tl.where(found_inf, (scale * backoff_factor).to(tl.float32), new_scale)
+    new_tracker = tl.where(found_inf | (tracker + 1 == growth_interval), 0, tracker + 1)
+    tl.store(scale_ptr, new_scale)
+    tl.store(tracker_ptr, new_tracker)
+
+
+def triton_update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """Update ``scale`` (FP32) and ``growth_tracker`` (int32) in place from ``found_inf``
+    (FP32), all one-element tensors on one device."""
+    _update_scale_kernel[(1,)](
+        scale, growth_tracker, found_inf,
+        scalar_table((growth_factor, backoff_factor), scale.device),
+        int(growth_interval),
+        num_warps=1,
+    )

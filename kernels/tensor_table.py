@@ -1,0 +1,115 @@
+"""A table of tensor addresses, so that one launch covers a whole list of tensors.
+
+The elementwise kernels of loss scaling (unscale, the optimizer steps) run over every
+gradient of a model. One launch per tensor would cost a launch each for hundreds of
+small tensors; instead a launch gets an int64 table, on the device, laid out as
+
+    [ addresses of list 0 (T) | ... | addresses of list L-1 (T)
+      | numel (T) | first block (T) | tensor of each block (P) ]
+
+for T tensors in each of L parallel lists (for example params, grads and moments) and
+P blocks of BLOCK elements. Program ``p`` handles block ``p``: elements
+``(p - first_block[t]) * BLOCK + arange(BLOCK)`` of tensor ``t = block_tensor[p]`` in
+every list. The tensors of a list share one dtype; a tensor is taken as its flat
+storage, so parallel tensors must have equal strides and be dense (``is_flat``).
+
+Building a table costs a host-to-device copy; tables are cached by address, and the
+caching allocator hands a model's gradients the same addresses step after step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+# torch dtype -> element type of the table's pointers
+TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+# Elements per program: 16 per thread for 8 warps, enough loads in flight per SM to
+# stream at memory bandwidth.
+BLOCK = 4096
+_CACHE_SIZE = 16
+_cache: OrderedDict[tuple, object] = OrderedDict()
+
+
+def is_flat(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its storage span exactly once (dense, no
+    overlap), in any dimension order, so it can be walked as a flat array."""
+    dims = sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def tensor_table(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, int, int]:
+    """The launch table for parallel ``lists`` of tensors: ``(table, T, P)``.
+
+    ``lists[l][t]`` is tensor ``t`` of list ``l``; the numels come from list 0.
+    Zero-size tensors get no blocks. The table lives on the tensors' device."""
+    tensors = lists[0]
+    device = tensors[0].device
+    numels = [t.numel() for t in tensors]
+
+    def build():
+        first_blocks, block_tensor = [], []
+        for index, numel in enumerate(numels):
+            first_blocks.append(len(block_tensor))
+            block_tensor += [index] * triton.cdiv(numel, BLOCK)
+        rows = [t.data_ptr() for lst in lists for t in lst]
+        rows += numels + first_blocks + block_tensor
+        table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+        return table, len(tensors), len(block_tensor)
+
+    key = (device, tuple(numels), *(tuple(t.data_ptr() for t in lst) for lst in lists))
+    return _cached(key, build)
+
+
+def scalar_table(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    """``values`` as an FP64 tensor on ``device``, cached by value.
+
+    Kernels take their float hyperparameters from such a table, not as arguments: the
+    interpreter passes a float argument through as a Python float, which triton's
+    arithmetic then rounds to FP32, where torch computes these scalars in double."""
+    key = (device, "fp64", *values)
+    return _cached(key, lambda: _to_device(torch.tensor(values, dtype=torch.float64), device))
+
+
+def _cached(key: tuple, build):
+    if key not in _cache:
+        _cache[key] = build()
+        if len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    _cache.move_to_end(key)
+    return _cache[key]
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        # Pinned memory lets the copy run asynchronously: no wait for the GPU.
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+@triton.jit
+def table_block(table_ptr, num_tensors, NUM_LISTS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's block: ``(tensor index, element offsets, mask)``."""
+    pid = tl.program_id(0)
+    tensor = tl.load(table_ptr + (NUM_LISTS + 2) * num_tensors + pid)
+    numel = tl.load(table_ptr + NUM_LISTS * num_tensors + tensor)
+    first = tl.load(table_ptr + (NUM_LISTS + 1) * num_tensors + tensor)
+    offsets = (pid - first) * BLOCK + tl.arange(0, BLOCK)
+    return tensor, offsets, offsets < numel
+
+
+@triton.jit
+def table_pointer(table_ptr, num_tensors, tensor, list_index: tl.constexpr, DTYPE: tl.constexpr):
+    """The address of tensor ``tensor`` of list ``list_index``, as a ``DTYPE`` pointer."""
+    address = tl.load(table_ptr + list_index * num_tensors + tensor)
+    return address.to(tl.pointer_type(DTYPE), bitcast=True)

@@ -1,0 +1,378 @@
+"""``mpgemm.GradScaler``: dynamic loss scaling with torch.amp.GradScaler's API and rules.
+
+The loss is multiplied by ``scale`` before backward, so that small FP16 gradients do not
+underflow; before the optimizer step the gradients are multiplied by ``1 / scale`` and
+checked for inf/NaN. A step with a non-finite gradient is skipped and the scale backs off
+(``scale *= backoff_factor``); after ``growth_interval`` clean steps in a row it grows
+(``scale *= growth_factor``). Unscaling, the check and the update run as fused kernels
+(``mpgemm.scaling``) and keep the scale and the flag on the device.
+
+Where torch's scaler must read the flag on the host to decide whether to call
+``optimizer.step()``, an optimizer that sets ``_step_supports_amp_scaling`` (mpgemm's
+``SGD``, ``Adam``, ``AdamW``, torch's ``fused=True`` ones) receives ``grad_scale`` and
+``found_inf`` as tensors and skips on the device: such a step never synchronises.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from enum import Enum
+from typing import Any
+
+import torch
+
+from mpgemm.scaling import unscale_, update_scale_
+
+__all__ = ["GradScaler"]
+
+
+class OptState(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_optimizer_state() -> dict[str, Any]:
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+class GradScaler:
+    """A drop-in for ``torch.amp.GradScaler`` (same arguments, methods and semantics).
+
+    Usage, as with torch::
+
+        scaler = mpgemm.GradScaler("cuda")
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)        # optional: to clip unscaled gradients
+        scaler.step(optimizer)
+        scaler.update()
+
+    The scale is an FP32 tensor and the growth tracker an int32 tensor, created on the
+    device of the first tensor ``scale()`` sees. Invalid factors raise ``ValueError``
+    (torch raises ``AssertionError``); call-order errors raise ``RuntimeError``."""
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        self._device = str(device)
+        self._enabled = enabled
+        if enabled and self._device == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "mpgemm.GradScaler is enabled, but CUDA is not available. Disabling.",
+                stacklevel=2,
+            )
+            self._enabled = False
+        if self._enabled:
+            if not growth_factor > 1.0:
+                raise ValueError(f"The growth factor must be > 1.0, got {growth_factor}.")
+            if not 0.0 < backoff_factor < 1.0:
+                raise ValueError(f"The backoff factor must be in (0, 1), got {backoff_factor}.")
+            if not (isinstance(growth_interval, int) and growth_interval > 0):
+                raise ValueError(
+                    f"growth_interval must be a positive int, got {growth_interval!r}."
+                )
+        self._init_scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = growth_interval
+        self._init_growth_tracker = 0
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(
+            _fresh_optimizer_state
+        )
+        # Called on each new found_inf tensor; LossScaleOptimizer reduces it across ranks.
+        self._found_inf_hook: Callable[[torch.Tensor], None] | None = None
+
+    # -- scaling ---------------------------------------------------------------------
+
+    def scale(self, outputs: Any) -> Any:
+        """``outputs`` (a tensor, or nested lists/tuples/iterables of tensors) times the
+        current scale. Returned unchanged when disabled."""
+        if not self._enabled:
+            return outputs
+        per_device: dict[torch.device, torch.Tensor] = {}
+
+        def scaled(value):
+            if isinstance(value, torch.Tensor):
+                if self._scale is None:
+                    self._lazy_init(value.device)
+                if value.device not in per_device:
+                    per_device[value.device] = self._scale.to(value.device, non_blocking=True)
+                return value * per_device[value.device]
+            if isinstance(value, Iterable):
+                items = map(scaled, value)
+                return type(value)(items) if isinstance(value, list | tuple) else items
+            raise ValueError(
+                f"outputs must be a Tensor or an iterable of Tensors, got {type(value).__name__}"
+            )
+
+        return scaled(outputs)
+
+    def _lazy_init(self, device: torch.device) -> None:
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full(
+            (), self._init_growth_tracker, dtype=torch.int32, device=device
+        )
+
+    def _require_scale(self, funcname: str) -> torch.Tensor:
+        if self._scale is None:
+            raise RuntimeError(
+                f"Attempted {funcname} but the scale is not initialised. This may indicate "
+                "your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+            )
+        return self._scale
+
+    # -- unscaling and the inf check ---------------------------------------------------
+
+    def _unscale_grads(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscale (or, without ``inv_scale``, only check) ``optimizer``'s gradients in
+        place; returns a found_inf flag per device."""
+        grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for group_index, group in enumerate(optimizer.param_groups):
+            for param_index, param in enumerate(group["params"]):
+                if param.grad is None:
+                    continue
+                if not allow_fp16 and param.grad.dtype == torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients (param_groups"
+                        f"[{group_index}]['params'][{param_index}], shape "
+                        f"{tuple(param.shape)}): the optimizer must step FP32 master weights. "
+                        "Keep the parameters in FP32 (mpgemm.Linear, mpgemm.convert) or "
+                        "wrap the optimizer in mpgemm.LossScaleOptimizer."
+                    )
+                grad = param.grad
+                if grad.is_sparse:
+                    grad = grad.coalesce() if grad.dtype == torch.float16 else grad
+                    param.grad = grad
+                    grad = grad._values()
+                grads[grad.device].append(grad)
+        found_infs = {}
+        for device, device_grads in grads.items():
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+            inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
+            with torch.no_grad():
+                unscale_(device_grads, found_inf, inv)
+            if self._found_inf_hook is not None:
+                self._found_inf_hook(found_inf)
+            found_infs[device] = found_inf
+        return found_infs
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale, in place, and record whether any
+        is inf/NaN. Optional: call it between ``backward`` and ``step`` to clip the true
+        gradients. At most once per optimizer per ``update()``, and not after ``step``."""
+        if not self._enabled:
+            return
+        scale = self._require_scale("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        # As torch: the reciprocal in double, rounded once to FP32.
+        inv_scale = scale.double().reciprocal().float()
+        state["found_inf_per_device"] = self._unscale_grads(optimizer, inv_scale, False)
+        state["stage"] = OptState.UNSCALED
+
+    # -- the step --------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``unscale_(optimizer)`` unless already done, then ``optimizer.step(*args,
+        **kwargs)`` unless a gradient was inf/NaN. Returns what ``optimizer.step`` returns
+        (None when skipped). Optimizers with ``_step_supports_amp_scaling`` get the scale
+        and the flag as ``optimizer.grad_scale`` / ``optimizer.found_inf`` and skip on the
+        device, without a host synchronisation."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale = self._require_scale("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if state["stage"] is OptState.READY:
+                # Check only: the optimizer unscales as it reads the gradients.
+                state["found_inf_per_device"] = self._unscale_grads(optimizer, None, True)
+            found_inf = sum(
+                t.to(scale.device, non_blocking=True)
+                for t in state["found_inf_per_device"].values()
+            )
+            if not isinstance(found_inf, torch.Tensor):  # no gradients at all
+                found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+            previous = getattr(optimizer, "grad_scale", None)
+            if state["stage"] is OptState.UNSCALED:
+                optimizer.grad_scale = previous
+            else:
+                optimizer.grad_scale = scale if previous is None else scale * previous
+            optimizer.found_inf = found_inf
+            try:
+                result = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+            state["stage"] = OptState.STEPPED
+            return result
+
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if not state["found_inf_per_device"]:
+            raise RuntimeError(
+                "No inf checks were recorded for this optimizer: none of its parameters has "
+                "a gradient."
+            )
+        result = None
+        # The optimizer is not ours: whether to call it is decided on the host.
+        if not sum(v.item() for v in state["found_inf_per_device"].values()):
+            result = optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return result
+
+    # -- the scale update ------------------------------------------------------------
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Back off or grow the scale from this iteration's inf checks (all optimizers),
+        or set it to ``new_scale`` (a float, or a one-element FP32 tensor on this
+        scaler's device type). Resets every optimizer's stage for the next iteration."""
+        if not self._enabled:
+            return
+        scale = self._require_scale("update")
+        if new_scale is not None:
+            if isinstance(new_scale, float | int):
+                scale.fill_(new_scale)
+            else:
+                self._check_new_scale(new_scale)
+                scale.copy_(new_scale)
+        else:
+            found_infs = [
+                found_inf.to(scale.device, non_blocking=True)
+                for state in self._per_optimizer_states.values()
+                for found_inf in state["found_inf_per_device"].values()
+            ]
+            if not found_infs:
+                raise RuntimeError("No inf checks were recorded prior to update().")
+            combined = found_infs[0]
+            for found_inf in found_infs[1:]:
+                combined = combined + found_inf
+            update_scale_(
+                scale, self._growth_tracker, combined,
+                self._growth_factor, self._backoff_factor, self._growth_interval,
+            )
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+    def _check_new_scale(self, new_scale: Any) -> None:
+        if not isinstance(new_scale, torch.Tensor):
+            raise TypeError(
+                f"new_scale must be a float or a one-element tensor, got {type(new_scale)}"
+            )
+        if new_scale.device.type != self._device:
+            raise ValueError(
+                f"new_scale is on {new_scale.device}, the scaler on device type {self._device}"
+            )
+        if new_scale.numel() != 1:
+            raise ValueError(f"new_scale must have one element, got shape {tuple(new_scale.shape)}")
+        if new_scale.requires_grad:
+            raise ValueError("new_scale must not require grad")
+
+    # -- getters, setters, state -----------------------------------------------------
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host synchronisation on a GPU); 1.0
+        when disabled."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = new_interval
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        if self._growth_tracker is None:
+            return self._init_growth_tracker
+        return int(self._growth_tracker.item())
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def state_dict(self) -> dict[str, Any]:
+        """``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval`` and
+        ``_growth_tracker``, as torch's scaler saves them (empty when disabled)."""
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict`` of this class or of ``torch.amp.GradScaler``."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        self._init_scale = float(state_dict["scale"])
+        self._growth_factor = float(state_dict["growth_factor"])
+        self._backoff_factor = float(state_dict["backoff_factor"])
+        self._growth_interval = int(state_dict["growth_interval"])
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+        if self._growth_tracker is not None:
+            self._growth_tracker.fill_(self._init_growth_tracker)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._per_optimizer_states:
+                raise RuntimeError(
+                    "A GradScaler instance may only be pickled at the beginning of an "
+                    "iteration, or at the end after scaler.update()."
+                )
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_scale"] = None
+            state["_growth_tracker"] = None
+        state["_per_optimizer_states"] = None
+        state["_found_inf_hook"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)

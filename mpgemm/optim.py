@@ -1,0 +1,186 @@
+"""Fused optimizers that take loss scaling on the device: ``SGD``, ``Adam``, ``AdamW``.
+
+Subclasses of torch's optimizers (same arguments, param groups, state and state_dict,
+so LR schedulers and checkpoints work unchanged) whose ``step`` runs one fused kernel
+per parameter dtype (``mpgemm.scaling.sgd_step_`` / ``adam_step_``). They follow
+torch's protocol for scaler-aware optimizers (``_step_supports_amp_scaling``): a
+scaler sets ``grad_scale`` and ``found_inf`` tensors on the optimizer before calling
+``step``, and the kernels unscale the gradients as they read them and leave every
+parameter and state tensor untouched when ``found_inf`` is set, without the host
+reading the flag. Adam's step counts are FP32 tensors on the parameters' device, so a
+skipped step does not advance them either.
+
+Not supported (``ValueError``): SGD's ``dampening``, Adam's ``amsgrad``, tensor
+learning rates, ``differentiable``, sparse gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from mpgemm.scaling import adam_step_, advance_steps_, sgd_step_
+
+__all__ = ["SGD", "Adam", "AdamW"]
+
+
+def _check_supported(**options: Any) -> None:
+    for name, value in options.items():
+        if value:
+            raise ValueError(
+                f"mpgemm's fused optimizers do not support {name}={value!r}; use the torch "
+                "optimizer (mpgemm.LossScaleOptimizer wraps any)"
+            )
+
+
+class _ScaledStep:
+    """The shared part of ``step``: read the scaler's tensors, group the parameters."""
+
+    _step_supports_amp_scaling = True
+
+    def _scaling_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        # As GradScaler.unscale_ would: multiply by the reciprocal, taken in double.
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        return inv_scale, found_inf
+
+    @staticmethod
+    def _params_with_grad(group: dict) -> list[torch.Tensor]:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if p.grad.is_sparse:
+                raise ValueError(f"sparse gradients are not supported (shape {tuple(p.shape)})")
+        return params
+
+    def _run_step(self, closure: Callable | None, step_group: Callable) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        inv_scale, found_inf = self._scaling_tensors()
+        with torch.no_grad():
+            for group in self.param_groups:
+                params = self._params_with_grad(group)
+                if params:
+                    step_group(group, params, inv_scale, found_inf)
+        return loss
+
+
+class SGD(_ScaledStep, torch.optim.SGD):
+    """``torch.optim.SGD`` (momentum, Nesterov, weight decay, maximize; dampening 0)
+    fused into one kernel per dtype. Momentum buffers start as zeros, which gives
+    torch's first step (buffer = gradient)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        _check_supported(dampening=dampening, tensor_lr=isinstance(lr, torch.Tensor))
+        super().__init__(
+            params, lr=lr, momentum=momentum, dampening=0.0, weight_decay=weight_decay,
+            nesterov=nesterov, maximize=maximize,
+        )
+
+    def step(self, closure: Callable | None = None) -> Any:
+        return self._run_step(closure, self._step_group)
+
+    def _step_group(self, group, params, inv_scale, found_inf) -> None:
+        buffers = None
+        if group["momentum"] != 0:
+            buffers = []
+            for p in params:
+                state = self.state[p]
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buffers.append(state["momentum_buffer"])
+        sgd_step_(
+            params, [p.grad for p in params], buffers,
+            lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"], maximize=group["maximize"],
+            inv_scale=inv_scale, found_inf=found_inf,
+        )
+
+
+class _FusedAdamStep(_ScaledStep):
+    _decoupled_weight_decay = False
+
+    def _init(self, params, lr, betas, eps, weight_decay, amsgrad, maximize, base) -> None:
+        _check_supported(amsgrad=amsgrad, tensor_lr=isinstance(lr, torch.Tensor))
+        base.__init__(
+            self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            maximize=maximize, capturable=True,
+        )
+
+    def step(self, closure: Callable | None = None) -> Any:
+        return self._run_step(closure, self._step_group)
+
+    def _step_group(self, group, params, inv_scale, found_inf) -> None:
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != p.device:  # loaded from a CPU checkpoint
+                state["step"] = state["step"].to(p.device, torch.float32)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        advance_steps_(steps, found_inf)
+        beta1, beta2 = group["betas"]
+        adam_step_(
+            params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps,
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=self._decoupled_weight_decay,
+            maximize=group["maximize"], inv_scale=inv_scale, found_inf=found_inf,
+        )
+
+
+class Adam(_FusedAdamStep, torch.optim.Adam):
+    """``torch.optim.Adam`` (L2 weight decay, maximize; no amsgrad) fused into one
+    kernel per dtype."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize, torch.optim.Adam)
+
+
+class AdamW(_FusedAdamStep, torch.optim.AdamW):
+    """``torch.optim.AdamW`` (decoupled weight decay, maximize; no amsgrad) fused into
+    one kernel per dtype."""
+
+    _decoupled_weight_decay = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize, torch.optim.AdamW)

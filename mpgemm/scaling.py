@@ -1,0 +1,139 @@
+"""Loss-scaling ops on lists of tensors, dispatched to the kernels or the references.
+
+Each op takes tensors of any supported dtypes on one device, groups them by dtype and
+sends each group to one kernel launch (``mpgemm.kernels.unscale``, ``.optim``,
+``.scale_update``) or, for CPU tensors without the interpreter, to
+``mpgemm.scaling_ref``. A tensor the kernels cannot walk as flat memory (overlapping
+or gapped strides, or strides that differ from its partners') goes to the reference,
+which is exact too. ``found_inf`` and ``inv_scale`` stay on the device throughout.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mpgemm import scaling_ref
+from mpgemm.functional import backend
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_flat(t: torch.Tensor) -> bool:
+    from mpgemm.kernels.tensor_table import is_flat
+
+    return is_flat(t)
+
+
+def _dispatch(
+    name: str, lists: Sequence[Sequence[torch.Tensor]], call: Callable, *, strided: int
+) -> None:
+    """Call ``call(impl, sublists)`` once per dtype group of the parallel ``lists``.
+
+    The first ``strided`` lists are addressed elementwise; a position whose tensors are
+    not all flat with equal strides goes to the reference implementation."""
+    if not lists[0]:
+        return
+    device = lists[0][0].device
+    use_kernels = backend(device) == "triton"
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for index in range(len(lists[0])):
+        tensors = [lst[index] for lst in lists[:strided]]
+        kernel_ok = use_kernels and all(
+            _is_flat(t) and t.stride() == tensors[0].stride() for t in tensors
+        )
+        groups[(kernel_ok, *(lst[index].dtype for lst in lists))].append(index)
+    for (kernel_ok, *_), indices in groups.items():
+        impl = _kernel(name) if kernel_ok else getattr(scaling_ref, f"{name}_ref_")
+        call(impl, [[lst[i] for i in indices] for lst in lists])
+
+
+def _kernel(name: str) -> Callable:
+    if name == "unscale":
+        from mpgemm.kernels.unscale import triton_unscale_
+
+        return triton_unscale_
+    from mpgemm.kernels import optim
+
+    return getattr(optim, f"triton_{name}_")
+
+
+def unscale_(
+    src: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    *,
+    dst: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """``found_inf = 1.0`` if any element of ``src`` is inf or NaN (else unchanged), and
+    ``dst = src * inv_scale`` rounded to ``dst``'s dtype: in place when ``dst`` is None,
+    nothing written when ``inv_scale`` is None. Matches
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` bit for bit.
+
+    ``src``: FP32/FP16/BF16 tensors on one device; ``dst``: tensors of ``src``'s shapes;
+    ``found_inf``, ``inv_scale``: one-element FP32 tensors on that device."""
+    lists = [src, src if dst is None else dst]
+    _dispatch(
+        "unscale", lists,
+        lambda impl, ls: impl(ls[0], found_inf, inv_scale, dst=None if dst is None else ls[1]),
+        strided=2,
+    )
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """Back the ``scale`` off when ``found_inf`` is nonzero, grow it after
+    ``growth_interval`` clean steps (``torch._amp_update_scale_``), on the device."""
+    if backend(scale.device) == "triton":
+        from mpgemm.kernels.scale_update import triton_update_scale_ as impl
+    else:
+        impl = scaling_ref.update_scale_ref_
+    impl(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+
+
+def advance_steps_(steps: Sequence[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+    """Add one to each step count, or nothing where ``found_inf`` is set: on the device."""
+    if not steps:
+        return
+    increment = 1.0 if found_inf is None else (found_inf == 0).to(steps[0].dtype)
+    torch._foreach_add_(list(steps), increment)
+
+
+def sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor] | None,
+    **hyper,
+) -> None:
+    """One SGD step of ``mpgemm.scaling_ref.sgd_step_ref_``'s math, fused per dtype."""
+    lists = [params, grads] + ([momentum_buffers] if momentum_buffers is not None else [])
+    _dispatch(
+        "sgd_step", lists,
+        lambda impl, ls: impl(ls[0], ls[1], ls[2] if len(ls) > 2 else None, **hyper),
+        strided=len(lists),
+    )
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    **hyper,
+) -> None:
+    """One Adam/AdamW step of ``mpgemm.scaling_ref.adam_step_ref_``'s math, fused per
+    dtype; ``steps`` must already count this step (``advance_steps_``)."""
+    _dispatch(
+        "adam_step", [params, grads, exp_avgs, exp_avg_sqs, steps],
+        lambda impl, ls: impl(*ls, **hyper),
+        strided=4,
+    )

@@ -1,0 +1,145 @@
+"""Reference implementations of loss scaling and the fused optimizer steps, in PyTorch.
+
+They have the contracts of the kernels in ``mpgemm.kernels.unscale``,
+``mpgemm.kernels.scale_update`` and ``mpgemm.kernels.optim``, run CPU tensors when the
+Triton interpreter is off, and are what the tests hold the kernels to. Unscaling and
+the scale update are torch's own ops; the optimizer steps are torch's SGD and Adam
+math, skipped on the device (``torch.where``) when ``found_inf`` is set, so that nothing
+waits for the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def unscale_ref_(
+    src: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    *,
+    dst: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """``found_inf = 1`` if any ``src`` element is inf/NaN; ``dst = src * inv_scale``
+    (in place when ``dst`` is None; check only when ``inv_scale`` is None)."""
+    if inv_scale is None:
+        for t in src:
+            found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(t)).any().float()))
+        return
+    if dst is not None:
+        # Widening is exact, so unscaling the copy equals unscaling src in FP32.
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+        src = dst
+    for dtype in {t.dtype for t in src}:
+        group = [t for t in src if t.dtype == dtype]
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+
+
+def update_scale_ref_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """Torch's dynamic loss scale update, in place."""
+    torch._amp_update_scale_(
+        scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
+    )
+
+
+def _unscaled_fp32(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
+    # As unscale_ followed by a step: the unscaled gradient is rounded to its own dtype.
+    if inv_scale is None:
+        return grad.float()
+    return (grad.float() * inv_scale).to(grad.dtype).float()
+
+
+def _store_unless_skipped(
+    dst: torch.Tensor, value: torch.Tensor, found_inf: torch.Tensor | None
+) -> None:
+    value = value.to(dst.dtype)
+    dst.copy_(value if found_inf is None else torch.where(found_inf != 0, dst, value))
+
+
+def sgd_step_ref_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor] | None,
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """SGD with momentum (torch.optim.SGD's math, dampening 0), in FP32:
+
+        g = grad * inv_scale (negated if maximize) + weight_decay * p
+        buf = momentum * buf + g;  d = g + momentum * buf if nesterov else buf
+        p = p - lr * d
+
+    Buffers start as zeros, which gives torch's first step (buf = g). Nothing changes
+    where ``found_inf`` is nonzero."""
+    for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
+        g = _unscaled_fp32(grad, inv_scale)
+        g = -g if maximize else g
+        p32 = p.float()
+        if weight_decay != 0:
+            g = g + weight_decay * p32
+        if momentum != 0:
+            buf = momentum_buffers[i].float() * momentum + g
+            g = g + momentum * buf if nesterov else buf
+            _store_unless_skipped(momentum_buffers[i], buf, found_inf)
+        _store_unless_skipped(p, p32 - lr * g, found_inf)
+
+
+def adam_step_ref_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """Adam (AdamW with ``decoupled_weight_decay``), torch.optim.Adam's math in FP32,
+    with ``steps`` already counting this step:
+
+        g = grad * inv_scale (negated if maximize);  L2: g += wd * p;  AdamW: p *= 1 - lr wd
+        m = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g^2
+        p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    Nothing changes where ``found_inf`` is nonzero."""
+    for p, grad, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+        g = _unscaled_fp32(grad, inv_scale)
+        g = -g if maximize else g
+        p32 = p.float()
+        if weight_decay != 0:
+            if decoupled_weight_decay:
+                p32 = p32 * (1 - lr * weight_decay)
+            else:
+                g = g + weight_decay * p32
+        m32 = torch.lerp(m.float(), g, 1 - beta1)
+        v32 = v.float() * beta2 + (1 - beta2) * g * g
+        t = step.double()
+        step_size = (lr / (1 - beta1**t)).float()
+        bias_correction2_sqrt = (1 - beta2**t).sqrt().float()
+        denom = v32.sqrt() / bias_correction2_sqrt + eps
+        _store_unless_skipped(m, m32, found_inf)
+        _store_unless_skipped(v, v32, found_inf)
+        _store_unless_skipped(p, p32 - step_size * (m32 / denom), found_inf)
