@@ -6,16 +6,22 @@ with the same numerics (or the Triton kernels themselves under ``TRITON_INTERPRE
 which must be set before ``triton`` is first imported).
 """
 
+from mpgemm import optim
 from mpgemm.functional import backend, linear, matmul
+from mpgemm.grad_scaler import GradScaler
+from mpgemm.loss_scale_optimizer import LossScaleOptimizer
 from mpgemm.modules import Linear, convert
 from mpgemm.reference import linear_ref, matmul_ref
 
 __all__ = [
+    "GradScaler",
     "Linear",
+    "LossScaleOptimizer",
     "backend",
     "convert",
     "linear",
     "linear_ref",
     "matmul",
     "matmul_ref",
+    "optim",
 ]

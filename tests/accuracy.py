@@ -34,3 +34,14 @@ def nan_padded(t: torch.Tensor, transposed: bool = False) -> torch.Tensor:
         view = buf[1 : 1 + rows, 2 : 2 + cols]
     view.copy_(t)
     return view
+
+
+def assert_same_bits(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """``out`` equals ``ref`` bit for bit, except that any NaN matches any NaN (torch's
+    own CPU and CUDA kernels give NaN different payloads)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, what
+    nan = torch.isnan(out)
+    assert torch.equal(nan, torch.isnan(ref)), f"{what}: NaNs at different positions"
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
+    same = out.view(ints) == ref.view(ints)
+    assert bool((same | nan).all()), f"{what}: {(~(same | nan)).sum().item()} elements differ"

@@ -1,0 +1,225 @@
+"""``mpgemm.LossScaleOptimizer``: dynamic loss scaling and FP32 master weights around
+any torch optimizer, in the spirit of Keras's ``LossScaleOptimizer``.
+
+    optimizer = mpgemm.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+    optimizer.scale_loss(loss).backward()
+    optimizer.unscale_()                                   # optional, to clip:
+    torch.nn.utils.clip_grad_norm_(optimizer.master_params(), 1.0)
+    optimizer.step()                 # unscale, check, step or skip, update the scale
+    optimizer.zero_grad()
+
+FP16/BF16 parameters (``model.half()``) get FP32 master copies: the wrapped optimizer
+steps the masters, and the 16-bit parameters are rewritten from them after each step,
+so small updates accumulate in FP32. FP32 parameters (``mpgemm.Linear``) need none.
+With one of mpgemm's fused optimizers inside, a step never synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpgemm.grad_scaler import GradScaler
+
+__all__ = ["LossScaleOptimizer"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class LossScaleOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` with dynamic loss scaling (an ``mpgemm.GradScaler`` with these
+    arguments) and FP32 master weights for its FP16/BF16 parameters.
+
+    It behaves as the wrapped optimizer: ``param_groups``, ``state`` and ``defaults``
+    are the wrapped optimizer's (with master weights in place of 16-bit parameters), LR
+    schedulers accept it, and ``state_dict()`` holds the wrapped optimizer's state, the
+    scaler's, the skip count and the master weights, so a resumed run continues with
+    the same scale and weights.
+
+    Under ``torch.distributed``, ``all_reduce_found_inf`` (default: whenever a process
+    group of more than one rank is initialised) reduces the inf/NaN flag across the
+    ranks of ``process_group``, so that all ranks skip the same steps even when their
+    gradients are not all-reduced (DDP's are, which makes the reduction redundant but
+    harmless)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        all_reduce_found_inf: bool | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"LossScaleOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not params:
+            raise ValueError("the wrapped optimizer has no parameters")
+        self.optimizer = optimizer
+        self.scaler = GradScaler(
+            params[0].device.type, init_scale=init_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval,
+        )
+        self.scaler._found_inf_hook = self._reduce_found_inf
+        self._all_reduce_found_inf = all_reduce_found_inf
+        self._process_group = process_group
+        # (16-bit model parameter, its FP32 master) for each parameter that needs one
+        self._master_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for group in optimizer.param_groups:
+            self._install_masters(group)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=params[0].device)
+        self._grads_unscaled = False
+        # What torch.optim.Optimizer.__init__ would set up for hooks, without its groups.
+        for name in (
+            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, {})
+
+    # -- the wrapped optimizer's face ------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+        self._install_masters(self.optimizer.param_groups[-1])
+
+    def __repr__(self) -> str:
+        return f"LossScaleOptimizer({self.optimizer!r})"
+
+    def _install_masters(self, group: dict[str, Any]) -> None:
+        for index, param in enumerate(group["params"]):
+            if param.dtype not in _LOW_PRECISION:
+                continue
+            master = param.detach().float().requires_grad_(param.requires_grad)
+            group["params"][index] = master
+            if param in self.optimizer.state:
+                state = self.optimizer.state.pop(param)
+                self.optimizer.state[master] = {
+                    k: v.float() if torch.is_tensor(v) and v.dtype in _LOW_PRECISION else v
+                    for k, v in state.items()
+                }
+            self._master_pairs.append((param, master))
+
+    def master_params(self) -> Iterator[torch.Tensor]:
+        """The parameters the wrapped optimizer steps (FP32 masters in place of 16-bit
+        parameters): after ``unscale_()``, clip these gradients."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    # -- loss scaling ----------------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale``: call ``backward()`` on this."""
+        return self.scaler.scale(loss)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (reading it synchronises with a GPU: for logging)."""
+        return self.scaler.get_scale()
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps were skipped for inf/NaN gradients (synchronises, as above)."""
+        return int(self._skipped.item())
+
+    def _reduce_found_inf(self, found_inf: torch.Tensor) -> None:
+        reduce = self._all_reduce_found_inf
+        if reduce is None:
+            reduce = (
+                dist.is_available() and dist.is_initialized()
+                and dist.get_world_size(self._process_group) > 1
+            )
+        if reduce:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._process_group)
+
+    def _copy_grads_to_masters(self) -> None:
+        for param, master in self._master_pairs:
+            if param.grad is None:
+                master.grad = None
+            elif master.grad is None:
+                master.grad = param.grad.float()
+            else:
+                master.grad.copy_(param.grad)
+
+    def unscale_(self) -> None:
+        """Unscale the gradients now (into the FP32 masters' gradients where there are
+        masters), for clipping: scale, backward, ``unscale_``, clip, ``step``."""
+        self._copy_grads_to_masters()
+        self._grads_unscaled = True
+        self.scaler.unscale_(self.optimizer)
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        """Unscale and check the gradients, step the wrapped optimizer unless one is
+        inf/NaN (then count a skipped step), update the scale, and rewrite 16-bit
+        parameters from their masters."""
+        if closure is not None:
+            raise RuntimeError("LossScaleOptimizer.step does not take a closure")
+        if not self._grads_unscaled:
+            self._copy_grads_to_masters()
+        self._grads_unscaled = False
+        self.scaler.step(self.optimizer)
+        found_infs = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
+        for found_inf in found_infs.values():
+            self._skipped += (found_inf.to(self._skipped.device) != 0).to(torch.int64)
+        self.scaler.update()
+        # A skipped step left the masters as they were, so this rewrites the same values.
+        for param, master in self._master_pairs:
+            param.copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of the wrapped optimizer's parameters and of the 16-bit
+        model parameters behind any masters."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for param, _ in self._master_pairs:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.zero_()
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "master_params": [master.detach().clone() for _, master in self._master_pairs],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        masters = state_dict["master_params"]
+        if len(masters) != len(self._master_pairs):
+            raise ValueError(
+                f"the state dict has {len(masters)} master weights, this optimizer "
+                f"{len(self._master_pairs)}"
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.scaler.load_state_dict(state_dict["scaler"])
+        self._skipped.fill_(state_dict["skipped_steps"])
+        with torch.no_grad():
+            for (param, master), saved in zip(self._master_pairs, masters, strict=True):
+                master.copy_(saved)
+                param.copy_(saved)

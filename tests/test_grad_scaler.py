@@ -1,0 +1,230 @@
+"""mpgemm.GradScaler against torch.amp.GradScaler("cpu"), side by side: the same
+gradients every step, inf and NaN injected at chosen steps, tensors and positions, and
+the scale trajectory, the skip decisions and the final parameters must be identical."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from accuracy import assert_same_bits
+
+import mpgemm
+
+SHAPES = [(48, 32), (32,), (10, 48), (10,)]
+# step -> (tensor, flat index, value) injected into the scaled gradients
+INJECTIONS = {
+    3: (0, 5, float("inf")),
+    4: (3, 9, float("nan")),
+    40: (2, 0, -float("inf")),
+    41: (0, 1535, float("nan")),
+    42: (1, 31, float("inf")),
+    150: (2, 479, float("nan")),
+}
+
+
+def _params(dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, dtype)) for s in SHAPES]
+
+
+def _drive(scaler, optimizer, params, steps, *, dtype, seed=1, magnitude=8.0):
+    """Run ``steps`` iterations: gradients are fresh random values (magnitudes over many
+    binades) times the scaler's scale, as ``scale(loss).backward()`` would give, cast to
+    the parameters' dtype; returns the scale and whether params changed, per step."""
+    g = torch.Generator().manual_seed(seed)
+    trajectory = []
+    for step in range(steps):
+        for p in params:
+            true_grad = torch.randn(p.shape, generator=g) * torch.rand(p.shape, generator=g)
+            p.grad = scaler.scale(true_grad.mul(magnitude).to(p.device)).to(dtype)
+        if step in INJECTIONS:
+            tensor, index, value = INJECTIONS[step]
+            params[tensor].grad.view(-1)[index] = value
+        before = [p.detach().clone() for p in params]
+        scaler.step(optimizer)
+        scaler.update()
+        stepped = any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+        trajectory.append((scaler.get_scale(), stepped))
+    return trajectory
+
+
+def _side_by_side(make_optimizer, *, dtype, steps, device, magnitude=8.0, **scaler_args):
+    ours_params, torch_params = _params(dtype, device), _params(dtype, device)
+    ours = _drive(
+        mpgemm.GradScaler(device.type, **scaler_args),
+        make_optimizer(ours_params), ours_params, steps, dtype=dtype, magnitude=magnitude,
+    )
+    theirs = _drive(
+        torch.amp.GradScaler(device.type, **scaler_args),
+        make_optimizer(torch_params), torch_params, steps, dtype=dtype, magnitude=magnitude,
+    )
+    return ours, theirs, ours_params, torch_params
+
+
+def _assert_identical(ours, theirs, ours_params, torch_params):
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert a == b, f"step {step}: (scale, stepped) {a} != torch's {b}"
+    for i, (p, q) in enumerate(zip(ours_params, torch_params, strict=True)):
+        assert torch.isfinite(p).all(), f"param {i} is not finite"
+        assert_same_bits(p.detach(), q.detach(), f"param {i}")
+
+
+def test_fp32_gradients_with_torch_sgd_over_300_steps(device):
+    # growth_interval=2 doubles the scale until scale * grad overflows FP32.
+    ours, theirs, *params = _side_by_side(
+        lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+        dtype=torch.float32, steps=300, device=device, growth_interval=2,
+    )
+    _assert_identical(ours, theirs, *params)
+    skipped = [step for step, (_, stepped) in enumerate(ours) if not stepped]
+    assert set(INJECTIONS) <= set(skipped)
+    assert len(skipped) > len(INJECTIONS), "natural overflows were expected too"
+
+
+def test_scale_stops_growing_where_growth_would_overflow_fp32(device):
+    # Gradients small enough that scale * grad stays finite at 2**127: growing further
+    # would make the scale inf, which the rule refuses.
+    ours, theirs, *params = _side_by_side(
+        lambda p: torch.optim.SGD(p, lr=1e-3), dtype=torch.float32, steps=260,
+        device=device, growth_interval=2, magnitude=1e-6,
+    )
+    _assert_identical(ours, theirs, *params)
+    assert [scale for scale, _ in ours[-5:]] == [2.0**127] * 5
+
+
+def test_fp16_gradients_with_a_scale_aware_optimizer_over_300_steps(device):
+    # torch's fused SGD takes grad_scale/found_inf from either scaler, so FP16 params
+    # and gradients are allowed; FP16 overflows as the scale grows past ~2048. (Without
+    # momentum: torch's fused SGD leaves its momentum buffers uninitialised, from
+    # torch.empty_like, when the first step is skipped, and reads them on the next.)
+    ours, theirs, *params = _side_by_side(
+        lambda p: torch.optim.SGD(p, lr=1e-3, fused=True),
+        dtype=torch.float16, steps=300, device=device, growth_interval=5,
+    )
+    _assert_identical(ours, theirs, *params)
+    assert sum(not stepped for _, stepped in ours) > len(INJECTIONS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mpgemm_fused_sgd_under_either_scaler(device, dtype):
+    # Same optimizer, two scalers: ours checks without writing and passes the flag;
+    # torch's checks with an unscale by 1. The steps must agree bit for bit.
+    ours, theirs, *params = _side_by_side(
+        lambda p: mpgemm.optim.SGD(p, lr=1e-3, momentum=0.9),
+        dtype=dtype, steps=100, device=device, growth_interval=4,
+    )
+    _assert_identical(ours, theirs, *params)
+
+
+def test_one_scaler_serves_two_optimizers(device):
+    def run(scaler_cls):
+        params = _params(torch.float32, device)
+        opts = [torch.optim.SGD(params[:2], lr=0.1), torch.optim.Adam(params[2:], lr=0.1)]
+        scaler = scaler_cls(device.type, growth_interval=3)
+        scales = []
+        for step in range(30):
+            for p in params:
+                p.grad = scaler.scale(torch.randn(p.shape, device=device))
+            if step in (7, 8):
+                params[3].grad[0] = float("inf")  # only the second optimizer's gradient
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales, params
+
+    torch.manual_seed(0)
+    ours, ours_params = run(mpgemm.GradScaler)
+    torch.manual_seed(0)
+    theirs, torch_params = run(torch.amp.GradScaler)
+    assert ours == theirs
+    for p, q in zip(ours_params, torch_params, strict=True):
+        assert_same_bits(p.detach(), q.detach(), "param")
+
+
+def test_state_dict_mid_growth_interval_resumes_the_same_trajectory(device):
+    params = _params(torch.float32, device)
+    scaler = mpgemm.GradScaler(device.type, growth_interval=10)
+    _drive(scaler, torch.optim.SGD(params, lr=1e-3), params, 7, dtype=torch.float32)
+    state = scaler.state_dict()
+    assert state["_growth_tracker"] == 2  # the injections at steps 3 and 4 reset it
+    assert state["scale"] == 2.0**14
+    # Resume in a fresh scaler of each kind and continue both: same scales.
+    continued = []
+    for cls in (mpgemm.GradScaler, torch.amp.GradScaler, mpgemm.GradScaler):
+        resumed = cls(device.type)
+        resumed.load_state_dict(state)
+        assert resumed._get_growth_tracker() == 2
+        resumed_params = [p.detach().clone().requires_grad_() for p in params]
+        continued.append(_drive(
+            resumed, torch.optim.SGD(resumed_params, lr=1e-3), resumed_params, 20,
+            dtype=torch.float32, seed=5,
+        ))
+    assert continued[0] == continued[1] == continued[2]
+    assert continued[0][0] == (2.0**14, True)  # the saved scale, not the initial one
+    # And a torch scaler's state dict loads into ours.
+    theirs = torch.amp.GradScaler(device.type, init_scale=1024.0, growth_interval=5)
+    ours = mpgemm.GradScaler(device.type)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.state_dict() == theirs.state_dict()
+
+
+def test_pickle_between_iterations_keeps_scale_and_tracker(device):
+    params = _params(torch.float32, device)
+    scaler = mpgemm.GradScaler(device.type, growth_interval=10)
+    _drive(scaler, torch.optim.SGD(params, lr=1e-3), params, 8, dtype=torch.float32)
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.state_dict() == scaler.state_dict()
+    assert copy.deepcopy(scaler).get_scale() == scaler.get_scale()
+
+
+def test_step_with_a_fused_optimizer_never_reads_the_flag_on_the_host(device, monkeypatch):
+    params = _params(torch.float32, device)
+    optimizer = mpgemm.optim.Adam(params, lr=1e-3)
+    scaler = mpgemm.GradScaler(device.type)
+    for p in params:
+        p.grad = scaler.scale(torch.randn(p.shape, device=device))
+    params[0].grad[0, 0] = float("nan")
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    before = [p.detach().clone() for p in params]
+    scaler.step(optimizer)
+    scaler.update()
+    monkeypatch.undo()
+    assert scaler.get_scale() == 2.0**15
+    for b, p in zip(before, params, strict=True):
+        assert_same_bits(p.detach(), b, "skipped step")
+
+
+def test_disabled_scaler_is_a_pass_through(device):
+    scaler = mpgemm.GradScaler(device.type, enabled=False)
+    loss = torch.tensor(3.0)
+    assert scaler.scale(loss) is loss
+    params = _params(torch.float32, device)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    scaler.step(torch.optim.SGD(params, lr=1.0))
+    scaler.update()
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+    assert not scaler.is_enabled()
+
+
+def test_getters_setters_and_nested_outputs(device):
+    scaler = mpgemm.GradScaler(device.type, init_scale=8.0)
+    scaler.set_growth_factor(3.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(7)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (3.0, 0.25)
+    assert scaler.get_growth_interval() == 7 and scaler.get_scale() == 8.0
+    out = scaler.scale([torch.ones(2), (torch.full((1,), 2.0),)])
+    assert isinstance(out, list) and isinstance(out[1], tuple)
+    assert out[0].tolist() == [8.0, 8.0] and out[1][0].tolist() == [16.0]
+    scaler.update(new_scale=4.0)
+    assert scaler.get_scale() == 4.0
+    scaler.update(new_scale=torch.tensor(2.0))
+    assert scaler.get_scale() == 2.0

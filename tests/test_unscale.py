@@ -1,0 +1,111 @@
+"""The fused unscale + inf/NaN check and the scale update match torch's own ops
+(``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch._amp_update_scale_``)
+bit for bit, on fresh random values with inf and NaN injected."""
+
+import random
+
+import pytest
+import torch
+from accuracy import assert_same_bits
+
+from mpgemm.scaling import unscale_, update_scale_
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _gradients(dtype, device, *, poison=None):
+    """Gradients of assorted sizes (one spanning several kernel blocks, one empty, one a
+    transposed view), their values spread over many binades, all finite."""
+    shapes = [(1,), (9000,), (64, 33), (0,), (17,), (24, 40)]
+    binades = 14 if dtype == torch.float16 else 30
+    grads = [(torch.randn(s) * torch.rand(s).mul(binades).exp2()).to(dtype) for s in shapes]
+    if poison is not None:
+        tensor, index, value = poison
+        grads[tensor].view(-1)[index] = value
+    grads[-1] = grads[-1].t()
+    return [g.to(device) for g in grads]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inv_scale", [2.0**-16, 1 / 3, 1.0, 7.0])
+@pytest.mark.parametrize(
+    "poison", [None, (1, 8999, float("inf")), (2, 0, float("nan")), (5, 100, -float("inf"))]
+)
+def test_unscale_matches_torch(device, dtype, inv_scale, poison):
+    grads = _gradients(dtype, device, poison=poison)
+    expected = [g.clone() for g in grads]
+    inv = torch.tensor(inv_scale, dtype=torch.float32, device=device)
+    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
+    unscale_(grads, found, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_ref, inv)
+    assert found.item() == found_ref.item() == (poison is not None)
+    for i, (g, e) in enumerate(zip(grads, expected, strict=True)):
+        assert_same_bits(g, e, f"grad {i}")
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float16, torch.bfloat16])
+def test_unscale_into_fp32_masters_equals_unscaling_the_widened_copy(device, src_dtype):
+    grads = _gradients(src_dtype, device, poison=(4, 3, float("nan")))
+    masters = [torch.empty(g.shape, device=device) for g in grads]
+    expected = [g.float() for g in grads]
+    inv = torch.tensor(2.0**-13, device=device)
+    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
+    unscale_(grads, found, inv, dst=masters)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_ref, inv)
+    assert found.item() == found_ref.item() == 1.0
+    for i, (m, e) in enumerate(zip(masters, expected, strict=True)):
+        assert_same_bits(m, e, f"master grad {i}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_check_only_writes_nothing_and_keeps_a_raised_flag(device, dtype):
+    grads = _gradients(dtype, device)
+    before = [g.clone() for g in grads]
+    found = torch.zeros((), device=device)
+    unscale_(grads, found, None)
+    assert found.item() == 0.0
+    grads[1].view(-1)[4321] = float("nan")
+    unscale_(grads, found, None)
+    assert found.item() == 1.0
+    grads[1].view(-1)[4321] = before[1].view(-1)[4321]
+    unscale_(grads, found, None)  # torch's flag is sticky: only ever set to 1
+    assert found.item() == 1.0
+    for g, b in zip(grads, before, strict=True):
+        assert_same_bits(g, b, "unchanged")
+
+
+def test_mixed_dtypes_and_gapped_views_in_one_call(device):
+    base = torch.randn(12, 10, device=device)
+    gapped = base[:, ::2]  # every other column: not flat memory, so torch's op runs it
+    grads = [torch.randn(50, device=device).half(), gapped, torch.randn(7, device=device)]
+    grads[0][7] = float("inf")
+    expected_base = base.clone()
+    expected = [grads[0].clone(), expected_base[:, ::2], grads[2].clone()]
+    inv = torch.tensor(0.25, device=device)
+    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
+    unscale_(grads, found, inv)
+    for e in expected:
+        torch._amp_foreach_non_finite_check_and_unscale_([e], found_ref, inv)
+    assert found.item() == found_ref.item() == 1.0
+    for i, (g, e) in enumerate(zip(grads, expected, strict=True)):
+        assert_same_bits(g, e, f"grad {i}")
+    assert_same_bits(base, expected_base, "the skipped columns stay as they were")
+
+
+def test_scale_update_follows_torch_for_every_branch(device):
+    rng = random.Random(1234)
+    for _ in range(200):
+        scale0 = rng.choice([65536.0, 3.0e38, 1.7, 1e-30, 12345.678, 2.0**127])
+        growth, backoff = rng.choice([2.0, 1.1, 3.3]), rng.choice([0.5, 0.3, 0.9999])
+        interval = rng.choice([1, 2, 3, 2000])
+        tracker0 = rng.randrange(interval)
+        found_inf = rng.choice([0.0, 1.0, 2.0])
+        ours = [torch.tensor(scale0, device=device), torch.tensor(tracker0, dtype=torch.int32,
+                                                                  device=device)]
+        ref = [t.clone() for t in ours]
+        flag = torch.tensor(found_inf, device=device)
+        update_scale_(*ours, flag, growth, backoff, interval)
+        torch._amp_update_scale_(*ref, flag, growth, backoff, interval)
+        case = (scale0, growth, backoff, interval, tracker0, found_inf)
+        assert_same_bits(ours[0], ref[0], f"scale {case}")
+        assert torch.equal(ours[1], ref[1]), f"tracker {case}"
