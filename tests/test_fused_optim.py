@@ -1,0 +1,191 @@
+"""mpgemm.optim's fused SGD, Adam and AdamW: the kernels against the references, the
+optimizers against torch's, and a skipped step that leaves every bit in place."""
+
+import copy
+
+import pytest
+import torch
+from accuracy import assert_same_bits
+
+import mpgemm
+from mpgemm import scaling, scaling_ref
+
+SHAPES = [(5000,), (33, 7), (1,), (0,)]
+PARAM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _tensors(dtype, device, *, scale=1.0, positive=False):
+    out = [torch.randn(s, device=device).mul(scale).to(dtype) for s in SHAPES]
+    return [t.abs() for t in out] if positive else out
+
+
+def _clones(lists):
+    return [[t.clone() for t in lst] for lst in lists]
+
+
+def _assert_close_lists(out, ref, what, rtol):
+    for i, (a, b) in enumerate(zip(out, ref, strict=True)):
+        assert torch.isfinite(a).all(), f"{what} {i}: non-finite"
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item() if b.numel()
+                                   else 0, msg=f"{what} {i}")
+
+
+def _adam_hyper(decoupled, inv_scale, found_inf):
+    return dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                decoupled_weight_decay=decoupled, maximize=False,
+                inv_scale=inv_scale, found_inf=found_inf)
+
+
+@pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, decoupled):
+    inv = torch.tensor(2.0**-10, device=device)
+    found = torch.zeros((), device=device)
+    lists = [_tensors(param_dtype, device), _tensors(grad_dtype, device, scale=1000.0),
+             _tensors(param_dtype, device, scale=0.1),
+             _tensors(param_dtype, device, scale=0.01, positive=True),
+             [torch.tensor(float(t), device=device) for t in (1, 7, 300, 2)]]
+    ours, ref = _clones(lists), _clones(lists)
+    scaling.adam_step_(*ours, **_adam_hyper(decoupled, inv, found))
+    scaling_ref.adam_step_ref_(*ref, **_adam_hyper(decoupled, inv, found))
+    # FP32: a few ulps (torch.lerp and the kernel round differently); 16-bit: one ulp.
+    rtol = 1e-6 if param_dtype == torch.float32 else 1e-2
+    for what, i in (("param", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
+        _assert_close_lists(ours[i], ref[i], what, rtol)
+        assert any(not torch.equal(a, b) for a, b in zip(ours[i], lists[i], strict=True))
+
+
+@pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_kernel_matches_reference(device, param_dtype, nesterov):
+    inv = torch.tensor(0.5, device=device)
+    lists = [_tensors(param_dtype, device), _tensors(torch.bfloat16, device),
+             _tensors(param_dtype, device)]
+    ours, ref = _clones(lists), _clones(lists)
+    hyper = dict(lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=nesterov, maximize=True,
+                 inv_scale=inv, found_inf=torch.zeros((), device=device))
+    scaling.sgd_step_(*ours, **hyper)
+    scaling_ref.sgd_step_ref_(*ref, **hyper)
+    rtol = 1e-6 if param_dtype == torch.float32 else 1e-2
+    _assert_close_lists(ours[0], ref[0], "param", rtol)
+    _assert_close_lists(ours[2], ref[2], "momentum buffer", rtol)
+
+
+@pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
+def test_found_inf_leaves_every_bit_in_place(device, param_dtype):
+    found = torch.ones((), device=device)
+    lists = [_tensors(param_dtype, device), _tensors(torch.float32, device),
+             _tensors(param_dtype, device), _tensors(param_dtype, device, positive=True),
+             [torch.tensor(5.0, device=device) for _ in SHAPES]]
+    before = _clones(lists)
+    scaling.advance_steps_(lists[4], found)
+    scaling.adam_step_(*lists, **_adam_hyper(True, None, found))
+    scaling.sgd_step_(lists[0], lists[1], lists[2], lr=0.1, momentum=0.9, weight_decay=0.1,
+                      nesterov=False, maximize=False, found_inf=found)
+    for lst, old in zip(lists, before, strict=True):
+        for t, b in zip(lst, old, strict=True):
+            assert_same_bits(t, b, "after a skipped step")
+
+
+OPTIMIZERS = {
+    "sgd": (lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)),
+    "nesterov": (lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True),
+                 lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True)),
+    "adam": (lambda p: mpgemm.optim.Adam(p, lr=1e-2, weight_decay=1e-2),
+             lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2)),
+    "adamw": (lambda p: mpgemm.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), maximize=True),
+              lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), maximize=True)),
+}
+
+
+def _mlp(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)
+    ).to(device)
+
+
+def _train(model, optimizer, steps, device, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(32, 12, generator=g).to(device)
+        y = torch.randn(32, 3, generator=g).to(device)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fused_optimizer_tracks_torch_over_100_steps(device, name):
+    ours_make, torch_make = OPTIMIZERS[name]
+    ours, theirs = _mlp(device), _mlp(device)
+    _train(ours, ours_make(ours.parameters()), 100, device)
+    _train(theirs, torch_make(theirs.parameters()), 100, device)
+    for p, q, initial in zip(ours.parameters(), theirs.parameters(), _mlp(device).parameters(),
+                             strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert (p - initial).abs().max() > 1e-3, "training moved the parameters"
+
+
+def test_state_dict_round_trip_continues_exactly(device):
+    ours_make, _ = OPTIMIZERS["adamw"]
+    straight = _mlp(device)
+    _train(straight, ours_make(straight.parameters()), 20, device)
+    resumed = _mlp(device)
+    first = ours_make(resumed.parameters())
+    _train(resumed, first, 10, device)
+    second = ours_make(resumed.parameters())
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    _train(resumed, second, 10, device, seed=2)
+    rerun = _mlp(device)
+    opt = ours_make(rerun.parameters())
+    _train(rerun, opt, 10, device)
+    _train(rerun, opt, 10, device, seed=2)
+    for p, q in zip(resumed.parameters(), rerun.parameters(), strict=True):
+        assert_same_bits(p.detach(), q.detach(), "resumed vs uninterrupted")
+    state = second.state_dict()["state"][0]
+    assert state["step"].item() == 20.0
+    # torch's AdamW reads our state dict.
+    torch_opt = torch.optim.AdamW(_mlp(device).parameters())
+    torch_opt.load_state_dict(second.state_dict())
+    assert torch_opt.state_dict()["state"][0]["step"].item() == 20.0
+
+
+def test_sgd_first_step_skipped_then_taken_equals_torchs_first_step(device):
+    params = [torch.nn.Parameter(torch.randn(10, device=device))]
+    reference = [torch.nn.Parameter(params[0].detach().clone())]
+    ours = mpgemm.optim.SGD(params, lr=0.1, momentum=0.9)
+    params[0].grad = torch.full((10,), float("nan"), device=device)
+    ours.found_inf = torch.ones((), device=device)
+    ours.step()
+    del ours.found_inf
+    assert_same_bits(params[0].detach(), reference[0].detach(), "skipped")
+    grad = torch.randn(10, device=device)
+    params[0].grad, reference[0].grad = grad.clone(), grad.clone()
+    ours.step()
+    torch.optim.SGD(reference, lr=0.1, momentum=0.9).step()
+    assert_same_bits(params[0].detach(), reference[0].detach(), "first real step")
+    assert_same_bits(ours.state[params[0]]["momentum_buffer"], grad, "buffer = grad")
+
+
+def test_lr_scheduler_drives_the_fused_optimizer(device):
+    model = _mlp(device)
+    optimizer = mpgemm.optim.Adam(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for _ in range(4):
+        _train(model, optimizer, 1, device)
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize(
+    "make, option",
+    [(lambda p: mpgemm.optim.SGD(p, momentum=0.9, dampening=0.1), "dampening"),
+     (lambda p: mpgemm.optim.Adam(p, amsgrad=True), "amsgrad"),
+     (lambda p: mpgemm.optim.AdamW(p, lr=torch.tensor(0.1)), "tensor_lr")],
+)
+def test_unsupported_options_raise_value_error(make, option):
+    with pytest.raises(ValueError, match=option):
+        make([torch.nn.Parameter(torch.randn(3))])

@@ -1,0 +1,98 @@
+"""Every misuse of the scaler gets a clear error, as torch's GradScaler gives."""
+
+import pickle
+
+import pytest
+import torch
+
+import mpgemm
+
+
+def _setup(device, dtype=torch.float32):
+    param = torch.nn.Parameter(torch.randn(4, 3, device=device, dtype=dtype))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = mpgemm.GradScaler(device.type)
+    param.grad = scaler.scale(torch.randn(4, 3, device=device)).to(dtype)
+    return param, optimizer, scaler
+
+
+def test_unscale_twice_or_after_step_raises(device):
+    _, optimizer, scaler = _setup(device)
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match="already been called on this optimizer"):
+        scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        scaler.step(optimizer)
+    scaler.update()
+    scaler.unscale_(optimizer)  # a new iteration after update()
+
+
+def test_fp16_gradients_are_refused_naming_the_parameter(device):
+    param, optimizer, scaler = _setup(device, torch.float16)
+    with pytest.raises(ValueError, match=r"FP16 gradients.*\[0\]\['params'\]\[0\].*\(4, 3\)"):
+        scaler.unscale_(optimizer)
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        scaler.step(optimizer)
+
+
+def test_use_before_scale_and_update_without_checks_raise(device):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.randn(2, device=device))], lr=1)
+    scaler = mpgemm.GradScaler(device.type)
+    for call in (lambda: scaler.unscale_(optimizer), lambda: scaler.step(optimizer),
+                 scaler.update):
+        with pytest.raises(RuntimeError, match="scaler.scale"):
+            call()
+    scaler.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match="No inf checks were recorded prior to update"):
+        scaler.update()
+    with pytest.raises(RuntimeError, match="No inf checks were recorded for this optimizer"):
+        scaler.step(optimizer)  # no parameter has a gradient
+
+
+def test_closure_and_bad_outputs_raise(device):
+    param, optimizer, scaler = _setup(device)
+    with pytest.raises(RuntimeError, match="Closure"):
+        scaler.step(optimizer, closure=lambda: 0.0)
+    with pytest.raises(ValueError, match="iterable of Tensors, got int"):
+        scaler.scale([torch.ones(1), 3])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(growth_factor=1.0), "growth factor"),
+    (dict(backoff_factor=1.0), "backoff factor"),
+    (dict(backoff_factor=0.0), "backoff factor"),
+    (dict(growth_interval=0), "growth_interval"),
+])
+def test_invalid_factors_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mpgemm.GradScaler("cpu", **kwargs)
+
+
+def test_bad_new_scale_and_empty_state_dict(device):
+    _, optimizer, scaler = _setup(device)
+    scaler.step(optimizer)
+    with pytest.raises(ValueError, match="one element"):
+        scaler.update(new_scale=torch.ones(2, device=device))
+    with pytest.raises(ValueError, match="must not require grad"):
+        scaler.update(new_scale=torch.ones((), device=device, requires_grad=True))
+    with pytest.raises(TypeError, match="float or a one-element tensor"):
+        scaler.update(new_scale="2.0")
+    with pytest.raises(RuntimeError, match="source state dict is empty"):
+        scaler.load_state_dict({})
+
+
+def test_pickling_mid_iteration_raises(device):
+    _, optimizer, scaler = _setup(device)
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match="pickled"):
+        pickle.dumps(scaler)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
+def test_cuda_scaler_without_cuda_warns_and_disables():
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = mpgemm.GradScaler("cuda")
+    assert not scaler.is_enabled()
