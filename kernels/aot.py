@@ -1,11 +1,17 @@
-"""Compile the shipped GEMM kernels ahead of time for an H100, on any machine.
+"""Compile the shipped kernels ahead of time for an H100, on any machine.
 
 The interpreter runs the kernels' Python, not the GPU compiler, which has rules of its
-own (layouts, register budgets, what lowers to Hopper's wgmma). This compiles every
-autotune config for each launch the autograd function makes (forward, input gradient,
-weight gradient, in FP16 and BF16) for ``GPUTarget("cuda", 90, 32)`` with the ptxas that
-ships inside the triton wheel, and reports, per kernel, whether the PTX uses ``wgmma``
-and what ptxas says of registers and spills. No GPU or driver is needed.
+own (layouts, register budgets, what lowers to Hopper's wgmma, approximate math). This
+compiles for ``GPUTarget("cuda", 90, 32)``, with the ptxas that ships inside the triton
+wheel:
+- every autotune config of each GEMM launch the autograd function makes (forward,
+  input gradient, weight gradient, in FP16 and BF16), checking that the PTX uses
+  ``wgmma`` and ptxas reports no spills;
+- each loss-scaling kernel (unscale + check, scale update, SGD and Adam steps) for the
+  dtypes it is launched with, checking for no spills, 16-byte vector loads on whole
+  blocks, and no approximate FP32 math (torch's kernels divide and take square roots
+  exactly, and keep denormals).
+No GPU or driver is needed.
 
     python -m mpgemm.kernels.aot     # prints one JSON line per kernel, exit 1 on a defect
 
@@ -24,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -34,6 +41,7 @@ from mpgemm.kernels.gemm import (
     _hopper_configs,
     fits_registers,
 )
+from mpgemm.kernels.tensor_table import BLOCK
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -174,12 +182,16 @@ class KernelReport:
         return self.wgmma and self.spill_bytes == 0
 
 
+def _compile(kernel, signature: dict, constexprs: dict, attrs: dict, options: dict):
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options=options)
+
+
 def compile_for_hopper(variant: Variant, config: triton.Config) -> KernelReport:
     signature, constexprs, attrs = _signature(variant, config)
-    source = ASTSource(_gemm_kernel, signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(
-        source, target=HOPPER,
-        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+    compiled = _compile(
+        _gemm_kernel, signature, constexprs, attrs,
+        {"num_warps": config.num_warps, "num_stages": config.num_stages},
     )
     ptx = compiled.asm["ptx"]
     return KernelReport(
@@ -195,6 +207,111 @@ def _compile_job(job: tuple[Variant, triton.Config]) -> KernelReport:
     return compile_for_hopper(*job)
 
 
+# -- loss-scaling kernels -------------------------------------------------------------
+
+# Pointer arguments of the loss-scaling kernels, by name; the other arguments are i32.
+_SCALING_POINTERS = {
+    "table_ptr": "*i64", "hyper_ptr": "*fp64", "factors_ptr": "*fp64",
+    "found_inf_ptr": "*fp32", "inv_scale_ptr": "*fp32", "scale_ptr": "*fp32",
+    "tracker_ptr": "*i32",
+}
+_TL_DTYPES = {"fp32": tl.float32, "fp16": tl.float16, "bf16": tl.bfloat16}
+
+
+@dataclass(frozen=True)
+class ScalingVariant:
+    """One launch of a loss-scaling kernel: the kernel's name and its constexpr flags
+    (dtypes by name: fp32, fp16, bf16)."""
+
+    kernel: str
+    flags: tuple[tuple[str, object], ...] = ()
+
+    def constexprs(self) -> dict:
+        values = {k: _TL_DTYPES.get(v, v) if isinstance(v, str) else v for k, v in self.flags}
+        if self.kernel != "scale_update":
+            values.update(INTERPRETED=False, BLOCK=BLOCK)
+        return values
+
+
+def scaling_variants() -> list[ScalingVariant]:
+    """The launches GradScaler and the fused optimizers make: unscale in place for each
+    dtype, FP16/BF16 gradients into FP32 masters, the check alone; the scale update;
+    SGD and Adam/AdamW steps of FP32 (and BF16) parameters with FP32 or 16-bit
+    gradients; one unaligned launch of each elementwise kind."""
+    def v(kernel, **flags):
+        return ScalingVariant(kernel, tuple(sorted(flags.items())))
+
+    variants = [v("unscale", SRC_DTYPE=a, DST_DTYPE=b, WRITE=True, ALIGNED=True)
+                for a, b in (("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"),
+                             ("fp16", "fp32"), ("bf16", "fp32"))]
+    variants += [v("unscale", SRC_DTYPE=a, DST_DTYPE=a, WRITE=False, ALIGNED=True)
+                 for a in ("fp32", "fp16", "bf16")]
+    variants.append(v("unscale", SRC_DTYPE="fp16", DST_DTYPE="fp16", WRITE=True,
+                      ALIGNED=False))
+    variants.append(v("scale_update"))
+    for param, grad in (("fp32", "fp32"), ("fp32", "fp16"), ("fp32", "bf16"),
+                        ("bf16", "bf16")):
+        common = dict(PARAM_DTYPE=param, GRAD_DTYPE=grad, MAXIMIZE=False,
+                      HAS_FOUND_INF=True, HAS_INV_SCALE=True, ALIGNED=True)
+        variants.append(v("sgd", HAS_MOMENTUM=True, NESTEROV=False, **common))
+        variants += [v("adam", DECOUPLED_WEIGHT_DECAY=d, **common) for d in (False, True)]
+    variants.append(v("sgd", PARAM_DTYPE="fp32", GRAD_DTYPE="fp32", HAS_MOMENTUM=False,
+                      NESTEROV=False, MAXIMIZE=True, HAS_FOUND_INF=False,
+                      HAS_INV_SCALE=False, ALIGNED=False))
+    variants.append(v("adam", PARAM_DTYPE="fp32", GRAD_DTYPE="fp32",
+                      DECOUPLED_WEIGHT_DECAY=True, MAXIMIZE=True, HAS_FOUND_INF=False,
+                      HAS_INV_SCALE=False, ALIGNED=False))
+    return variants
+
+
+def _scaling_kernel(name: str):
+    from mpgemm.kernels import optim, scale_update, unscale
+
+    return {
+        "unscale": unscale._unscale_kernel,
+        "scale_update": scale_update._update_scale_kernel,
+        "sgd": optim._sgd_kernel,
+        "adam": optim._adam_kernel,
+    }[name]
+
+
+# FP32 operations that round differently from torch's: approximate division, square
+# root, reciprocal, or flushing denormals to zero.
+_APPROX_FP32 = re.compile(r"\b(div\.(approx|full)|sqrt\.approx|rcp\.approx)[.\w]*\.f32\b"
+                          r"|\b(add|sub|mul|fma)\.\w*ftz\w*\.f32\b")
+
+
+@dataclass
+class ScalingReport:
+    variant: dict
+    registers: int
+    spill_bytes: int
+    vector_loads: int
+    approx_fp32: list[str]
+
+    @property
+    def ok(self) -> bool:
+        vectorised = self.vector_loads > 0 or self.variant["kernel"] == "scale_update" or not (
+            dict(self.variant["flags"]).get("ALIGNED"))
+        return self.spill_bytes == 0 and not self.approx_fp32 and vectorised
+
+
+def compile_scaling_for_hopper(variant: ScalingVariant) -> ScalingReport:
+    kernel = _scaling_kernel(variant.kernel)
+    constexprs = variant.constexprs()
+    signature = {
+        name: "constexpr" if name in constexprs else _SCALING_POINTERS.get(name, "i32")
+        for name in kernel.arg_names
+    }
+    ptx = _compile(kernel, signature, constexprs, {}, {"num_warps": 8}).asm["ptx"]
+    return ScalingReport(
+        variant={"kernel": variant.kernel, "flags": [list(f) for f in variant.flags]},
+        vector_loads=len(re.findall(r"ld\.global(\.\w+)*\.v[24]\.", ptx)),
+        approx_fp32=sorted({m.group(0) for m in _APPROX_FP32.finditer(ptx)}),
+        **ptxas_report(ptx),
+    )
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("mpgemm.kernels.aot: unset TRITON_INTERPRET to compile", file=sys.stderr)
@@ -203,10 +320,12 @@ def main() -> int:
     # Compiles are independent and CPU-bound: one process per core.
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         reports = list(pool.map(_compile_job, jobs))
+        reports += list(pool.map(compile_scaling_for_hopper, scaling_variants()))
     for report in reports:
         print(json.dumps({**asdict(report), "ok": report.ok}))
     defects = sum(not report.ok for report in reports)
-    print(f"{len(reports)} kernels compiled for sm_90a, {defects} without wgmma or with spills")
+    print(f"{len(reports)} kernels compiled for sm_90a, {defects} with a defect (GEMM: no "
+          "wgmma or spills; loss scaling: spills, approximate FP32 math, scalar loads)")
     return 1 if defects else 0
 
 

@@ -4,8 +4,8 @@ One launch per list of tensors (``tensor_table``) updates parameters and optimiz
 state in FP32 registers, with the math of ``mpgemm.scaling_ref.sgd_step_ref_`` and
 ``adam_step_ref_`` (torch.optim.SGD's and Adam's). The scaled gradient is multiplied by
 ``inv_scale`` and rounded to its own dtype, as ``GradScaler.unscale_`` would leave it;
-where ``found_inf`` is nonzero, every load and store is masked off, so the parameters
-and state keep their bits and the host never has to read the flag.
+where ``found_inf`` is nonzero, each program reads the flag and nothing else, so the
+parameters and state keep their bits and the host never has to read the flag.
 
 Hyperparameters arrive in an FP64 table (``scalar_table``), as torch computes its
 Python-side scalars (bias corrections, ``1 - lr * weight_decay``) in double before
@@ -25,6 +25,8 @@ from mpgemm.kernels.rounding import cast_rne
 from mpgemm.kernels.tensor_table import (
     BLOCK,
     TRITON_DTYPES,
+    is_aligned,
+    load_block,
     scalar_table,
     table_block,
     table_pointer,
@@ -33,27 +35,40 @@ from mpgemm.kernels.tensor_table import (
 
 
 @triton.jit
-def _load_step_inputs(
-    table_ptr, num_tensors, found_inf_ptr, inv_scale_ptr, NUM_LISTS: tl.constexpr,
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
-    INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """This block's parameter and unscaled gradient in FP32, and the mask of elements to
-    update: none when found_inf is set."""
-    tensor, offsets, mask = table_block(table_ptr, num_tensors, NUM_LISTS, BLOCK)
-    if HAS_FOUND_INF:
-        # Broadcast first: the interpreter cannot AND a block with a scalar.
-        mask = mask & (tl.zeros_like(offsets) + tl.load(found_inf_ptr) == 0.0)
-    p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE) + offsets
-    g_ptr = table_pointer(table_ptr, num_tensors, tensor, 1, GRAD_DTYPE) + offsets
-    p = tl.load(p_ptr, mask=mask).to(tl.float32)
-    g = tl.load(g_ptr, mask=mask).to(tl.float32)
+def _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE: tl.constexpr,
+                   HAS_INV_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
+    """The block's gradient in FP32, unscaled and rounded to its own dtype as
+    ``GradScaler.unscale_`` would leave it, negated to maximise."""
+    g = load_block(g_ptr, mask).to(tl.float32)
     if HAS_INV_SCALE:
         g = cast_rne(g * tl.load(inv_scale_ptr), GRAD_DTYPE, INTERPRETED).to(tl.float32)
     if MAXIMIZE:
         g = -g
-    return tensor, offsets, mask, p_ptr, p, g
+    return g
+
+
+@triton.jit
+def _sgd_block(
+    p_ptr, g_ptr, buf_ptr, mask, inv_scale_ptr, lr, momentum, weight_decay,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    p = load_block(p_ptr, mask).to(tl.float32)
+    g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE,
+                       INTERPRETED)
+    if weight_decay != 0:
+        g = g + weight_decay.to(tl.float32) * p
+    if HAS_MOMENTUM:
+        buf = load_block(buf_ptr, mask).to(tl.float32) * momentum.to(tl.float32) + g
+        tl.store(buf_ptr, cast_rne(buf, PARAM_DTYPE, INTERPRETED), mask=mask)
+        if NESTEROV:
+            g = g + momentum.to(tl.float32) * buf
+        else:
+            g = buf
+    p = p - lr.to(tl.float32) * g
+    tl.store(p_ptr, cast_rne(p, PARAM_DTYPE, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -68,27 +83,61 @@ def _sgd_kernel(
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     # flags
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    tensor, offsets, mask, p_ptr, p, g = _load_step_inputs(
-        table_ptr, num_tensors, found_inf_ptr, inv_scale_ptr, 3, PARAM_DTYPE, GRAD_DTYPE,
-        HAS_FOUND_INF, HAS_INV_SCALE, MAXIMIZE, INTERPRETED, BLOCK,
-    )
+    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 3, BLOCK)
+    p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE, ALIGNED) + offsets
+    g_ptr = table_pointer(table_ptr, num_tensors, tensor, 1, GRAD_DTYPE, ALIGNED) + offsets
+    buf_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE, ALIGNED) + offsets
     lr = tl.load(hyper_ptr)
     momentum = tl.load(hyper_ptr + 1)
     weight_decay = tl.load(hyper_ptr + 2)
-    if weight_decay != 0:
-        g = g + weight_decay.to(tl.float32) * p
-    if HAS_MOMENTUM:
-        buf_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE) + offsets
-        buf = tl.load(buf_ptr, mask=mask).to(tl.float32) * momentum.to(tl.float32) + g
-        tl.store(buf_ptr, cast_rne(buf, PARAM_DTYPE, INTERPRETED), mask=mask)
-        if NESTEROV:
-            g = g + momentum.to(tl.float32) * buf
+    take_step = True
+    if HAS_FOUND_INF:
+        take_step = tl.load(found_inf_ptr) == 0.0
+    if take_step:
+        # Whole blocks go unmasked, which lets the compiler vectorise their loads.
+        if full:
+            _sgd_block(p_ptr, g_ptr, buf_ptr, None, inv_scale_ptr, lr, momentum,
+                       weight_decay, PARAM_DTYPE, GRAD_DTYPE, HAS_MOMENTUM, NESTEROV,
+                       MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
         else:
-            g = buf
-    p = p - lr.to(tl.float32) * g
+            _sgd_block(p_ptr, g_ptr, buf_ptr, mask, inv_scale_ptr, lr, momentum,
+                       weight_decay, PARAM_DTYPE, GRAD_DTYPE, HAS_MOMENTUM, NESTEROV,
+                       MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
+
+
+@triton.jit
+def _adam_block(
+    p_ptr, g_ptr, m_ptr, v_ptr, mask, inv_scale_ptr,
+    lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    DECOUPLED_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    p = load_block(p_ptr, mask).to(tl.float32)
+    g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE,
+                       INTERPRETED)
+    if weight_decay != 0:
+        if DECOUPLED_WEIGHT_DECAY:
+            p = p * (1.0 - lr * weight_decay).to(tl.float32)
+        else:
+            g = g + weight_decay.to(tl.float32) * p
+    m = load_block(m_ptr, mask).to(tl.float32)
+    v = load_block(v_ptr, mask).to(tl.float32)
+    # torch.lerp's two forms, each exact at its end of the weight range
+    weight = (1.0 - beta1).to(tl.float32)
+    if weight < 0.5:
+        m = m + weight * (g - m)
+    else:
+        m = g - (g - m) * (1.0 - weight)
+    v = v * beta2.to(tl.float32) + (1.0 - beta2).to(tl.float32) * g * g
+    # IEEE square root and division, as torch's: tl.sqrt and "/" are approximate on GPUs.
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps.to(tl.float32)
+    p = p - step_size * tl.div_rn(m, denom)
+    tl.store(m_ptr, cast_rne(m, PARAM_DTYPE, INTERPRETED), mask=mask)
+    tl.store(v_ptr, cast_rne(v, PARAM_DTYPE, INTERPRETED), mask=mask)
     tl.store(p_ptr, cast_rne(p, PARAM_DTYPE, INTERPRETED), mask=mask)
 
 
@@ -104,43 +153,40 @@ def _adam_kernel(
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     # flags
     DECOUPLED_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    tensor, offsets, mask, p_ptr, p, g = _load_step_inputs(
-        table_ptr, num_tensors, found_inf_ptr, inv_scale_ptr, 5, PARAM_DTYPE, GRAD_DTYPE,
-        HAS_FOUND_INF, HAS_INV_SCALE, MAXIMIZE, INTERPRETED, BLOCK,
-    )
+    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 5, BLOCK)
+    p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE, ALIGNED) + offsets
+    g_ptr = table_pointer(table_ptr, num_tensors, tensor, 1, GRAD_DTYPE, ALIGNED) + offsets
+    m_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE, ALIGNED) + offsets
+    v_ptr = table_pointer(table_ptr, num_tensors, tensor, 3, PARAM_DTYPE, ALIGNED) + offsets
     lr = tl.load(hyper_ptr)
     beta1 = tl.load(hyper_ptr + 1)
     beta2 = tl.load(hyper_ptr + 2)
     eps = tl.load(hyper_ptr + 3)
     weight_decay = tl.load(hyper_ptr + 4)
-    if weight_decay != 0:
-        if DECOUPLED_WEIGHT_DECAY:
-            p = p * (1.0 - lr * weight_decay).to(tl.float32)
-        else:
-            g = g + weight_decay.to(tl.float32) * p
-    m_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE) + offsets
-    v_ptr = table_pointer(table_ptr, num_tensors, tensor, 3, PARAM_DTYPE) + offsets
-    m = tl.load(m_ptr, mask=mask).to(tl.float32)
-    v = tl.load(v_ptr, mask=mask).to(tl.float32)
-    # torch.lerp's two forms, each exact at its end of the weight range
-    weight = (1.0 - beta1).to(tl.float32)
-    if weight < 0.5:
-        m = m + weight * (g - m)
-    else:
-        m = g - (g - m) * (1.0 - weight)
-    v = v * beta2.to(tl.float32) + (1.0 - beta2).to(tl.float32) * g * g
-    # The step count, already advanced for this step, gives the bias corrections.
-    t = tl.load(table_pointer(table_ptr, num_tensors, tensor, 4, tl.float32)).to(tl.float64)
+    # The step count, already advanced for this step, gives the bias corrections, in
+    # double as torch takes them.
+    t = tl.load(table_pointer(table_ptr, num_tensors, tensor, 4, tl.float32, False))
+    t = t.to(tl.float64)
     step_size = (lr / (1.0 - tl.exp(t * tl.log(beta1)))).to(tl.float32)
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(tl.float32)
-    denom = tl.sqrt(v) / bias_correction2_sqrt + eps.to(tl.float32)
-    p = p - step_size * (m / denom)
-    tl.store(m_ptr, cast_rne(m, PARAM_DTYPE, INTERPRETED), mask=mask)
-    tl.store(v_ptr, cast_rne(v, PARAM_DTYPE, INTERPRETED), mask=mask)
-    tl.store(p_ptr, cast_rne(p, PARAM_DTYPE, INTERPRETED), mask=mask)
+    take_step = True
+    if HAS_FOUND_INF:
+        take_step = tl.load(found_inf_ptr) == 0.0
+    if take_step:
+        # Whole blocks go unmasked, which lets the compiler vectorise their loads.
+        if full:
+            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, None, inv_scale_ptr, lr, beta1, beta2,
+                        eps, weight_decay, step_size, bias_correction2_sqrt, PARAM_DTYPE,
+                        GRAD_DTYPE, DECOUPLED_WEIGHT_DECAY, MAXIMIZE, HAS_INV_SCALE,
+                        INTERPRETED)
+        else:
+            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, mask, inv_scale_ptr, lr, beta1, beta2,
+                        eps, weight_decay, step_size, bias_correction2_sqrt, PARAM_DTYPE,
+                        GRAD_DTYPE, DECOUPLED_WEIGHT_DECAY, MAXIMIZE, HAS_INV_SCALE,
+                        INTERPRETED)
 
 
 def _launch(kernel, lists, found_inf, inv_scale, hyper, **flags) -> None:
@@ -154,7 +200,7 @@ def _launch(kernel, lists, found_inf, inv_scale, hyper, **flags) -> None:
         scalar_table(hyper, table.device),
         PARAM_DTYPE=TRITON_DTYPES[lists[0][0].dtype], GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
         HAS_FOUND_INF=found_inf is not None, HAS_INV_SCALE=inv_scale is not None,
-        INTERPRETED=INTERPRET, BLOCK=BLOCK,
+        ALIGNED=is_aligned(lists[:4]), INTERPRETED=INTERPRET, BLOCK=BLOCK,
         num_warps=8,
         **flags,
     )

@@ -71,6 +71,12 @@ def tensor_table(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor,
     return _cached(key, build)
 
 
+def is_aligned(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
+    """Whether every tensor starts on a 16-byte boundary (the caching allocator's
+    blocks do; views at an offset may not): the kernels' ``ALIGNED`` flag."""
+    return all(t.data_ptr() % 16 == 0 for lst in lists for t in lst)
+
+
 def scalar_table(values: Sequence[float], device: torch.device) -> torch.Tensor:
     """``values`` as an FP64 tensor on ``device``, cached by value.
 
@@ -99,17 +105,38 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def table_block(table_ptr, num_tensors, NUM_LISTS: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's block: ``(tensor index, element offsets, mask)``."""
+    """This program's block: ``(tensor index, element offsets, mask, full)``; ``full``
+    when the whole block lies inside the tensor, so that it can go unmasked."""
     pid = tl.program_id(0)
     tensor = tl.load(table_ptr + (NUM_LISTS + 2) * num_tensors + pid)
     numel = tl.load(table_ptr + NUM_LISTS * num_tensors + tensor)
     first = tl.load(table_ptr + (NUM_LISTS + 1) * num_tensors + tensor)
-    offsets = (pid - first) * BLOCK + tl.arange(0, BLOCK)
-    return tensor, offsets, offsets < numel
+    start = (pid - first) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    # Blocks start at multiples of BLOCK: with aligned bases, loads can be 16 bytes wide.
+    offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
+    return tensor, offsets, offsets < numel, start + BLOCK <= numel
 
 
 @triton.jit
-def table_pointer(table_ptr, num_tensors, tensor, list_index: tl.constexpr, DTYPE: tl.constexpr):
-    """The address of tensor ``tensor`` of list ``list_index``, as a ``DTYPE`` pointer."""
+def table_pointer(
+    table_ptr, num_tensors, tensor, list_index: tl.constexpr, DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """The address of tensor ``tensor`` of list ``list_index``, as a ``DTYPE`` pointer;
+    ``ALIGNED`` promises it is a multiple of 16 bytes (``is_aligned``)."""
     address = tl.load(table_ptr + list_index * num_tensors + tensor)
-    return address.to(tl.pointer_type(DTYPE), bitcast=True)
+    pointer = address.to(tl.pointer_type(DTYPE), bitcast=True)
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
+def load_block(pointer, mask):
+    """``pointer``'s block, masked (zeros outside) unless ``mask`` is None."""
+    if mask is None:
+        x = tl.load(pointer)
+    else:
+        x = tl.load(pointer, mask=mask, other=0.0)
+    return x

@@ -25,10 +25,24 @@ from mpgemm.kernels.rounding import cast_rne
 from mpgemm.kernels.tensor_table import (
     BLOCK,
     TRITON_DTYPES,
+    is_aligned,
+    load_block,
     table_block,
     table_pointer,
     tensor_table,
 )
+
+
+@triton.jit
+def _unscale_block(src, dst, mask, found_inf_ptr, inv_scale_ptr,
+                   DST_DTYPE: tl.constexpr, WRITE: tl.constexpr, INTERPRETED: tl.constexpr):
+    x = load_block(src, mask).to(tl.float32)
+    non_finite = (x != x) | (tl.abs(x) == float("inf"))
+    if tl.max(non_finite.to(tl.int32), axis=0) > 0:
+        tl.store(found_inf_ptr, 1.0)
+    if WRITE:
+        y = x * tl.load(inv_scale_ptr)
+        tl.store(dst, cast_rne(y, DST_DTYPE, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -41,19 +55,21 @@ def _unscale_kernel(
     SRC_DTYPE: tl.constexpr, DST_DTYPE: tl.constexpr,
     # False: check only, nothing written
     WRITE: tl.constexpr,
+    # every tensor starts on a 16-byte boundary
+    ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    tensor, offsets, mask = table_block(table_ptr, num_tensors, 2, BLOCK)
-    src = table_pointer(table_ptr, num_tensors, tensor, 0, SRC_DTYPE)
-    x = tl.load(src + offsets, mask=mask, other=0.0).to(tl.float32)
-    non_finite = (x != x) | (tl.abs(x) == float("inf"))
-    if tl.max(non_finite.to(tl.int32), axis=0) > 0:
-        tl.store(found_inf_ptr, 1.0)
-    if WRITE:
-        dst = table_pointer(table_ptr, num_tensors, tensor, 1, DST_DTYPE)
-        y = x * tl.load(inv_scale_ptr)
-        tl.store(dst + offsets, cast_rne(y, DST_DTYPE, INTERPRETED), mask=mask)
+    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 2, BLOCK)
+    src = table_pointer(table_ptr, num_tensors, tensor, 0, SRC_DTYPE, ALIGNED) + offsets
+    dst = table_pointer(table_ptr, num_tensors, tensor, 1, DST_DTYPE, ALIGNED) + offsets
+    # Whole blocks go unmasked, which lets the compiler vectorise their loads.
+    if full:
+        _unscale_block(src, dst, None, found_inf_ptr, inv_scale_ptr,
+                       DST_DTYPE, WRITE, INTERPRETED)
+    else:
+        _unscale_block(src, dst, mask, found_inf_ptr, inv_scale_ptr,
+                       DST_DTYPE, WRITE, INTERPRETED)
 
 
 def triton_unscale_(
@@ -73,13 +89,14 @@ def triton_unscale_(
         return
     write = inv_scale is not None
     dst = src if dst is None else dst
-    table, num_tensors, num_blocks = tensor_table([src, dst])
+    lists = [src, dst]
+    table, num_tensors, num_blocks = tensor_table(lists)
     if num_blocks == 0:
         return
     _unscale_kernel[(num_blocks,)](
         table, num_tensors,
         found_inf, inv_scale if write else found_inf,
         SRC_DTYPE=TRITON_DTYPES[src[0].dtype], DST_DTYPE=TRITON_DTYPES[dst[0].dtype],
-        WRITE=write, INTERPRETED=INTERPRET, BLOCK=BLOCK,
+        WRITE=write, ALIGNED=is_aligned(lists), INTERPRETED=INTERPRET, BLOCK=BLOCK,
         num_warps=8,
     )

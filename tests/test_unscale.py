@@ -109,3 +109,21 @@ def test_scale_update_follows_torch_for_every_branch(device):
         case = (scale0, growth, backoff, interval, tracker0, found_inf)
         assert_same_bits(ours[0], ref[0], f"scale {case}")
         assert torch.equal(ours[1], ref[1]), f"tracker {case}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_views_off_a_16_byte_boundary(device, dtype):
+    # A view one element into its storage: the kernel must not assume aligned, vector-
+    # wide addresses (the launcher checks every base address).
+    storage = (torch.randn(9001) * 100).to(dtype).to(device)
+    grads = [storage[1:], torch.randn(300, device=device).to(dtype)]
+    assert grads[0].data_ptr() % 16 != 0
+    outside = storage[:1].clone()
+    expected = [g.clone() for g in grads]
+    inv = torch.tensor(1 / 3, device=device)
+    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
+    unscale_(grads, found, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_ref, inv)
+    for g, e in zip(grads, expected, strict=True):
+        assert_same_bits(g, e, "unaligned view")
+    assert_same_bits(storage[:1], outside, "the element before the view")
