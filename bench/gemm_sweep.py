@@ -18,30 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
-import time
 
 import torch
+from timing import environment, median_ms
 
 import mpgemm
 
 GPU_SQUARES = [1024, 2048, 4096, 8192]
 MLP_SHAPES = [(8192, 4096, 4096), (8192, 784, 4096)]
-
-
-def median_ms(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=100, rep=500, return_mode="median")
-    fn()  # warm-up
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def tflops(m: int, k: int, n: int, ms: float) -> float:
@@ -66,20 +50,6 @@ def measure_shape(m: int, k: int, n: int, device: torch.device) -> dict:
         "in_kernel_cast_speedup": timings["mpgemm_fp32_weight_cast_first"]
         / timings["mpgemm_fp32_weight_in_kernel"],
     }
-
-
-def environment(device: torch.device) -> dict:
-    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    return info
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
