@@ -153,8 +153,9 @@ class GradScaler:
                     )
                 grad = param.grad
                 if grad.is_sparse:
-                    grad = grad.coalesce() if grad.dtype == torch.float16 else grad
-                    param.grad = grad
+                    if grad.dtype == torch.float16:
+                        # As torch: sum duplicate indices now, not later in FP16.
+                        param.grad = grad = grad.coalesce()
                     grad = grad._values()
                 grads[grad.device].append(grad)
         found_infs = {}
@@ -208,12 +209,7 @@ class GradScaler:
             if state["stage"] is OptState.READY:
                 # Check only: the optimizer unscales as it reads the gradients.
                 state["found_inf_per_device"] = self._unscale_grads(optimizer, None, True)
-            found_inf = sum(
-                t.to(scale.device, non_blocking=True)
-                for t in state["found_inf_per_device"].values()
-            )
-            if not isinstance(found_inf, torch.Tensor):  # no gradients at all
-                found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+            found_inf = self._found_inf(optimizer)
             previous = getattr(optimizer, "grad_scale", None)
             if state["stage"] is OptState.UNSCALED:
                 optimizer.grad_scale = previous
@@ -241,6 +237,15 @@ class GradScaler:
             result = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return result
+
+    def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """This iteration's inf/NaN flags for ``optimizer``, summed over devices, on the
+        scale's device (zero when none was recorded)."""
+        scale = self._require_scale("step")
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        for flag in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            found_inf = found_inf + flag.to(scale.device, non_blocking=True)
+        return found_inf
 
     # -- the scale update ------------------------------------------------------------
 

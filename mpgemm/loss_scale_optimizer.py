@@ -16,6 +16,7 @@ With one of mpgemm's fused optimizers inside, a step never synchronises with the
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,13 +78,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._install_masters(group)
         self._skipped = torch.zeros((), dtype=torch.int64, device=params[0].device)
         self._grads_unscaled = False
-        # What torch.optim.Optimizer.__init__ would set up for hooks, without its groups.
-        for name in (
-            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, name, {})
+        # Step hooks as torch.optim.Optimizer.__init__ sets them up (without its groups):
+        # register_step_pre_hook / register_step_post_hook work on the wrapper.
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
 
     # -- the wrapped optimizer's face ------------------------------------------------
 
@@ -179,9 +178,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._copy_grads_to_masters()
         self._grads_unscaled = False
         self.scaler.step(self.optimizer)
-        found_infs = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
-        for found_inf in found_infs.values():
-            self._skipped += (found_inf.to(self._skipped.device) != 0).to(torch.int64)
+        found_inf = self.scaler._found_inf(self.optimizer).to(self._skipped.device)
+        self._skipped += (found_inf != 0).to(torch.int64)
         self.scaler.update()
         # A skipped step left the masters as they were, so this rewrites the same values.
         for param, master in self._master_pairs:

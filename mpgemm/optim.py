@@ -114,10 +114,12 @@ class SGD(_ScaledStep, torch.optim.SGD):
 class _FusedAdamStep(_ScaledStep):
     _decoupled_weight_decay = False
 
-    def _init(self, params, lr, betas, eps, weight_decay, amsgrad, maximize, base) -> None:
+    def _init(self, params, lr, betas, eps, weight_decay, amsgrad, maximize) -> None:
         _check_supported(amsgrad=amsgrad, tensor_lr=isinstance(lr, torch.Tensor))
-        base.__init__(
-            self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        # torch.optim.Adam's or AdamW's, next in the MRO. capturable: the step counts
+        # live on the parameters' device, and load_state_dict puts them there.
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             maximize=maximize, capturable=True,
         )
 
@@ -163,7 +165,7 @@ class Adam(_FusedAdamStep, torch.optim.Adam):
         *,
         maximize: bool = False,
     ) -> None:
-        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize, torch.optim.Adam)
+        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize)
 
 
 class AdamW(_FusedAdamStep, torch.optim.AdamW):
@@ -183,4 +185,4 @@ class AdamW(_FusedAdamStep, torch.optim.AdamW):
         *,
         maximize: bool = False,
     ) -> None:
-        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize, torch.optim.AdamW)
+        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize)

@@ -276,3 +276,13 @@ def test_mlp_of_mpgemm_linear_reaches_the_fp32_loss(device, monkeypatch):
     assert final[0] < 0.3, f"FP32 did not learn: {final[0]}"
     assert abs(final[1] - final[0]) <= 0.05 * final[0] + 1e-3, final
     assert mixed_opt.skipped_steps == 0
+
+
+def test_step_hooks_registered_on_the_wrapper_run(device):
+    model = _mlp(device)
+    wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    wrapped.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    wrapped.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    _run_wrapper(model, wrapped, 2, device)
+    assert calls == ["pre", "post"] * 2
