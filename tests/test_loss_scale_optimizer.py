@@ -286,3 +286,18 @@ def test_step_hooks_registered_on_the_wrapper_run(device):
     wrapped.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
     _run_wrapper(model, wrapped, 2, device)
     assert calls == ["pre", "post"] * 2
+
+
+def test_add_param_group_gives_new_16_bit_params_masters(device):
+    first, second = torch.nn.Linear(4, 4).to(device), torch.nn.Linear(4, 2).to(device).bfloat16()
+    wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(first.parameters(), lr=0.1))
+    wrapped.add_param_group({"params": list(second.parameters()), "lr": 0.01})
+    masters = wrapped.param_groups[1]["params"]
+    assert [m.dtype for m in masters] == [torch.float32, torch.float32]
+    x = torch.randn(3, 4, device=device)
+    wrapped.scale_loss(second(first(x).bfloat16()).float().sum()).backward()
+    before = [m.detach().clone() for m in masters]
+    wrapped.step()
+    for p, m, b in zip(second.parameters(), masters, before, strict=True):
+        assert not torch.equal(m, b), "the master was stepped"
+        assert_same_bits(p.detach(), m.detach().bfloat16(), "param = round(master)")
