@@ -1,0 +1,96 @@
+"""The data loaders of ``mpgemm train`` on small files the tests write: Keras's
+mnist.npz, IDX files plain and gzipped, and malformed files of each kind."""
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+from mpgemm.data import DataError, load, load_digits, load_mnist, synthetic
+
+
+def _images(n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(n, 4, 5), dtype=np.uint8), rng.integers(0, 10, size=n,
+                                                                              dtype=np.uint8)
+
+
+def _idx_bytes(array: np.ndarray) -> bytes:
+    magic = 0x0800 + array.ndim
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    return header + array.astype(np.uint8).tobytes()
+
+
+def _write_idx(folder, gz=False, corrupt=None):
+    (xtr, ytr), (xte, yte) = _images(12, 0), _images(5, 1)
+    files = {"train-images-idx3-ubyte": xtr, "train-labels-idx1-ubyte": ytr,
+             "t10k-images-idx3-ubyte": xte, "t10k-labels-idx1-ubyte": yte}
+    for name, array in files.items():
+        raw = _idx_bytes(array)
+        if corrupt == name:
+            raw = raw[:-3]  # truncated
+        if gz:
+            (folder / f"{name}.gz").write_bytes(gzip.compress(raw))
+        else:
+            (folder / name).write_bytes(raw)
+    return xtr, ytr, xte, yte
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_folder_plain_and_gzipped(tmp_path, gz):
+    xtr, ytr, xte, yte = _write_idx(tmp_path, gz=gz)
+    data = load_mnist(tmp_path)
+    assert data.x_train.shape == (12, 20) and data.x_test.shape == (5, 20)
+    assert data.x_train.dtype == torch.float32 and data.y_train.dtype == torch.int64
+    torch.testing.assert_close(data.x_train, torch.tensor(xtr.reshape(12, 20) / 255.0).float())
+    assert data.y_test.tolist() == yte.tolist()
+    assert data.num_classes == max(ytr.max(), yte.max()) + 1
+
+
+def test_keras_npz(tmp_path):
+    (xtr, ytr), (xte, yte) = _images(10, 2), _images(4, 3)
+    path = tmp_path / "mnist.npz"
+    np.savez(path, x_train=xtr, y_train=ytr, x_test=xte, y_test=yte)
+    data = load(str(path))
+    assert data.x_train.shape == (10, 20) and float(data.x_train.max()) <= 1.0
+    assert data.y_train.tolist() == ytr.tolist()
+
+
+def test_malformed_files_name_the_file_and_fault(tmp_path):
+    _write_idx(tmp_path, corrupt="t10k-labels-idx1-ubyte")
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte: header says shape \(5,\)"):
+        load_mnist(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x03" + b"\x00" * 20)
+    with pytest.raises(DataError, match="magic number 0x00000803, expected 0x00000801"):
+        load_mnist(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(DataError, match="no t10k-labels-idx1-ubyte"):
+        load_mnist(tmp_path)
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x_train=np.zeros((3, 2, 2)), y_train=np.zeros(3))
+    with pytest.raises(DataError, match="missing array.*x_test, y_test"):
+        load_mnist(bad)
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"not a zip file")
+    with pytest.raises(DataError, match="garbage.npz: not a readable .npz"):
+        load_mnist(garbage)
+    mismatched = tmp_path / "mismatched.npz"
+    np.savez(mismatched, x_train=np.zeros((3, 2, 2)), y_train=np.zeros(4),
+             x_test=np.zeros((2, 2, 2)), y_test=np.zeros(2))
+    with pytest.raises(DataError, match="3 training images but 4 labels"):
+        load_mnist(mismatched)
+    with pytest.raises(DataError, match="no such file or folder"):
+        load_mnist(tmp_path / "absent")
+
+
+def test_digits_split_is_fixed_and_synthetic_has_its_size():
+    a, b = load_digits(), load_digits()
+    assert a.x_train.shape == (1437, 64) and a.x_test.shape == (360, 64)
+    assert torch.equal(a.y_test, b.y_test) and a.num_classes == 10
+    assert float(a.x_train.max()) == 1.0
+    data = synthetic(12, 100, seed=3)
+    assert data.x_train.shape == (80, 12) and data.x_test.shape == (20, 12)
+    assert torch.equal(data.y_test, synthetic(12, 100, seed=3).y_test)
+    with pytest.raises(DataError, match="samples >= 10"):
+        synthetic(12, 5)
