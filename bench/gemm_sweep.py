@@ -20,9 +20,10 @@ import argparse
 import json
 
 import torch
-from timing import environment, median_ms
+from timing import median_ms
 
 import mpgemm
+from mpgemm.report import environment
 
 GPU_SQUARES = [1024, 2048, 4096, 8192]
 MLP_SHAPES = [(8192, 4096, 4096), (8192, 784, 4096)]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a lent GPU should do in one call (the device tool runs this in the repo root):
 # install, run the test suite on compiled kernels (not the interpreter), then the GEMM
-# sweep and the loss-scaling benchmark (unscale GB/s, host syncs per step). Raw output lands in $OUT (or bench/results/ when OUT is unset).
+# sweep, the loss-scaling benchmark (unscale GB/s, host syncs per step), and the main
+# job on the TensorFlow guide's MLP and on the small MLP that mixed precision slows down. Raw output lands in $OUT (or bench/results/ when OUT is unset).
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -13,3 +14,7 @@ unset TRITON_INTERPRET
 python -m pytest -q 2>&1 | tee "$out/pytest_gpu.txt"
 python bench/gemm_sweep.py --out "$out/gemm_sweep.json" 2>&1 | tee "$out/gemm_sweep.txt"
 python bench/scaling_bench.py --out "$out/scaling_bench.json" 2>&1 | tee "$out/scaling_bench.txt"
+mpgemm train --mode all --data synthetic --features 784 --samples 65536 --hidden 4096,4096 \
+  --batch-size 8192 --steps 200 --no-progress --out "$out/train_guide_mlp" 2>&1 | tee "$out/train_guide_mlp.txt"
+mpgemm train --mode all --data synthetic --features 784 --samples 60000 --hidden 128 \
+  --batch-size 128 --steps 1000 --no-progress --out "$out/train_small_mlp" 2>&1 | tee "$out/train_small_mlp.txt"

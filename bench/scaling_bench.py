@@ -25,9 +25,10 @@ import json
 import warnings
 
 import torch
-from timing import environment, median_ms
+from timing import median_ms
 
 import mpgemm
+from mpgemm.report import environment
 from mpgemm.scaling import unscale_
 
 

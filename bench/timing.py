@@ -1,4 +1,4 @@
-"""Timing and environment helpers shared by the benchmark scripts.
+"""Timing shared by the benchmark scripts.
 
 On a GPU a timing is the median of ``triton.testing.do_bench`` (CUDA events around
 each call, warm-up first so autotuning and compilation stay out). Without one, a few
@@ -7,7 +7,6 @@ wall-clock calls on the CPU, which only show that the code runs.
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 
@@ -26,17 +25,3 @@ def median_ms(fn, device: torch.device) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
-
-
-def environment(device: torch.device) -> dict:
-    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    return info

@@ -1,3 +1,5 @@
-from mpgemm.demo import main
+import sys
 
-main()
+from mpgemm.cli import main
+
+sys.exit(main())

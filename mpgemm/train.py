@@ -1,0 +1,257 @@
+"""Train one MLP three ways, from the same initial weights on the same data order:
+
+- ``fp32``: plain FP32 training;
+- ``autocast``: ``torch.autocast`` (FP16) + ``torch.amp.GradScaler`` + the same optimizer;
+- ``mpgemm``: ``mpgemm.convert`` (FP16 operands, FP32 weights, FP32 logits) +
+  ``mpgemm.LossScaleOptimizer`` around mpgemm's fused optimizer.
+
+Each run reports test accuracy, the final training loss, milliseconds per step after a
+warm-up (timed between two device synchronisations, so that nothing is added inside
+the steps), samples per second, peak GPU memory, skipped steps and the final loss scale.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+import mpgemm
+from mpgemm.data import Dataset
+
+__all__ = ["MODES", "ModeResult", "TrainConfig", "build_mlp", "train"]
+
+MODES = ("fp32", "autocast", "mpgemm")
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train and how. ``steps``, when given, replaces ``epochs``; the first
+    ``warmup_steps`` steps (compilation, autotuning, allocator growth) are not timed."""
+
+    hidden: tuple[int, ...] = (256, 256)
+    batch_size: int = 64
+    epochs: int = 20
+    steps: int | None = None
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    seed: int = 0
+    device: str = "cpu"
+    warmup_steps: int = 10
+
+    def __post_init__(self) -> None:
+        if not self.hidden or any(not isinstance(w, int) or w < 1 for w in self.hidden):
+            raise ValueError(f"hidden widths must be positive integers, got {self.hidden}")
+        for name in ("batch_size", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                             f"got {self.optimizer!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available on this machine")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    test_accuracy: float
+    final_loss: float
+    ms_per_step: float
+    samples_per_s: float
+    peak_memory_mb: float | None
+    skipped_steps: int
+    final_loss_scale: float | None
+    steps: int
+    losses: list[float] = field(repr=False)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_mlp(features: int, hidden: tuple[int, ...], classes: int) -> nn.Sequential:
+    """Linear -> ReLU for each hidden width, then a Linear head with ``classes`` logits."""
+    layers, width = [], features
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+def _batches(data: Dataset, config: TrainConfig) -> list[torch.Tensor]:
+    """Index batches, the same for every mode: a fresh permutation per epoch, the last
+    batch of an epoch possibly short."""
+    g = torch.Generator().manual_seed(config.seed)
+    n = len(data.x_train)
+    per_epoch = math.ceil(n / config.batch_size)
+    total = config.steps or config.epochs * per_epoch
+    batches = []
+    while len(batches) < total:
+        batches += list(torch.randperm(n, generator=g).split(config.batch_size))
+    return batches[:total]
+
+
+def _optimizer(module, config: TrainConfig, params):
+    if config.optimizer == "adam":
+        return module.Adam(params, lr=config.lr)
+    return module.SGD(params, lr=config.lr, momentum=0.9)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Recipe:
+    """One mode's model, optimizer and training step."""
+
+    def __init__(self, mode: str, model: nn.Module, config: TrainConfig) -> None:
+        self.mode, self.model = mode, model
+        self.device = torch.device(config.device)
+        self.scaler = None
+        self.optimizer_steps = 0
+        if mode == "mpgemm":
+            mpgemm.convert(model)
+            self.optimizer = mpgemm.LossScaleOptimizer(
+                _optimizer(mpgemm.optim, config, model.parameters())
+            )
+            return
+        self.optimizer = _optimizer(torch.optim, config, model.parameters())
+        if mode == "autocast":
+            self.scaler = torch.amp.GradScaler(self.device.type)
+            # torch's scaler skips by not calling step(): count the calls (on the host,
+            # where the scaler has already read the flag).
+            self.optimizer.register_step_post_hook(self._count_step)
+
+    def _count_step(self, *args) -> None:
+        self.optimizer_steps += 1
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.mode == "autocast":
+            with torch.autocast(self.device.type, dtype=torch.float16):
+                logits = self.model(x)
+            # Logits, softmax and loss in FP32.
+            return nn.functional.cross_entropy(logits.float(), y)
+        return nn.functional.cross_entropy(self.model(x), y)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(x, y)
+        if self.mode == "mpgemm":
+            self.optimizer.scale_loss(loss).backward()
+            self.optimizer.step()
+        elif self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        return loss.detach()
+
+    def skipped_steps(self, steps: int) -> int:
+        if self.mode == "mpgemm":
+            return self.optimizer.skipped_steps
+        if self.scaler is not None:
+            return steps - self.optimizer_steps
+        return 0
+
+    def loss_scale(self) -> float | None:
+        if self.mode == "mpgemm":
+            return self.optimizer.loss_scale
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+
+@torch.no_grad()
+def _evaluate(recipe: _Recipe, x: torch.Tensor, y: torch.Tensor, batch: int = 4096):
+    """(mean loss, accuracy) over ``x``, in batches."""
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(x), batch):
+        xb, yb = x[start : start + batch], y[start : start + batch]
+        if recipe.mode == "autocast":
+            with torch.autocast(recipe.device.type, dtype=torch.float16):
+                logits = recipe.model(xb)
+        else:
+            logits = recipe.model(xb)
+        logits = logits.float()
+        total_loss += nn.functional.cross_entropy(logits, yb, reduction="sum").item()
+        correct += (logits.argmax(dim=1) == yb).sum().item()
+    return total_loss / len(x), correct / len(x)
+
+
+def train_mode(
+    mode: str,
+    data: Dataset,
+    config: TrainConfig,
+    initial_state: dict,
+    batches: list[torch.Tensor],
+    *,
+    progress: bool = True,
+) -> ModeResult:
+    """Train a fresh MLP from ``initial_state`` in ``mode`` over ``batches``."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(config.device)
+    model = build_mlp(data.features, config.hidden, data.num_classes)
+    model.load_state_dict(initial_state)
+    model.to(device)
+    recipe = _Recipe(mode, model, config)
+    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    losses = []
+    warmup = min(config.warmup_steps, len(batches) - 1)
+    start = time.perf_counter()
+    for i, index in enumerate(tqdm(batches, desc=f"{mode:>8}", disable=not progress,
+                                   leave=False, unit="step")):
+        if i == warmup:
+            _synchronize(device)
+            start = time.perf_counter()
+        index = index.to(device)
+        losses.append(recipe.step(x_train[index], y_train[index]))
+    _synchronize(device)
+    elapsed = time.perf_counter() - start
+    ms_per_step = elapsed * 1e3 / max(len(batches) - warmup, 1)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    final_loss, _ = _evaluate(recipe, x_train, y_train)
+    _, accuracy = _evaluate(recipe, data.x_test.to(device), data.y_test.to(device))
+    return ModeResult(
+        mode=mode,
+        test_accuracy=accuracy,
+        final_loss=final_loss,
+        ms_per_step=ms_per_step,
+        samples_per_s=config.batch_size / (ms_per_step * 1e-3),
+        peak_memory_mb=peak,
+        skipped_steps=recipe.skipped_steps(len(batches)),
+        final_loss_scale=recipe.loss_scale(),
+        steps=len(batches),
+        losses=torch.stack(losses).float().cpu().tolist(),
+    )
+
+
+def train(
+    data: Dataset, config: TrainConfig, modes: tuple[str, ...] = MODES, *, progress: bool = True
+) -> list[ModeResult]:
+    """Train once per mode from the same initial weights on the same batches."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    torch.manual_seed(config.seed)
+    initial = build_mlp(data.features, config.hidden, data.num_classes).state_dict()
+    batches = _batches(data, config)
+    return [
+        train_mode(mode, data, config, initial, batches, progress=progress) for mode in modes
+    ]

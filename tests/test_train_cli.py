@@ -1,0 +1,89 @@
+"""``mpgemm train`` end to end on tiny settings, its results files, its accuracy
+against FP32 on the default settings, and its one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mpgemm.cli import main
+from mpgemm.data import load_digits
+from mpgemm.train import TrainConfig, train
+
+TINY = ["--hidden", "24,16", "--steps", "6", "--warmup-steps", "2", "--batch-size", "32",
+        "--no-progress"]
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "mpgemm"])
+def test_each_mode_trains_and_writes_json_and_png(tmp_path, mode, capsys):
+    assert main(["train", "--mode", mode, *TINY, "--out", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "test acc %" in table and mode in table
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["config"]["hidden"] == [24, 16] and result["data"]["name"] == "digits"
+    (row,) = result["results"]
+    assert row["mode"] == mode and row["steps"] == 6 and len(row["losses"]) == 6
+    assert all(loss > 0 for loss in row["losses"]) and 0 <= row["test_accuracy"] <= 1
+    assert row["ms_per_step"] > 0 and row["skipped_steps"] >= 0
+    assert (row["final_loss_scale"] is None) == (mode == "fp32")
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_all_modes_on_synthetic_data_through_python_m(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "mpgemm", "train", "--data", "synthetic", "--features", "20",
+         "--samples", "200", *TINY, "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert [line.split()[0] for line in run.stdout.splitlines()[2:5]] == [
+        "fp32", "autocast", "mpgemm"]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [r["mode"] for r in result["results"]] == ["fp32", "autocast", "mpgemm"]
+    assert result["data"]["features"] == 20
+
+
+def test_default_settings_mpgemm_within_one_point_of_fp32(monkeypatch):
+    """The default run (digits, 64 -> 256 -> 256 -> 10, 20 epochs of Adam). On the CPU
+    mpgemm runs its reference implementation here (460 interpreted steps would take
+    minutes); the kernels' agreement with it is tested elsewhere."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fp32, mixed = train(load_digits(), TrainConfig(), ("fp32", "mpgemm"), progress=False)
+    assert fp32.test_accuracy > 0.95, fp32
+    assert abs(mixed.test_accuracy - fp32.test_accuracy) <= 0.01, (mixed, fp32)
+    assert mixed.skipped_steps == 0 and mixed.final_loss_scale == 65536.0
+
+
+def _error_line(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        code = main(argv)
+        raise SystemExit(code)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--mode", "fp8"], "invalid choice: 'fp8'"),
+    (["train", "--hidden", "256,0"], "'256,0' is not a comma-separated list of positive"),
+    (["train", "--hidden", "wide"], "'wide' is not a comma-separated list"),
+    (["train", "--batch-size", "-3"], "'-3' is not a positive integer"),
+    (["train", "--data", "/nonexistent/mnist.npz"], "no such file or folder"),
+    (["train", "--lr", "-1"], "lr must be a positive number"),
+])
+def test_bad_input_gets_one_line_and_exit_2(argv, message, capsys):
+    assert message in _error_line(argv, capsys)
+
+
+def test_malformed_data_file_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "mnist.npz"
+    bad.write_bytes(b"PK\x03\x04 broken")
+    assert "not a readable .npz file" in _error_line(["train", "--data", str(bad)], capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_without_a_gpu_is_one_line(capsys):
+    assert "CUDA is not available" in _error_line(["train", "--device", "cuda"], capsys)
