@@ -22,7 +22,7 @@ from torch import nn
 import mpgemm
 from mpgemm.data import Dataset
 
-__all__ = ["MODES", "ModeResult", "TrainConfig", "build_mlp", "train"]
+__all__ = ["MODES", "ModeResult", "Recipe", "TrainConfig", "build_mlp", "train"]
 
 MODES = ("fp32", "autocast", "mpgemm")
 OPTIMIZERS = ("adam", "sgd")
@@ -104,10 +104,10 @@ def _batches(data: Dataset, config: TrainConfig) -> list[torch.Tensor]:
     return batches[:total]
 
 
-def _optimizer(module, config: TrainConfig, params):
+def _optimizer(module, config: TrainConfig, params, **options):
     if config.optimizer == "adam":
-        return module.Adam(params, lr=config.lr)
-    return module.SGD(params, lr=config.lr, momentum=0.9)
+        return module.Adam(params, lr=config.lr, **options)
+    return module.SGD(params, lr=config.lr, momentum=0.9, **options)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -115,10 +115,16 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Recipe:
-    """One mode's model, optimizer and training step."""
+class Recipe:
+    """One mode's model, optimizer and training step (``step(x, y)``), as ``mpgemm
+    train`` and the step benchmarks run it. ``fused_torch_optimizer``: the torch
+    optimizer of the fp32 and autocast modes with ``fused=True`` (else torch's default,
+    foreach on a GPU)."""
 
-    def __init__(self, mode: str, model: nn.Module, config: TrainConfig) -> None:
+    def __init__(
+        self, mode: str, model: nn.Module, config: TrainConfig, *,
+        fused_torch_optimizer: bool = False,
+    ) -> None:
         self.mode, self.model = mode, model
         self.device = torch.device(config.device)
         self.scaler = None
@@ -129,7 +135,8 @@ class _Recipe:
                 _optimizer(mpgemm.optim, config, model.parameters())
             )
             return
-        self.optimizer = _optimizer(torch.optim, config, model.parameters())
+        options = {"fused": True} if fused_torch_optimizer else {}
+        self.optimizer = _optimizer(torch.optim, config, model.parameters(), **options)
         if mode == "autocast":
             self.scaler = torch.amp.GradScaler(self.device.type)
             # torch's scaler skips by not calling step(): count the calls (on the host,
@@ -176,7 +183,7 @@ class _Recipe:
 
 
 @torch.no_grad()
-def _evaluate(recipe: _Recipe, x: torch.Tensor, y: torch.Tensor, batch: int = 4096):
+def _evaluate(recipe: Recipe, x: torch.Tensor, y: torch.Tensor, batch: int = 4096):
     """(mean loss, accuracy) over ``x``, in batches."""
     total_loss, correct = 0.0, 0
     for start in range(0, len(x), batch):
@@ -208,7 +215,7 @@ def train_mode(
     model = build_mlp(data.features, config.hidden, data.num_classes)
     model.load_state_dict(initial_state)
     model.to(device)
-    recipe = _Recipe(mode, model, config)
+    recipe = Recipe(mode, model, config)
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

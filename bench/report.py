@@ -1,0 +1,130 @@
+"""Turn a benchmark JSON into a markdown table and a figure of speedups.
+
+    pytest bench/ --benchmark-only --benchmark-json results.json
+    python bench/report.py results.json --out bench/results/DIR
+
+One row per case and mpgemm variant (``mpgemm``, and ``mpgemm_*`` such as FP32 operands
+or the check alone): its median time, TFLOP/s (or GB/s), and its speedup over each
+baseline (the other implementations) measured in the same run (above 1: mpgemm is
+faster). The figure has one panel per group: ``mpgemm``'s speedup over each baseline,
+case by case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+MPGEMM = "mpgemm"
+
+
+def _is_ours(impl: str) -> bool:
+    return impl.startswith(MPGEMM)
+
+
+def add_derived_metrics(benchmarks: list[dict]) -> None:
+    """Add ``tflops``, ``gb_per_s`` and, to each mpgemm variant's results, ``ratio_to``
+    each baseline of the same group and case (baseline time / mpgemm time)."""
+    cases: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for bench in benchmarks:
+        info = bench["extra_info"]
+        median = bench["stats"]["median"]
+        if info.get("flops"):
+            info["tflops"] = info["flops"] / median / 1e12
+        if info.get("bytes"):
+            info["gb_per_s"] = info["bytes"] / median / 1e9
+        cases[(bench["group"], info["case"])][info["impl"]] = bench
+    for impls in cases.values():
+        for name, ours in impls.items():
+            if _is_ours(name):
+                ours["extra_info"]["ratio_to"] = {
+                    impl: bench["stats"]["median"] / ours["stats"]["median"]
+                    for impl, bench in impls.items() if not _is_ours(impl)
+                }
+
+
+def _rows(benchmarks: list[dict], only_main: bool = False) -> dict[str, list[dict]]:
+    """mpgemm's results by group (only ``mpgemm`` itself, or every variant)."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for bench in benchmarks:
+        impl = bench["extra_info"]["impl"]
+        if impl == MPGEMM or (_is_ours(impl) and not only_main):
+            groups[bench["group"]].append(bench)
+    return groups
+
+
+def markdown(data: dict) -> str:
+    env = data["machine_info"].get("mpgemm", {})
+    lines = [
+        "Device: " + ", ".join(f"{k} {v}" for k, v in env.items()),
+        f"Run: {data.get('datetime', '?')}",
+        "",
+    ]
+    for group, rows in _rows(data["benchmarks"]).items():
+        baselines = sorted({b for r in rows for b in r["extra_info"].get("ratio_to", {})})
+        rate = "TFLOP/s" if any("tflops" in r["extra_info"] for r in rows) else "GB/s"
+        lines += [f"### {group}", "",
+                  "| case | impl | ms | " + rate + " | peak MiB | " +
+                  " | ".join(f"x {b}" for b in baselines) + " |",
+                  "|---" * (5 + len(baselines)) + "|"]
+        for row in rows:
+            info = row["extra_info"]
+            value = info.get("tflops", info.get("gb_per_s"))
+            ratios = [info.get("ratio_to", {}).get(b) for b in baselines]
+            peak = info.get("peak_memory_mb")
+            lines.append(
+                f"| {info['case']} | {info['impl']} | {row['stats']['median'] * 1e3:.3f} | "
+                + ("-" if value is None else f"{value:.3g}") + " | "
+                + ("-" if peak is None else f"{peak:.0f}") + " | "
+                + " | ".join("-" if r is None else f"{r:.2f}" for r in ratios) + " |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def figure(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _rows(data["benchmarks"], only_main=True)
+    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 3.2 * len(groups)), squeeze=False)
+    for ax, (group, rows) in zip(axes[:, 0], groups.items(), strict=True):
+        names = [r["extra_info"]["case"] for r in rows]
+        baselines = sorted({b for r in rows for b in r["extra_info"].get("ratio_to", {})})
+        for baseline in baselines:
+            ratios = [r["extra_info"].get("ratio_to", {}).get(baseline, float("nan"))
+                      for r in rows]
+            ax.plot(names, ratios, "o-", label=f"vs {baseline}")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set(title=group, ylabel="mpgemm speedup")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax.legend(fontsize=8)
+    env = data["machine_info"].get("mpgemm", {})
+    fig.suptitle(f"{env.get('gpu', env.get('device', '?'))}: speedup of mpgemm "
+                 "(baseline time / mpgemm time)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("json", type=Path, help="pytest-benchmark's --benchmark-json file")
+    parser.add_argument("--out", type=Path, help="write report.md and speedup.png here")
+    args = parser.parse_args(argv)
+    data = json.loads(args.json.read_text())
+    text = markdown(data)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "report.md").write_text(text)
+        figure(data, args.out / "speedup.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""gemm: mpgemm.matmul against torch.matmul on FP16 operands (``torch_fp16``: cuBLAS
+on a GPU), under autocast from FP32 operands, and in FP32; mpgemm also from FP32
+operands (rounded in the kernel, where autocast casts first). Work: 2MNK flops."""
+
+import pytest
+import torch
+from harness import ON_GPU
+
+import mpgemm
+
+pytestmark = pytest.mark.benchmark(group="gemm")
+
+# (M, K, N): squares, the TensorFlow guide's MLP layers (batch 8192, 784 -> 4096 ->
+# 4096 -> 10), the small MLP (batch 128, 784 -> 128), a transformer's MLP (8192 tokens,
+# 4096 -> 11008 and back).
+SHAPES = (
+    [(s, s, s) for s in (512, 1024, 2048, 4096, 8192)]
+    + [(8192, 784, 4096), (8192, 4096, 4096), (8192, 4096, 10), (128, 784, 128),
+       (8192, 4096, 11008), (8192, 11008, 4096)]
+    if ON_GPU else [(64, 64, 64), (128, 128, 128), (32, 48, 64)]
+)
+IMPLS = ["mpgemm", "mpgemm_from_fp32", "torch_fp16", "autocast", "fp32"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm(run_case, device, shape, impl):
+    m, k, n = shape
+    a32, b32 = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    a16, b16 = a32.half(), b32.half()
+
+    def autocast():
+        with torch.autocast(device.type, dtype=torch.float16):
+            return torch.matmul(a32, b32)
+
+    fn = {
+        "mpgemm": lambda: mpgemm.matmul(a16, b16),
+        "mpgemm_from_fp32": lambda: mpgemm.matmul(a32, b32),
+        "torch_fp16": lambda: torch.matmul(a16, b16),
+        "autocast": autocast,
+        "fp32": lambda: torch.matmul(a32, b32),
+    }[impl]
+    run_case(fn, case="x".join(map(str, shape)), impl=impl, flops=2 * m * n * k)

@@ -1,0 +1,55 @@
+"""linear: forward, backward and forward+backward of mpgemm.Linear against nn.Linear
+under autocast and in FP32, all from FP32 master weights; the input is the previous
+layer's output (FP16 for the mixed-precision ones). Work: 2MNK flops forward, 4MNK
+backward, 6MNK both."""
+
+import pytest
+import torch
+from harness import ON_GPU
+
+import mpgemm
+
+pytestmark = pytest.mark.benchmark(group="linear")
+
+# (tokens, in, out): the guide's MLP layers, the small MLP, a transformer's MLP.
+SHAPES = (
+    [(8192, 784, 4096), (8192, 4096, 4096), (128, 784, 128), (8192, 4096, 11008),
+     (8192, 11008, 4096)]
+    if ON_GPU else [(64, 48, 32), (128, 96, 64)]
+)
+PHASES = {"forward": 2, "backward": 4, "forward_backward": 6}
+
+
+def _layer(impl, m, k, n, device):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(k, n, device=device)
+    if impl == "mpgemm":
+        layer = mpgemm.Linear.from_linear(layer)
+    dtype = torch.float32 if impl == "fp32" else torch.float16
+    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+
+    def forward():
+        if impl == "autocast":
+            with torch.autocast(device.type, dtype=torch.float16):
+                return layer(x)
+        return layer(x)
+
+    return forward
+
+
+@pytest.mark.parametrize("impl", ["mpgemm", "autocast", "fp32"])
+@pytest.mark.parametrize("phase", list(PHASES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_linear(run_case, device, shape, phase, impl):
+    m, k, n = shape
+    forward = _layer(impl, m, k, n, device)
+    grad = torch.randn(m, n, device=device).to(forward().dtype)
+    case = f"{phase} {'x'.join(map(str, shape))}"
+    flops = PHASES[phase] * m * n * k
+    if phase == "forward":
+        run_case(forward, case=case, impl=impl, flops=flops)
+    elif phase == "backward":
+        run_case(lambda y: y.backward(grad), setup=lambda: ((forward(),), {}),
+                 case=case, impl=impl, flops=flops)
+    else:
+        run_case(lambda: forward().backward(grad), case=case, impl=impl, flops=flops)

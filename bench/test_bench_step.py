@@ -1,0 +1,63 @@
+"""step: a whole training step of an MLP (forward, loss, backward, unscale, optimizer
+step, scale update), as ``mpgemm train`` runs it: mpgemm (convert +
+LossScaleOptimizer(mpgemm.optim.Adam)) against autocast + GradScaler with Adam
+(foreach, and fused=True) and FP32 Adam. Work: 6 x batch x (sum of in x out) flops.
+On a GPU, ``host_syncs`` counts the synchronising CUDA calls of one step
+(``torch.cuda.set_sync_debug_mode``)."""
+
+import warnings
+
+import pytest
+import torch
+from harness import ON_GPU
+
+from mpgemm.train import Recipe, TrainConfig, build_mlp
+
+pytestmark = pytest.mark.benchmark(group="step")
+
+# (name, batch, hidden widths); inputs of 784 features, 10 classes.
+MODELS = (
+    [("guide", 8192, (4096, 4096)), ("small", 128, (128,))]
+    + [(f"width4096 batch{b}", b, (4096, 4096)) for b in (256, 1024, 4096, 16384)]
+    if ON_GPU else [("tiny", 32, (64,)), ("tiny batch128", 128, (64, 64))]
+)
+FEATURES, CLASSES = (784, 10) if ON_GPU else (48, 10)
+IMPLS = {
+    "mpgemm": ("mpgemm", False),
+    "autocast_foreach": ("autocast", False),
+    "autocast_fused": ("autocast", True),
+    "fp32": ("fp32", False),
+}
+
+
+def _host_syncs(step) -> int | None:
+    if not ON_GPU:
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
+def test_training_step(run_case, device, model, impl):
+    name, batch, hidden = model
+    mode, fused = IMPLS[impl]
+    config = TrainConfig(hidden=hidden, batch_size=batch, device=str(device))
+    torch.manual_seed(0)
+    net = build_mlp(FEATURES, hidden, CLASSES).to(device)
+    recipe = Recipe(mode, net, config, fused_torch_optimizer=fused)
+    x = torch.randn(batch, FEATURES, device=device)
+    y = torch.randint(0, CLASSES, (batch,), device=device)
+    widths = (FEATURES, *hidden, CLASSES)
+    flops = 6 * batch * sum(a * b for a, b in zip(widths, widths[1:], strict=False))
+    for _ in range(3):  # compile and autotune before counting syncs
+        recipe.step(x, y)
+    run_case(lambda: recipe.step(x, y), case=name, impl=impl, flops=flops,
+             batch=batch, host_syncs=_host_syncs(lambda: recipe.step(x, y)))
