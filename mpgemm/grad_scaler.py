@@ -108,7 +108,7 @@ class GradScaler:
                 if value.device not in per_device:
                     per_device[value.device] = self._scale.to(value.device, non_blocking=True)
                 return value * per_device[value.device]
-            if isinstance(value, Iterable):
+            if isinstance(value, Iterable) and not isinstance(value, str | bytes):
                 items = map(scaled, value)
                 return type(value)(items) if isinstance(value, list | tuple) else items
             raise ValueError(

@@ -58,6 +58,8 @@ def test_closure_and_bad_outputs_raise(device):
         scaler.step(optimizer, closure=lambda: 0.0)
     with pytest.raises(ValueError, match="iterable of Tensors, got int"):
         scaler.scale([torch.ones(1), 3])
+    with pytest.raises(ValueError, match="got str"):
+        scaler.scale("loss")
 
 
 @pytest.mark.parametrize("kwargs, match", [
