@@ -9,6 +9,11 @@
 set -uo pipefail
 out=${OUT:-bench/results}
 stages=${*:-tests bench train}
+for stage in $stages; do
+  case $stage in tests|bench|train) ;;
+    *) echo "gpu_check.sh: unknown stage $stage (tests, bench, train)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
@@ -30,7 +35,5 @@ for stage in $stages; do
       mpgemm train --mode all --data synthetic --features 784 --samples 60000 --hidden 128 \
         --batch-size 128 --steps 1000 --no-progress \
         --out "$out/train_small_mlp" 2>&1 | tee "$out/train_small_mlp.txt" ;;
-    *)
-      echo "gpu_check.sh: unknown stage $stage (tests, bench, train)" >&2; exit 2 ;;
   esac
 done
