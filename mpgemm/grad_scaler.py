@@ -134,13 +134,33 @@ class GradScaler:
     # -- unscaling and the inf check ---------------------------------------------------
 
     def _unscale_grads(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None, allow_fp16: bool
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor | None,
+        allow_fp16: bool,
+        grad_sources: dict[torch.Tensor, torch.Tensor] | None = None,
     ) -> dict[torch.device, torch.Tensor]:
         """Unscale (or, without ``inv_scale``, only check) ``optimizer``'s gradients in
-        place; returns a found_inf flag per device."""
-        grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        place; returns a found_inf flag per device.
+
+        ``grad_sources`` maps an FP32 master parameter to the 16-bit model parameter
+        whose gradient it takes: that gradient is unscaled straight into the master's
+        (one pass, no copy first)."""
+        sources = grad_sources or {}
+        # per device: [sources], [destinations] (the same tensors when in place)
+        grads: dict[torch.device, tuple[list, list]] = defaultdict(lambda: ([], []))
         for group_index, group in enumerate(optimizer.param_groups):
             for param_index, param in enumerate(group["params"]):
+                if param in sources:
+                    src = sources[param].grad
+                    if src is None:
+                        param.grad = None
+                        continue
+                    if param.grad is None:
+                        param.grad = torch.empty_like(param)
+                    grads[src.device][0].append(src)
+                    grads[src.device][1].append(param.grad)
+                    continue
                 if param.grad is None:
                     continue
                 if not allow_fp16 and param.grad.dtype == torch.float16:
@@ -157,13 +177,14 @@ class GradScaler:
                         # As torch: sum duplicate indices now, not later in FP16.
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
-                grads[grad.device].append(grad)
+                grads[grad.device][0].append(grad)
+                grads[grad.device][1].append(grad)
         found_infs = {}
-        for device, device_grads in grads.items():
+        for device, (srcs, dsts) in grads.items():
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
             inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
             with torch.no_grad():
-                unscale_(device_grads, found_inf, inv)
+                unscale_(srcs, found_inf, inv, dst=dsts)
             if self._found_inf_hook is not None:
                 self._found_inf_hook(found_inf)
             found_infs[device] = found_inf
@@ -173,6 +194,13 @@ class GradScaler:
         """Divide ``optimizer``'s gradients by the scale, in place, and record whether any
         is inf/NaN. Optional: call it between ``backward`` and ``step`` to clip the true
         gradients. At most once per optimizer per ``update()``, and not after ``step``."""
+        self._unscale(optimizer)
+
+    def _unscale(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grad_sources: dict[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         if not self._enabled:
             return
         scale = self._require_scale("unscale_")
@@ -185,7 +213,9 @@ class GradScaler:
             raise RuntimeError("unscale_() is being called after step().")
         # As torch: the reciprocal in double, rounded once to FP32.
         inv_scale = scale.double().reciprocal().float()
-        state["found_inf_per_device"] = self._unscale_grads(optimizer, inv_scale, False)
+        state["found_inf_per_device"] = self._unscale_grads(
+            optimizer, inv_scale, False, grad_sources
+        )
         state["stage"] = OptState.UNSCALED
 
     # -- the step --------------------------------------------------------------------

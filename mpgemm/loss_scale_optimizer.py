@@ -8,9 +8,11 @@ any torch optimizer, in the spirit of Keras's ``LossScaleOptimizer``.
     optimizer.step()                 # unscale, check, step or skip, update the scale
     optimizer.zero_grad()
 
-FP16/BF16 parameters (``model.half()``) get FP32 master copies: the wrapped optimizer
-steps the masters, and the 16-bit parameters are rewritten from them after each step,
-so small updates accumulate in FP32. FP32 parameters (``mpgemm.Linear``) need none.
+FP16/BF16 parameters (``model.half()``) get FP32 master copies: their scaled 16-bit
+gradients are unscaled and checked straight into the masters' FP32 gradients (one
+pass), the wrapped optimizer steps the masters, and the 16-bit parameters are
+rewritten from them after each step, so small updates accumulate in FP32. FP32
+parameters (``mpgemm.Linear``) need none.
 With one of mpgemm's fused optimizers inside, a step never synchronises with the host.
 """
 
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpgemm.grad_scaler import GradScaler
+from mpgemm.grad_scaler import GradScaler, OptState
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -74,10 +76,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._process_group = process_group
         # (16-bit model parameter, its FP32 master) for each parameter that needs one
         self._master_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # master -> model parameter: whose gradient the scaler unscales into the master's
+        self._grad_sources: dict[torch.Tensor, torch.Tensor] = {}
         for group in optimizer.param_groups:
             self._install_masters(group)
         self._skipped = torch.zeros((), dtype=torch.int64, device=params[0].device)
-        self._grads_unscaled = False
         # Step hooks as torch.optim.Optimizer.__init__ sets them up (without its groups):
         # register_step_pre_hook / register_step_post_hook work on the wrapper.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -118,6 +121,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     for k, v in state.items()
                 }
             self._master_pairs.append((param, master))
+            self._grad_sources[master] = param
 
     def master_params(self) -> Iterator[torch.Tensor]:
         """The parameters the wrapped optimizer steps (FP32 masters in place of 16-bit
@@ -151,21 +155,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if reduce:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._process_group)
 
-    def _copy_grads_to_masters(self) -> None:
-        for param, master in self._master_pairs:
-            if param.grad is None:
-                master.grad = None
-            elif master.grad is None:
-                master.grad = param.grad.float()
-            else:
-                master.grad.copy_(param.grad)
-
     def unscale_(self) -> None:
-        """Unscale the gradients now (into the FP32 masters' gradients where there are
-        masters), for clipping: scale, backward, ``unscale_``, clip, ``step``."""
-        self._copy_grads_to_masters()
-        self._grads_unscaled = True
-        self.scaler.unscale_(self.optimizer)
+        """Unscale the gradients now, for clipping: scale, backward, ``unscale_``, clip,
+        ``step``. A 16-bit parameter's gradient is unscaled straight into its FP32
+        master's gradient, in the same pass that checks it."""
+        self.scaler._unscale(self.optimizer, self._grad_sources)
+
+    def _unscaled_this_iteration(self) -> bool:
+        state = self.scaler._per_optimizer_states.get(id(self.optimizer))
+        return state is not None and state["stage"] is not OptState.READY
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -174,9 +172,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         parameters from their masters."""
         if closure is not None:
             raise RuntimeError("LossScaleOptimizer.step does not take a closure")
-        if not self._grads_unscaled:
-            self._copy_grads_to_masters()
-        self._grads_unscaled = False
+        if self._master_pairs and not self._unscaled_this_iteration():
+            # The masters' gradients come from the 16-bit ones: unscale them across now
+            # (the scaler alone would not know where to read them).
+            self.unscale_()
         self.scaler.step(self.optimizer)
         found_inf = self.scaler._found_inf(self.optimizer).to(self._skipped.device)
         self._skipped += (found_inf != 0).to(torch.int64)
