@@ -10,8 +10,8 @@ parameter and state tensor untouched when ``found_inf`` is set, without the host
 reading the flag. Adam's step counts are FP32 tensors on the parameters' device, so a
 skipped step does not advance them either.
 
-Not supported (``ValueError``): SGD's ``dampening``, Adam's ``amsgrad``, tensor
-learning rates, ``differentiable``, sparse gradients.
+Not supported: SGD's ``dampening``, Adam's ``amsgrad``, tensor learning rates, sparse
+gradients (``ValueError``), FP64 parameters (``TypeError``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mpgemm.scaling import adam_step_, advance_steps_, sgd_step_
+from mpgemm.scaling import KERNEL_DTYPES, adam_step_, advance_steps_, sgd_step_
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -53,6 +53,12 @@ class _ScaledStep:
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError(f"sparse gradients are not supported (shape {tuple(p.shape)})")
+            if p.dtype not in KERNEL_DTYPES or p.grad.dtype not in KERNEL_DTYPES:
+                raise TypeError(
+                    f"mpgemm's fused optimizers step FP32, FP16 and BF16 parameters; got a "
+                    f"{p.dtype} parameter of shape {tuple(p.shape)} with a {p.grad.dtype} "
+                    "gradient (use the torch optimizer)"
+                )
         return params
 
     def _run_step(self, closure: Callable | None, step_group: Callable) -> Any:

@@ -18,7 +18,8 @@ import torch
 from mpgemm import scaling_ref
 from mpgemm.functional import backend
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What the kernels take; other dtypes (FP64) go to the reference implementation.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _is_flat(t: torch.Tensor) -> bool:
@@ -33,7 +34,8 @@ def _dispatch(
     """Call ``call(impl, sublists)`` once per dtype group of the parallel ``lists``.
 
     The first ``strided`` lists are addressed elementwise; a position whose tensors are
-    not all flat with equal strides goes to the reference implementation."""
+    not all flat with equal strides, or of a dtype the kernels do not take, goes to the
+    reference implementation."""
     if not lists[0]:
         return
     device = lists[0][0].device
@@ -42,7 +44,8 @@ def _dispatch(
     for index in range(len(lists[0])):
         tensors = [lst[index] for lst in lists[:strided]]
         kernel_ok = use_kernels and all(
-            _is_flat(t) and t.stride() == tensors[0].stride() for t in tensors
+            t.dtype in KERNEL_DTYPES and _is_flat(t) and t.stride() == tensors[0].stride()
+            for t in tensors
         )
         groups[(kernel_ok, *(lst[index].dtype for lst in lists))].append(index)
     for (kernel_ok, *_), indices in groups.items():

@@ -189,3 +189,10 @@ def test_lr_scheduler_drives_the_fused_optimizer(device):
 def test_unsupported_options_raise_value_error(make, option):
     with pytest.raises(ValueError, match=option):
         make([torch.nn.Parameter(torch.randn(3))])
+
+
+def test_fp64_parameters_raise_type_error_naming_dtype_and_shape():
+    param = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.float64))
+    param.grad = torch.ones_like(param)
+    with pytest.raises(TypeError, match=r"torch.float64 parameter of shape \(3, 2\)"):
+        mpgemm.optim.Adam([param]).step()

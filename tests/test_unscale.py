@@ -127,3 +127,17 @@ def test_views_off_a_16_byte_boundary(device, dtype):
     for g, e in zip(grads, expected, strict=True):
         assert_same_bits(g, e, "unaligned view")
     assert_same_bits(storage[:1], outside, "the element before the view")
+
+
+def test_fp64_gradients_take_torchs_op(device):
+    grads = [torch.randn(300, dtype=torch.float64, device=device), torch.randn(70, device=device)]
+    grads[0][5] = float("nan")
+    expected = [g.clone() for g in grads]
+    inv = torch.tensor(0.125, device=device)
+    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
+    unscale_(grads, found, inv)
+    for e in expected:
+        torch._amp_foreach_non_finite_check_and_unscale_([e], found_ref, inv)
+    assert found.item() == found_ref.item() == 1.0
+    for g, e in zip(grads, expected, strict=True):
+        assert_same_bits(g, e, f"{g.dtype} grad")
