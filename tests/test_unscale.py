@@ -26,6 +26,22 @@ def _gradients(dtype, device, *, poison=None):
     return [g.to(device) for g in grads]
 
 
+def _check_against_torch(grads, expected, inv_scale, *, dst=None) -> float:
+    """Run ``unscale_`` on ``grads`` (into ``dst`` if given) and torch's op on
+    ``expected`` (one call per tensor, so dtypes may mix); the flags and every result
+    must agree. Returns the flag."""
+    device = grads[0].device
+    inv = torch.tensor(inv_scale, dtype=torch.float32, device=device)
+    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
+    unscale_(grads, found, inv, dst=dst)
+    for e in expected:
+        torch._amp_foreach_non_finite_check_and_unscale_([e], found_ref, inv)
+    assert found.item() == found_ref.item()
+    for i, (out, e) in enumerate(zip(grads if dst is None else dst, expected, strict=True)):
+        assert_same_bits(out, e, f"{out.dtype} result {i}")
+    return found.item()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inv_scale", [2.0**-16, 1 / 3, 1.0, 7.0])
 @pytest.mark.parametrize(
@@ -34,13 +50,7 @@ def _gradients(dtype, device, *, poison=None):
 def test_unscale_matches_torch(device, dtype, inv_scale, poison):
     grads = _gradients(dtype, device, poison=poison)
     expected = [g.clone() for g in grads]
-    inv = torch.tensor(inv_scale, dtype=torch.float32, device=device)
-    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
-    unscale_(grads, found, inv)
-    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_ref, inv)
-    assert found.item() == found_ref.item() == (poison is not None)
-    for i, (g, e) in enumerate(zip(grads, expected, strict=True)):
-        assert_same_bits(g, e, f"grad {i}")
+    assert _check_against_torch(grads, expected, inv_scale) == (poison is not None)
 
 
 @pytest.mark.parametrize("src_dtype", [torch.float16, torch.bfloat16])
@@ -48,13 +58,7 @@ def test_unscale_into_fp32_masters_equals_unscaling_the_widened_copy(device, src
     grads = _gradients(src_dtype, device, poison=(4, 3, float("nan")))
     masters = [torch.empty(g.shape, device=device) for g in grads]
     expected = [g.float() for g in grads]
-    inv = torch.tensor(2.0**-13, device=device)
-    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
-    unscale_(grads, found, inv, dst=masters)
-    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_ref, inv)
-    assert found.item() == found_ref.item() == 1.0
-    for i, (m, e) in enumerate(zip(masters, expected, strict=True)):
-        assert_same_bits(m, e, f"master grad {i}")
+    assert _check_against_torch(grads, expected, 2.0**-13, dst=masters) == 1.0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -81,14 +85,7 @@ def test_mixed_dtypes_and_gapped_views_in_one_call(device):
     grads[0][7] = float("inf")
     expected_base = base.clone()
     expected = [grads[0].clone(), expected_base[:, ::2], grads[2].clone()]
-    inv = torch.tensor(0.25, device=device)
-    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
-    unscale_(grads, found, inv)
-    for e in expected:
-        torch._amp_foreach_non_finite_check_and_unscale_([e], found_ref, inv)
-    assert found.item() == found_ref.item() == 1.0
-    for i, (g, e) in enumerate(zip(grads, expected, strict=True)):
-        assert_same_bits(g, e, f"grad {i}")
+    assert _check_against_torch(grads, expected, 0.25) == 1.0
     assert_same_bits(base, expected_base, "the skipped columns stay as they were")
 
 
@@ -120,12 +117,7 @@ def test_views_off_a_16_byte_boundary(device, dtype):
     assert grads[0].data_ptr() % 16 != 0
     outside = storage[:1].clone()
     expected = [g.clone() for g in grads]
-    inv = torch.tensor(1 / 3, device=device)
-    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
-    unscale_(grads, found, inv)
-    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_ref, inv)
-    for g, e in zip(grads, expected, strict=True):
-        assert_same_bits(g, e, "unaligned view")
+    assert _check_against_torch(grads, expected, 1 / 3) == 0.0
     assert_same_bits(storage[:1], outside, "the element before the view")
 
 
@@ -133,11 +125,4 @@ def test_fp64_gradients_take_torchs_op(device):
     grads = [torch.randn(300, dtype=torch.float64, device=device), torch.randn(70, device=device)]
     grads[0][5] = float("nan")
     expected = [g.clone() for g in grads]
-    inv = torch.tensor(0.125, device=device)
-    found, found_ref = (torch.zeros((), device=device) for _ in range(2))
-    unscale_(grads, found, inv)
-    for e in expected:
-        torch._amp_foreach_non_finite_check_and_unscale_([e], found_ref, inv)
-    assert found.item() == found_ref.item() == 1.0
-    for g, e in zip(grads, expected, strict=True):
-        assert_same_bits(g, e, f"{g.dtype} grad")
+    assert _check_against_torch(grads, expected, 0.125) == 1.0
