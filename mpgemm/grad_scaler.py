@@ -272,10 +272,17 @@ class GradScaler:
         """This iteration's inf/NaN flags for ``optimizer``, summed over devices, on the
         scale's device (zero when none was recorded)."""
         scale = self._require_scale("step")
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        for flag in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            found_inf = found_inf + flag.to(scale.device, non_blocking=True)
-        return found_inf
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        total = self._sum_flags(flags)
+        return torch.zeros((), device=scale.device) if total is None else total
+
+    def _sum_flags(self, flags: Iterable[torch.Tensor]) -> torch.Tensor | None:
+        """The sum of inf/NaN flags on the scale's device; None when there are none."""
+        total = None
+        for flag in flags:
+            flag = flag.to(self._scale.device, non_blocking=True)
+            total = flag if total is None else total + flag
+        return total
 
     # -- the scale update ------------------------------------------------------------
 
@@ -293,16 +300,13 @@ class GradScaler:
                 self._check_new_scale(new_scale)
                 scale.copy_(new_scale)
         else:
-            found_infs = [
-                found_inf.to(scale.device, non_blocking=True)
+            combined = self._sum_flags(
+                found_inf
                 for state in self._per_optimizer_states.values()
                 for found_inf in state["found_inf_per_device"].values()
-            ]
-            if not found_infs:
+            )
+            if combined is None:
                 raise RuntimeError("No inf checks were recorded prior to update().")
-            combined = found_infs[0]
-            for found_inf in found_infs[1:]:
-                combined = combined + found_inf
             update_scale_(
                 scale, self._growth_tracker, combined,
                 self._growth_factor, self._backoff_factor, self._growth_interval,
