@@ -146,13 +146,16 @@ class Recipe:
     def _count_step(self, *args) -> None:
         self.optimizer_steps += 1
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output in FP32 (mpgemm's head writes FP32 already)."""
         if self.mode == "autocast":
             with torch.autocast(self.device.type, dtype=torch.float16):
-                logits = self.model(x)
-            # Logits, softmax and loss in FP32.
-            return nn.functional.cross_entropy(logits.float(), y)
-        return nn.functional.cross_entropy(self.model(x), y)
+                return self.model(x).float()
+        return self.model(x)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # Logits, softmax and loss in FP32.
+        return nn.functional.cross_entropy(self.logits(x), y)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,12 +191,7 @@ def _evaluate(recipe: Recipe, x: torch.Tensor, y: torch.Tensor, batch: int = 409
     total_loss, correct = 0.0, 0
     for start in range(0, len(x), batch):
         xb, yb = x[start : start + batch], y[start : start + batch]
-        if recipe.mode == "autocast":
-            with torch.autocast(recipe.device.type, dtype=torch.float16):
-                logits = recipe.model(xb)
-        else:
-            logits = recipe.model(xb)
-        logits = logits.float()
+        logits = recipe.logits(xb).float()
         total_loss += nn.functional.cross_entropy(logits, yb, reduction="sum").item()
         correct += (logits.argmax(dim=1) == yb).sum().item()
     return total_loss / len(x), correct / len(x)
