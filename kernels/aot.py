@@ -1,19 +1,25 @@
-"""Compile the shipped kernels ahead of time for an H100, on any machine.
+"""Compile what the GPU will run, ahead of time, for an H100, on any machine.
 
 The interpreter runs the kernels' Python, not the GPU compiler, which has rules of its
-own (layouts, register budgets, what lowers to Hopper's wgmma, approximate math). This
-compiles for ``GPUTarget("cuda", 90, 32)``, with the ptxas that ships inside the triton
-wheel:
-- every autotune config of each GEMM launch the autograd function makes (forward,
-  input gradient, weight gradient, in FP16 and BF16), checking that the PTX uses
-  ``wgmma`` and ptxas reports no spills;
-- each loss-scaling kernel (unscale + check, scale update, SGD and Adam steps) for the
-  dtypes it is launched with, checking for no spills, 16-byte vector loads on whole
-  blocks, and no approximate FP32 math (torch's kernels divide and take square roots
-  exactly, and keep denormals).
-No GPU or driver is needed.
+own (layouts, register budgets, what lowers to Hopper's async wgmma, approximate math).
+This drives the real code paths (``mpgemm.linear`` forward and backward, the loss-scaling
+launchers) on CPU tensors with every launch intercepted (``mpgemm.kernels.launches``),
+and compiles each launch with triton's own JIT for ``GPUTarget("cuda", 90, 32)``: the
+JIT specialises the arguments exactly as on a GPU (integers and strides divisible by 16,
+16-byte-aligned pointers, unit strides), and only then pipelines the GEMM's main loop.
+Each launch kind is compiled at an aligned shape (as at 4096, 8192 or 784) and at an
+unaligned one (odd sizes, an operand off its 16-byte boundary), for every autotune
+config that pruning keeps. The ptxas inside the triton wheel reports registers and
+spills. No GPU or driver is needed.
 
-    python -m mpgemm.kernels.aot     # prints one JSON line per kernel, exit 1 on a defect
+    python -m mpgemm.kernels.aot     # one JSON line per binary, exit 1 on a defect
+
+A defect: a GEMM without wgmma or with register spills; a loss-scaling kernel with
+spills, approximate FP32 math (torch divides and takes square roots exactly and keeps
+denormals) or, when aligned, no 16-byte vector loads. The report also says, per
+binary, how many wgmma groups stay in flight (``wgmma_pending``: the largest N of
+``wgmma.wait_group N``; 0 means every MMA is waited for at once, no overlap), and
+whether ``cp.async`` or TMA (``cp.async.bulk.tensor``) feeds shared memory.
 
 Must run without ``TRITON_INTERPRET=1``: the interpreter replaces ``triton.jit``.
 """
@@ -21,125 +27,190 @@ Must run without ``TRITON_INTERPRET=1``: the interpreter replaces ``triton.jit``
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass
 
-import triton
-import triton.language as tl
+import torch
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.runtime import driver
 
-from mpgemm.kernels.gemm import (
-    ACTIVATIONS,
-    PROLOGUES,
-    _gemm_kernel,
-    _hopper_configs,
-    fits_registers,
-)
-from mpgemm.kernels.tensor_table import BLOCK
+from mpgemm.kernels.launches import compile_launch, intercept, jit_function, named_arguments
 
 HOPPER = GPUTarget("cuda", 90, 32)
+SPECIALIZATIONS = ("aligned", "unaligned")
+# (M, K, N) of a layer: multiples of 16 as the guide's 8192, 784 and 4096 are; or not.
+_SHAPES = {"aligned": (256, 784, 512), "unaligned": (250, 781, 509)}
 
-# The strides that are 1 in each launch of LinearFunction: the JIT turns an int argument
-# of 1 into a constant. The strides not named are compiled as divisible by 16, as the JIT
-# marks them for 4096-wide layers.
-_LAYOUTS = {
-    # y = x @ W.T: A = x (row-major), B = W.T (a transposed view), C row-major
-    "forward": {"stride_ak", "stride_bk", "stride_sk", "stride_cn", "stride_gn"},
-    # dx = dZ @ W: A = dY, B = W, S = the saved activation tensor, all row-major
-    "grad_input": {"stride_ak", "stride_bn", "stride_sk", "stride_cn", "stride_gn"},
-    # dW = dZ.T @ x: A = dY.T and S.T (transposed views), B = x, C = dW row-major
-    "grad_weight": {"stride_am", "stride_bn", "stride_sm", "stride_cn", "stride_gn"},
-}
+
+class _HopperDriver:
+    """Stands in for the CUDA driver while compiling: the JIT asks the active driver
+    only for a device, a stream and the target to compile for."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return HOPPER
+
+
+@contextmanager
+def _hopper_target() -> Iterator[None]:
+    previous = driver._active
+    driver.set_active(_HopperDriver())
+    try:
+        yield
+    finally:
+        driver.set_active(previous)
+
+
+# -- what to compile: the launches of the real code paths ------------------------------
+
+
+def _tensor(shape: tuple[int, ...], dtype: torch.dtype, aligned: bool) -> torch.Tensor:
+    """An uninitialised tensor, or a view of one that starts 2 bytes past a 16-byte
+    boundary (as a slice of a larger buffer can)."""
+    if aligned:
+        return torch.empty(shape, dtype=dtype)
+    numel = 1
+    for size in shape:
+        numel *= size
+    offset = max(1, 2 // torch.empty((), dtype=dtype).element_size())
+    return torch.empty(numel + offset, dtype=dtype)[offset:].view(shape)
+
+
+def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]]:
+    """(label, run) pairs: each ``run`` makes one layer's launches, in the order
+    LinearFunction makes them (forward; input gradient, then weight gradient)."""
+    from mpgemm.functional import linear
+
+    aligned = spec == "aligned"
+    m, k, n = _SHAPES[spec]
+    f32 = torch.float32
+
+    def layer(x_dtype, w_dtype, *, bias, activation, out_dtype=None, grad_x=True):
+        x = _tensor((m, k), x_dtype, aligned).requires_grad_(grad_x)
+        w = _tensor((n, k), w_dtype, aligned).requires_grad_()
+        b = _tensor((n,), f32, aligned).requires_grad_() if bias else None
+        return lambda: linear(x, w, b, activation=activation, compute_dtype=half,
+                              out_dtype=out_dtype)
+
+    def forward_only(x_dtype, w_dtype):
+        x, w = _tensor((m, k), x_dtype, aligned), _tensor((n, k), w_dtype, aligned)
+        return lambda: linear(x, w, compute_dtype=half)
+
+    yield "forward 16-bit", forward_only(half, half)
+    # The layers of a training step from FP32 master weights: the first (FP32 input),
+    # hidden ones with each activation, the FP32 logits.
+    yield "first layer relu", layer(f32, f32, bias=True, activation="relu", grad_x=False)
+    yield "hidden relu", layer(half, f32, bias=True, activation="relu")
+    yield "hidden gelu", layer(half, f32, bias=True, activation="gelu")
+    yield "head", layer(half, f32, bias=True, activation=None, out_dtype=f32)
+    yield "matmul 16-bit", layer(half, half, bias=False, activation=None)
+
+
+def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
+    """The launches GradScaler and the fused optimizers make."""
+    from mpgemm.kernels.optim import triton_adam_step_, triton_sgd_step_
+    from mpgemm.kernels.scale_update import triton_update_scale_
+    from mpgemm.kernels.unscale import triton_unscale_
+
+    aligned = spec == "aligned"
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    one = torch.ones((), dtype=f32)
+
+    def tensors(dtype):
+        return [_tensor((5000,), dtype, aligned) for _ in range(2)]
+
+    for src, dst in ((f32, f32), (f16, f16), (bf16, bf16), (f16, f32), (bf16, f32)):
+        yield f"unscale {src} -> {dst}", lambda s=src, d=dst: triton_unscale_(
+            tensors(s), torch.zeros(()), one, dst=tensors(d))
+    for dtype in (f32, f16, bf16):
+        yield f"check {dtype}", lambda d=dtype: triton_unscale_(tensors(d), torch.zeros(()), None)
+    if aligned:
+        yield "scale update", lambda: triton_update_scale_(
+            torch.ones(()), torch.zeros((), dtype=torch.int32), torch.zeros(()), 2.0, 0.5, 2000)
+    for param, grad in ((f32, f32), (f32, f16), (f32, bf16), (bf16, bf16)):
+        scaled = dict(inv_scale=one, found_inf=torch.zeros(()))
+        yield f"sgd {param} <- {grad}", lambda p=param, g=grad, s=scaled: triton_sgd_step_(
+            tensors(p), tensors(g), tensors(p), lr=0.1, momentum=0.9, weight_decay=0.0,
+            nesterov=False, maximize=False, **s)
+        for decoupled in (False, True):
+            yield (f"adam{'w' if decoupled else ''} {param} <- {grad}",
+                   lambda p=param, g=grad, d=decoupled, s=scaled: triton_adam_step_(
+                       tensors(p), tensors(g), tensors(p), tensors(p),
+                       [torch.ones(()) for _ in range(2)], lr=1e-3, beta1=0.9, beta2=0.999,
+                       eps=1e-8, weight_decay=0.01, decoupled_weight_decay=d, maximize=False,
+                       **s))
 
 
 @dataclass(frozen=True)
-class Variant:
-    """One launch of the kernel: its layout, dtypes and constexpr flags."""
+class Job:
+    """One binary to compile: a launch's kernel, arguments and config, by description;
+    jobs are rebuilt in the worker that compiles them (tensors do not travel)."""
 
-    layout: str
-    a: str
-    b: str
-    out: str
-    compute_bf16: bool
-    prologue: str | None = None
-    has_bias: bool = False
-    activation: str | None = None
-    store_act_grad: bool = False
-    rowsum_a: bool = False
-
-    def flags(self) -> dict:
-        return {
-            "COMPUTE_BF16": self.compute_bf16,
-            "INTERPRETED": False,
-            "PROLOGUE": PROLOGUES[self.prologue],
-            "HAS_BIAS": self.has_bias,
-            "ACTIVATION": ACTIVATIONS[self.activation],
-            "STORE_ACT_GRAD": self.store_act_grad,
-            "ROWSUM_A": self.rowsum_a,
-        }
+    group: str  # "gemm" or "scaling"
+    dtype: str  # compute dtype of the GEMM workloads
+    spec: str
+    workload: int
+    launch: int
+    config: int | None
 
 
-def shipped_variants() -> list[Variant]:
-    """The launches matmul and a training step make, in FP16 and BF16: a plain 16-bit
-    product; layers with bias and activation from FP32 master weights (GELU storing its
-    derivative; an FP32 first-layer input); the input gradient with each derivative
-    prologue; the weight gradient with and without prologue and bias row sums."""
-    variants = []
-    for bf16, half in ((False, "fp16"), (True, "bf16")):
-        variants += [
-            Variant("forward", half, half, half, bf16),
-            Variant("forward", half, "fp32", half, bf16, has_bias=True,
-                    activation="gelu", store_act_grad=True),
-            Variant("forward", "fp32", "fp32", "fp32", bf16, has_bias=True, activation="relu"),
-            Variant("grad_input", half, "fp32", half, bf16, prologue="relu_mask"),
-            Variant("grad_input", half, "fp32", "fp32", bf16, prologue="mul"),
-            Variant("grad_weight", half, half, "fp32", bf16, prologue="mul", rowsum_a=True),
-            Variant("grad_weight", half, "fp32", "fp32", bf16),
-        ]
-    return variants
+def _workloads(group: str, dtype: str, spec: str):
+    if group == "gemm":
+        return list(_gemm_workloads(getattr(torch, dtype), spec))
+    return list(_scaling_workloads(spec))
 
 
-def launched_configs(variant: Variant) -> list[triton.Config]:
-    """The configs the autotuner may launch for ``variant``, after pruning."""
-    return [
-        config for config in _hopper_configs()
-        if fits_registers(
-            config,
-            prologue=PROLOGUES[variant.prologue],
-            store_act_grad=variant.store_act_grad,
-            rowsum_a=variant.rowsum_a,
-        )
-    ]
+def _launches(run) -> list[tuple]:
+    """The launches ``run`` makes, intercepted: (kernel, grid, args, kwargs, configs,
+    phase), phase "forward" or "backward"."""
+    made = []
+    phase = "forward"
+
+    def keep(*launch_args):
+        made.append((*launch_args, phase))
+
+    with intercept(keep):
+        out = run()
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            phase = "backward"
+            out.backward(torch.empty_like(out))
+    return made
 
 
-def _signature(variant: Variant, config: triton.Config) -> tuple[dict, dict, dict]:
-    # S is ReLU's saved output (of the output dtype) or GELU's FP32 derivative.
-    saved = "fp32" if variant.prologue == "mul" else variant.out
-    dtypes = {"a_ptr": variant.a, "b_ptr": variant.b, "c_ptr": variant.out,
-              "bias_ptr": "fp32", "s_ptr": saved, "g_ptr": "fp32", "r_ptr": "fp32"}
-    unit_strides = _LAYOUTS[variant.layout]
-    constexprs = {**variant.flags(), **config.kwargs}
-    signature, attrs = {}, {}
-    for index, name in enumerate(_gemm_kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in dtypes:
-            signature[name] = "*" + dtypes[name]
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name in unit_strides:
-            signature[name] = "constexpr"
-            constexprs[name] = 1
-        else:  # M, N, K and the strides that are not 1
-            signature[name] = "i32"
-            if name.startswith("stride"):
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    return signature, constexprs, attrs
+def _layout(phase: str, named: dict) -> str:
+    # The weight gradient's A is dY.T, a transposed view: unit stride down its columns.
+    if phase == "forward":
+        return "forward"
+    return "grad_weight" if named["stride_am"] == 1 else "grad_input"
+
+
+def jobs() -> list[Job]:
+    found = []
+    for group, dtypes in (("gemm", ("float16", "bfloat16")), ("scaling", ("-",))):
+        for dtype in dtypes:
+            for spec in SPECIALIZATIONS:
+                for w, (_, run) in enumerate(_workloads(group, dtype, spec)):
+                    for i, (_, _, _, _, configs, _) in enumerate(_launches(run)):
+                        for c in range(len(configs)) if configs else (None,):
+                            found.append(Job(group, dtype, spec, w, i, c))
+    return found
+
+
+# -- compiling and reading the binary ---------------------------------------------------
 
 
 def _ptxas_path() -> str:
@@ -168,162 +239,72 @@ def ptxas_report(ptx: str) -> dict:
     }
 
 
-@dataclass
-class KernelReport:
-    variant: dict
-    config: str
-    wgmma: bool
-    registers: int
-    spill_bytes: int
-    shared_bytes: int
-
-    @property
-    def ok(self) -> bool:
-        return self.wgmma and self.spill_bytes == 0
-
-
-def _compile(kernel, signature: dict, constexprs: dict, attrs: dict, options: dict):
-    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=HOPPER, options=options)
-
-
-def compile_for_hopper(variant: Variant, config: triton.Config) -> KernelReport:
-    signature, constexprs, attrs = _signature(variant, config)
-    compiled = _compile(
-        _gemm_kernel, signature, constexprs, attrs,
-        {"num_warps": config.num_warps, "num_stages": config.num_stages},
-    )
-    ptx = compiled.asm["ptx"]
-    return KernelReport(
-        variant=asdict(variant),
-        config=str(config),
-        wgmma="wgmma" in ptx,
-        shared_bytes=compiled.metadata.shared,
-        **ptxas_report(ptx),
-    )
-
-
-def _compile_job(job: tuple[Variant, triton.Config]) -> KernelReport:
-    return compile_for_hopper(*job)
-
-
-# -- loss-scaling kernels -------------------------------------------------------------
-
-# Pointer arguments of the loss-scaling kernels, by name; the other arguments are i32.
-_SCALING_POINTERS = {
-    "table_ptr": "*i64", "hyper_ptr": "*fp64", "factors_ptr": "*fp64",
-    "found_inf_ptr": "*fp32", "inv_scale_ptr": "*fp32", "scale_ptr": "*fp32",
-    "tracker_ptr": "*i32",
-}
-_TL_DTYPES = {"fp32": tl.float32, "fp16": tl.float16, "bf16": tl.bfloat16}
-
-
-@dataclass(frozen=True)
-class ScalingVariant:
-    """One launch of a loss-scaling kernel: the kernel's name and its constexpr flags
-    (dtypes by name: fp32, fp16, bf16)."""
-
-    kernel: str
-    flags: tuple[tuple[str, object], ...] = ()
-
-    def constexprs(self) -> dict:
-        values = {k: _TL_DTYPES.get(v, v) if isinstance(v, str) else v for k, v in self.flags}
-        if self.kernel != "scale_update":
-            values.update(INTERPRETED=False, BLOCK=BLOCK)
-        return values
-
-
-def scaling_variants() -> list[ScalingVariant]:
-    """The launches GradScaler and the fused optimizers make: unscale in place for each
-    dtype, FP16/BF16 gradients into FP32 masters, the check alone; the scale update;
-    SGD and Adam/AdamW steps of FP32 (and BF16) parameters with FP32 or 16-bit
-    gradients; one unaligned launch of each elementwise kind."""
-    def v(kernel, **flags):
-        return ScalingVariant(kernel, tuple(sorted(flags.items())))
-
-    variants = [v("unscale", SRC_DTYPE=a, DST_DTYPE=b, WRITE=True, ALIGNED=True)
-                for a, b in (("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"),
-                             ("fp16", "fp32"), ("bf16", "fp32"))]
-    variants += [v("unscale", SRC_DTYPE=a, DST_DTYPE=a, WRITE=False, ALIGNED=True)
-                 for a in ("fp32", "fp16", "bf16")]
-    variants.append(v("unscale", SRC_DTYPE="fp16", DST_DTYPE="fp16", WRITE=True,
-                      ALIGNED=False))
-    variants.append(v("scale_update"))
-    for param, grad in (("fp32", "fp32"), ("fp32", "fp16"), ("fp32", "bf16"),
-                        ("bf16", "bf16")):
-        common = dict(PARAM_DTYPE=param, GRAD_DTYPE=grad, MAXIMIZE=False,
-                      HAS_FOUND_INF=True, HAS_INV_SCALE=True, ALIGNED=True)
-        variants.append(v("sgd", HAS_MOMENTUM=True, NESTEROV=False, **common))
-        variants += [v("adam", DECOUPLED_WEIGHT_DECAY=d, **common) for d in (False, True)]
-    variants.append(v("sgd", PARAM_DTYPE="fp32", GRAD_DTYPE="fp32", HAS_MOMENTUM=False,
-                      NESTEROV=False, MAXIMIZE=True, HAS_FOUND_INF=False,
-                      HAS_INV_SCALE=False, ALIGNED=False))
-    variants.append(v("adam", PARAM_DTYPE="fp32", GRAD_DTYPE="fp32",
-                      DECOUPLED_WEIGHT_DECAY=True, MAXIMIZE=True, HAS_FOUND_INF=False,
-                      HAS_INV_SCALE=False, ALIGNED=False))
-    return variants
-
-
-def _scaling_kernel(name: str):
-    from mpgemm.kernels import optim, scale_update, unscale
-
-    return {
-        "unscale": unscale._unscale_kernel,
-        "scale_update": scale_update._update_scale_kernel,
-        "sgd": optim._sgd_kernel,
-        "adam": optim._adam_kernel,
-    }[name]
-
-
 # FP32 operations that round differently from torch's: approximate division, square
 # root, reciprocal, or flushing denormals to zero.
 _APPROX_FP32 = re.compile(r"\b(div\.(approx|full)|sqrt\.approx|rcp\.approx)[.\w]*\.f32\b"
                           r"|\b(add|sub|mul|fma)\.\w*ftz\w*\.f32\b")
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-@dataclass
-class ScalingReport:
-    variant: dict
-    registers: int
-    spill_bytes: int
-    vector_loads: int
-    approx_fp32: list[str]
-
-    @property
-    def ok(self) -> bool:
-        vectorised = self.vector_loads > 0 or self.variant["kernel"] == "scale_update" or not (
-            dict(self.variant["flags"]).get("ALIGNED"))
-        return self.spill_bytes == 0 and not self.approx_fp32 and vectorised
-
-
-def compile_scaling_for_hopper(variant: ScalingVariant) -> ScalingReport:
-    kernel = _scaling_kernel(variant.kernel)
-    constexprs = variant.constexprs()
-    signature = {
-        name: "constexpr" if name in constexprs else _SCALING_POINTERS.get(name, "i32")
-        for name in kernel.arg_names
+def ptx_facts(ptx: str) -> dict:
+    """What the PTX says about the main loop's overlap and the loads."""
+    pending = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
+    return {
+        "wgmma": "wgmma.mma_async" in ptx,
+        "wgmma_pending": max(pending) if pending else None,
+        "cp_async": bool(re.search(r"\bcp\.async\.(ca|cg)\b", ptx)),
+        "tma": "cp.async.bulk.tensor" in ptx,
+        "vector_loads": len(re.findall(r"ld\.global(\.\w+)*\.v[24]\.", ptx)),
+        "approx_fp32": sorted({m.group(0) for m in _APPROX_FP32.finditer(ptx)}),
     }
-    ptx = _compile(kernel, signature, constexprs, {}, {"num_warps": 8}).asm["ptx"]
-    return ScalingReport(
-        variant={"kernel": variant.kernel, "flags": [list(f) for f in variant.flags]},
-        vector_loads=len(re.findall(r"ld\.global(\.\w+)*\.v[24]\.", ptx)),
-        approx_fp32=sorted({m.group(0) for m in _APPROX_FP32.finditer(ptx)}),
+
+
+def compile_job(job: Job) -> dict:
+    label, run = _workloads(job.group, job.dtype, job.spec)[job.workload]
+    kernel, grid, args, kwargs, configs, phase = _launches(run)[job.launch]
+    config = None if job.config is None else configs[job.config]
+    named = named_arguments(kernel, args, kwargs)
+    start = time.perf_counter()
+    with _hopper_target():
+        [compiled] = compile_launch(kernel, grid, args, kwargs, [config] if config else [])
+    seconds = time.perf_counter() - start
+    ptx = compiled.asm["ptx"]
+    report = {
+        "kernel": jit_function(kernel).fn.__name__,
+        "launch": label if job.group == "scaling" else f"{label} {job.dtype}",
+        "layout": _layout(phase, named) if job.group == "gemm" else None,
+        "specialization": job.spec,
+        "config": str(config) if config is not None else None,
+        "smem_bytes": compiled.metadata.shared,
+        "compile_s": round(seconds, 2),
+        **ptx_facts(ptx),
         **ptxas_report(ptx),
-    )
+    }
+    if job.group == "gemm":
+        report.update(a_dtype=_DTYPE_NAMES[named["a_ptr"].dtype],
+                      b_dtype=_DTYPE_NAMES[named["b_ptr"].dtype],
+                      flags={k: v for k, v in kwargs.items() if k.isupper()})
+        report["ok"] = report["wgmma"] and report["spill_bytes"] == 0
+    else:
+        vectorised = report["vector_loads"] > 0 or job.spec == "unaligned" or (
+            report["kernel"] == "_update_scale_kernel")
+        report["ok"] = report["spill_bytes"] == 0 and not report["approx_fp32"] and vectorised
+    return report
 
 
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("mpgemm.kernels.aot: unset TRITON_INTERPRET to compile", file=sys.stderr)
         return 2
-    jobs = [(v, c) for v in shipped_variants() for c in launched_configs(v)]
-    # Compiles are independent and CPU-bound: one process per core.
-    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
-        reports = list(pool.map(_compile_job, jobs))
-        reports += list(pool.map(compile_scaling_for_hopper, scaling_variants()))
+    todo = jobs()
+    # Compiles are independent and CPU-bound: one process per core, spawned (a fork
+    # would inherit the autograd engine's threads that ``jobs`` started).
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=spawn) as pool:
+        reports = list(pool.map(compile_job, todo, chunksize=8))
     for report in reports:
-        print(json.dumps({**asdict(report), "ok": report.ok}))
-    defects = sum(not report.ok for report in reports)
+        print(json.dumps(report))
+    defects = sum(not report["ok"] for report in reports)
     print(f"{len(reports)} kernels compiled for sm_90a, {defects} with a defect (GEMM: no "
           "wgmma or spills; loss scaling: spills, approximate FP32 math, scalar loads)")
     return 1 if defects else 0

@@ -21,11 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels.launches import intercepting, launch
 from mpgemm.kernels.rounding import cast_rne
 
 # The interpreter runs the kernels on the CPU through numpy; it must be chosen before
 # triton is imported, so it is read once here.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Test-only: one config per launch, so the suite compiles each kernel once on a GPU
+# instead of autotuning every shape it tries (``bench/gpu_check.sh tests``).
+SINGLE_CONFIG = os.environ.get("MPGEMM_SINGLE_CONFIG", "0") == "1"
 
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
 PROLOGUES = {None: 0, "relu_mask": 1, "mul": 2}
@@ -48,6 +52,9 @@ def _hopper_configs() -> list[triton.Config]:
         (64, 128, 64, 4, 8),
         (128, 64, 32, 4, 4),
         (64, 64, 64, 4, 4),
+        # for unaligned operands only (fits_registers)
+        (128, 64, 32, 3, 8),
+        (64, 128, 32, 3, 8),
     ]
     return [
         triton.Config(
@@ -59,35 +66,64 @@ def _hopper_configs() -> list[triton.Config]:
     ]
 
 
+def _single_config() -> list[triton.Config]:
+    # One tile for every aligned launch kind and one for every unaligned one
+    # (``fits_registers``): pruning leaves each launch one, so none is timed.
+    return [config for config in _hopper_configs() if _tile(config) in
+            {(128, 128, 32, 8), (64, 128, 32, 8)}]
+
+
 def _interpreter_configs() -> list[triton.Config]:
     # Autotuning times each config on a GPU; the interpreter has none, so one config.
     return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
 
 
+def _tile(config: triton.Config) -> tuple[int, int, int, int]:
+    meta = config.kwargs
+    return meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"], config.num_warps
+
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps) of the tiles that leave registers for a prologue or
 # row sums (A and S pass through registers): the others spill under Triton 3.6.
 _PROLOGUE_TILES = {(128, 128, 32, 8), (64, 128, 64, 8)}
+# The tiles for unaligned operands: scalar loads and their 64-bit addresses take
+# registers, and every other tile spills in some launch kind under Triton 3.9 (even
+# 64x64x32 with 4 warps, with a prologue and row sums). They serve unaligned launches
+# only, so that aligned ones compile no more configs than before.
+_UNALIGNED_TILES = {(128, 64, 32, 8), (64, 128, 32, 8)}
 
 
 def fits_registers(
-    config: triton.Config, *, prologue: int, store_act_grad: bool, rowsum_a: bool
+    config: triton.Config, *, prologue: int, store_act_grad: bool, rowsum_a: bool,
+    aligned: bool,
 ) -> bool:
     """Whether ``config`` compiles without register spills for such a launch on Hopper.
 
-    Launches with a derivative prologue or row sums get the tiles that leave room for
-    them; storing GELU's derivative beside the output needs an accumulator of fewer
-    than 128 registers per thread. Measured with ``python -m mpgemm.kernels.aot``."""
-    meta = config.kwargs
+    Unaligned operands (``operands_aligned``) get their own tiles. Aligned launches
+    with a derivative prologue or row sums get the tiles that leave room for them;
+    storing GELU's derivative beside the output needs an accumulator of fewer than 128
+    registers per thread. Measured with ``python -m mpgemm.kernels.aot``, which compiles
+    every launch kind aligned and unaligned."""
+    tile = _tile(config)
+    if not aligned or tile in _UNALIGNED_TILES:
+        return not aligned and tile in _UNALIGNED_TILES
     if prologue or rowsum_a:
-        tile = (meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"], config.num_warps)
         return tile in _PROLOGUE_TILES
     if store_act_grad:
-        return meta["BLOCK_M"] * meta["BLOCK_N"] // (32 * config.num_warps) < 128
+        return tile[0] * tile[1] // (32 * tile[3]) < 128
     return True
 
 
+def operands_aligned(tensors, strides) -> bool:
+    """Whether the JIT will see every pointer 16-byte aligned and every stride 1 or a
+    multiple of 16: the specialisation that vectorises loads and pipelines the loop
+    (``ALIGNED``)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors) and all(
+        s == 1 or s % 16 == 0 for s in strides)
+
+
 # The launch flags fits_registers decides by, as the kernel names them.
-_PRUNE_FLAGS = ("PROLOGUE", "STORE_ACT_GRAD", "ROWSUM_A")
+_PRUNE_FLAGS = ("PROLOGUE", "STORE_ACT_GRAD", "ROWSUM_A", "ALIGNED")
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -95,7 +131,9 @@ def _prune_configs(configs, named_args, **kwargs):
     return [config for config in configs if fits_registers(config, **flags)]
 
 
-CONFIGS = _interpreter_configs() if INTERPRET else _hopper_configs()
+# The configs a GPU autotunes over, and those this process does.
+GPU_CONFIGS = _single_config() if SINGLE_CONFIG else _hopper_configs()
+CONFIGS = _interpreter_configs() if INTERPRET else GPU_CONFIGS
 
 
 @triton.jit
@@ -127,6 +165,9 @@ def _gemm_kernel(
     ACTIVATION: tl.constexpr,
     STORE_ACT_GRAD: tl.constexpr,
     ROWSUM_A: tl.constexpr,
+    # operands_aligned(): the JIT specialises on alignment anyway; as an argument it
+    # lets the autotune key and pruning see it too
+    ALIGNED: tl.constexpr,
     # tiling
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -210,6 +251,7 @@ def _gemm_kernel(
 _AUTOTUNE_KEY = [
     "M", "N", "K",
     "COMPUTE_BF16", "PROLOGUE", "HAS_BIAS", "ACTIVATION", "STORE_ACT_GRAD", "ROWSUM_A",
+    "ALIGNED",
 ]
 gemm_kernel = triton.autotune(
     configs=CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
@@ -252,7 +294,21 @@ def triton_gemm(
     grid = lambda meta: (  # noqa: E731
         triton.cdiv(M, meta["BLOCK_M"]) * max(triton.cdiv(N, meta["BLOCK_N"]), 1),
     )
-    gemm_kernel[grid](
+    operands = [t for t in (a, b, c, bias, s, g, r) if t is not None]
+    strides = [*a.stride(), *b.stride(), *c.stride(), *s.stride(),
+               *(g.stride() if g is not None else ())]
+    flags = dict(
+        COMPUTE_BF16=compute_dtype == torch.bfloat16,
+        INTERPRETED=INTERPRET,
+        PROLOGUE=PROLOGUES[prologue],
+        HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATIONS[activation],
+        STORE_ACT_GRAD=store_act_grad,
+        ROWSUM_A=rowsum_a,
+        ALIGNED=operands_aligned(operands, strides),
+    )
+    launch(
+        gemm_kernel, grid,
         a, b, c,
         bias if bias is not None else c,
         s,
@@ -264,12 +320,7 @@ def triton_gemm(
         c.stride(0), c.stride(1),
         s.stride(0), s.stride(1),
         *(g.stride() if g is not None else (0, 0)),
-        COMPUTE_BF16=compute_dtype == torch.bfloat16,
-        INTERPRETED=INTERPRET,
-        PROLOGUE=PROLOGUES[prologue],
-        HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATIONS[activation],
-        STORE_ACT_GRAD=store_act_grad,
-        ROWSUM_A=rowsum_a,
+        gpu_configs=_prune_configs(GPU_CONFIGS, {}, **flags) if intercepting() else (),
+        **flags,
     )
     return c, g, r

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mpgemm.kernels.gemm import INTERPRET
+from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne
 from mpgemm.kernels.tensor_table import (
     BLOCK,
@@ -193,7 +194,8 @@ def _launch(kernel, lists, found_inf, inv_scale, hyper, **flags) -> None:
     table, num_tensors, num_blocks = tensor_table(lists)
     if num_blocks == 0:
         return
-    kernel[(num_blocks,)](
+    launch(
+        kernel, (num_blocks,),
         table, num_tensors,
         found_inf if found_inf is not None else table,
         inv_scale if inv_scale is not None else table,

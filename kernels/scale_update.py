@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels.launches import launch
 from mpgemm.kernels.tensor_table import scalar_table
 
 
@@ -48,7 +49,8 @@ def triton_update_scale_(
 ) -> None:
     """Update ``scale`` (FP32) and ``growth_tracker`` (int32) in place from ``found_inf``
     (FP32), all one-element tensors on one device."""
-    _update_scale_kernel[(1,)](
+    launch(
+        _update_scale_kernel, (1,),
         scale, growth_tracker, found_inf,
         scalar_table((growth_factor, backoff_factor), scale.device),
         int(growth_interval),

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mpgemm.kernels.gemm import INTERPRET
+from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne
 from mpgemm.kernels.tensor_table import (
     BLOCK,
@@ -93,7 +94,8 @@ def triton_unscale_(
     table, num_tensors, num_blocks = tensor_table(lists)
     if num_blocks == 0:
         return
-    _unscale_kernel[(num_blocks,)](
+    launch(
+        _unscale_kernel, (num_blocks,),
         table, num_tensors,
         found_inf, inv_scale if write else found_inf,
         SRC_DTYPE=TRITON_DTYPES[src[0].dtype], DST_DTYPE=TRITON_DTYPES[dst[0].dtype],

@@ -37,10 +37,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _intercepting() -> bool:
+    try:
+        from mpgemm.kernels.launches import intercepting
+    except ImportError:
+        return False
+    return intercepting()
+
+
 def backend(device: torch.device) -> str:
     """Which implementation runs tensors on ``device``: ``"triton"`` (compiled for CUDA,
-    or interpreted on the CPU when ``TRITON_INTERPRET=1``) or ``"reference"``."""
-    if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
+    or interpreted on the CPU when ``TRITON_INTERPRET=1``) or ``"reference"``. While
+    launches are intercepted (``mpgemm.kernels.launches``) nothing runs, and CPU tensors
+    take the kernel path too."""
+    if device.type == "cuda" or (device.type == "cpu" and (_interpreting() or _intercepting())):
         return "triton"
     return "reference"
 

@@ -1,0 +1,171 @@
+"""Every kernel launch goes through ``launch``, which runs the kernel, or hands the
+launch to an interceptor instead:
+
+- ``record_to(path)`` (or ``MPGEMM_RECORD_LAUNCHES=path`` in the environment): one JSON
+  line per launch saying what it would compile, and no launch. It answers, on any
+  machine and without running a kernel, how many binaries a workload makes a GPU
+  compile on a cold cache (``count_compiles``; ``bash bench/gpu_check.sh plan``).
+- ``compile_launch`` (``MPGEMM_PRECOMPILE=1`` in the environment): compile the launch
+  with triton's own JIT for every config the GPU would autotune over, and no launch.
+  Under ``MPGEMM_PRECOMPILE=1`` the compiles run on a thread per core (triton's async
+  compile mode) into triton's on-disk cache: a run of the same workload afterwards finds
+  every binary there instead of compiling them one after another as it autotunes.
+  ``mpgemm.kernels.aot`` compiles this way for an H100 on a machine without one.
+
+The JIT compiles one binary per *specialisation* of a kernel: its constexpr arguments,
+the dtype of each pointer and whether it is 16-byte aligned, and whether each integer is
+1 or a multiple of 16. An autotuned kernel compiles every config that pruning keeps,
+once per new autotune key (the key's arguments and the tensors' dtypes).
+
+While launches are intercepted nothing runs, so tensors on any device (the CPU, "meta"
+excepted) take the kernel path (``mpgemm.backend``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import triton
+from triton.runtime.autotuner import Autotuner
+
+# interceptor(kernel, grid, args, kwargs, configs): what launch does instead of running.
+# ``configs`` are an autotuned kernel's configs that survive pruning on a GPU.
+Interceptor = Callable[[object, object, tuple, dict, Sequence[triton.Config]], None]
+_interceptor: Interceptor | None = None
+
+
+def intercepting() -> bool:
+    """Whether launches are intercepted (recorded or compiled) rather than run."""
+    return _interceptor is not None
+
+
+@contextmanager
+def intercept(interceptor: Interceptor) -> Iterator[None]:
+    """Hand every launch in the block to ``interceptor`` instead of running it."""
+    global _interceptor
+    previous, _interceptor = _interceptor, interceptor
+    try:
+        yield
+    finally:
+        _interceptor = previous
+
+
+def launch(kernel, grid, *args, gpu_configs: Sequence[triton.Config] = (), **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, unless launches are intercepted.
+
+    ``gpu_configs``: for an autotuned kernel, the configs that pruning keeps for this
+    launch on a GPU (needed only when intercepting; the interpreter tunes over a config
+    of its own)."""
+    if _interceptor is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        _interceptor(kernel, grid, args, kwargs, gpu_configs)
+
+
+def jit_function(kernel):
+    """The ``triton.jit`` function behind ``kernel`` (itself, or what an autotuner tunes)."""
+    return kernel.fn if isinstance(kernel, Autotuner) else kernel
+
+
+def named_arguments(kernel, args: tuple, kwargs: dict) -> dict:
+    return {**dict(zip(jit_function(kernel).arg_names, args, strict=False)), **kwargs}
+
+
+def launch_options(kwargs: dict, config: triton.Config | None) -> dict:
+    """The keyword arguments the autotuner passes for ``config`` (None: a plain kernel)."""
+    if config is None:
+        return dict(kwargs)
+    return {**kwargs, **config.kwargs, "num_warps": config.num_warps,
+            "num_stages": config.num_stages}
+
+
+def compile_launch(kernel, grid, args, kwargs, configs) -> list:
+    """The interceptor that compiles: the JIT's binaries for this launch (one per
+    config), as the JIT would build them to run it (``warmup``)."""
+    jit = jit_function(kernel)
+    return [jit.warmup(*args, grid=grid, **launch_options(kwargs, config))
+            for config in (configs or [None])]
+
+
+def record_launch(kernel, grid, args, kwargs, configs, *, path: str) -> None:
+    """The interceptor of ``record_to``: appends one JSON line per launch to ``path``."""
+    named = named_arguments(kernel, args, kwargs)
+    # Positional arguments are the kernel's run-time ones, keyword ones its constexprs
+    # (and launch options), which specialise by value.
+    runtime = named_arguments(kernel, args, {})
+    record = {
+        "kernel": jit_function(kernel).fn.__name__,
+        "specialization": {**{name: _specialization(value) for name, value in runtime.items()},
+                           **{name: _plain(value) for name, value in kwargs.items()}},
+        "tune_key": None,
+        "configs": 1,
+    }
+    if isinstance(kernel, Autotuner):
+        dtypes = [str(v.dtype) for v in named.values() if isinstance(v, torch.Tensor)]
+        record["tune_key"] = [_plain(named[key]) for key in kernel.keys] + dtypes
+        record["configs"] = len(configs)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+@contextmanager
+def record_to(path: str) -> Iterator[None]:
+    with intercept(lambda *launch_args: record_launch(*launch_args, path=path)):
+        yield
+
+
+def _specialization(value) -> object:
+    if isinstance(value, torch.Tensor):
+        return [str(value.dtype), value.data_ptr() % 16 == 0]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "1" if value == 1 else "d16" if value % 16 == 0 else "i"
+    return _plain(value)
+
+
+def _plain(value) -> object:
+    return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+
+
+def count_compiles(records: Iterable[dict]) -> int:
+    """Binaries a cold cache compiles for these launch records: every kept config of
+    each autotune key (autotuning compiles them all), then one binary for each further
+    specialisation of the chosen config; one per specialisation of a plain kernel."""
+    tuned: dict[tuple, int] = {}
+    binaries: set[tuple] = set()
+    for record in records:
+        spec = (record["kernel"], json.dumps(record["specialization"], sort_keys=True))
+        if record["tune_key"] is None:
+            binaries.add(spec)
+            continue
+        key = (record["kernel"], json.dumps(record["tune_key"]))
+        tuned.setdefault(key, record["configs"])
+        binaries.add((*key, *spec))
+    return sum(tuned.values()) + len(binaries) - len(tuned)
+
+
+def _precompile_in_background() -> None:
+    """Make every compile of this process asynchronous, on a thread per core (the GIL
+    is released while triton's passes and ptxas run); wait for them all at exit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    mode = AsyncCompileMode(ThreadPoolExecutor(os.cpu_count()))
+    mode.__enter__()
+    atexit.register(mode.__exit__, None, None, None)
+
+
+# A process started to be counted or to fill the compile cache (``gpu_check.sh``) is
+# intercepted from the start.
+if os.environ.get("MPGEMM_RECORD_LAUNCHES"):
+    _interceptor = lambda *launch_args: record_launch(  # noqa: E731
+        *launch_args, path=os.environ["MPGEMM_RECORD_LAUNCHES"]
+    )
+elif os.environ.get("MPGEMM_PRECOMPILE") == "1":
+    _interceptor = compile_launch
+    _precompile_in_background()

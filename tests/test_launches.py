@@ -1,0 +1,94 @@
+"""Intercepted launches (mpgemm.kernels.launches): recorded, not run, with what a GPU
+would compile for them; the count of binaries a cold cache needs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import mpgemm  # noqa: E402
+from mpgemm.kernels import gemm  # noqa: E402
+from mpgemm.kernels.launches import count_compiles, intercepting, record_to  # noqa: E402
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_recorded_launch_runs_nothing_and_says_what_it_compiles(tmp_path):
+    path = tmp_path / "launches.jsonl"
+    a, b = torch.randn(64, 48), torch.randn(48, 32)
+    assert not intercepting()
+    with record_to(str(path)):
+        assert intercepting() and mpgemm.backend(torch.device("cpu")) == "triton"
+        out = mpgemm.matmul(a, b)
+    assert not intercepting()
+    assert torch.isnan(out).all()  # allocations are NaN-poisoned: no kernel wrote them
+    [record] = _records(path)
+    assert record["kernel"] == "_gemm_kernel"
+    assert record["tune_key"][:3] == [64, 32, 48]  # M, N, K
+    flags = {name: record["specialization"][name] for name in gemm._PRUNE_FLAGS}
+    assert flags["ALIGNED"] is True
+    assert record["configs"] == len(gemm._prune_configs(gemm.GPU_CONFIGS, {}, **flags)) > 1
+    assert record["specialization"]["a_ptr"] == ["torch.float32", True]
+    assert record["specialization"]["stride_ak"] == "1"
+
+
+def test_a_training_step_records_its_gemms_and_loss_scaling(tmp_path):
+    path = tmp_path / "launches.jsonl"
+    model = mpgemm.convert(torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.ReLU(),
+                                               torch.nn.Linear(32, 10)))
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters()))
+    with record_to(str(path)):
+        loss = model(torch.randn(16, 48)).float().sum()
+        optimizer.scale_loss(loss).backward()
+        optimizer.step()
+    kernels = [r["kernel"] for r in _records(path)]
+    # 2 forward GEMMs, 3 backward (the first layer's input needs no gradient), Adam
+    # (which checks the scaled gradients itself) and the scale update.
+    assert kernels.count("_gemm_kernel") == 5
+    assert {"_adam_kernel", "_update_scale_kernel"} <= set(kernels)
+
+
+def _gemm(key, spec, configs=8):
+    return {"kernel": "_gemm_kernel", "tune_key": key, "configs": configs,
+            "specialization": spec}
+
+
+def test_count_compiles():
+    plain = {"kernel": "_adam_kernel", "tune_key": None, "configs": 1}
+    records = [
+        _gemm([1, 2, 3], {"a": "d16"}),
+        _gemm([1, 2, 3], {"a": "d16"}),  # the same launch again: nothing new
+        _gemm([1, 2, 3], {"a": "i"}),  # same key, new specialisation: the chosen config
+        _gemm([4, 2, 3], {"a": "d16"}, configs=2),  # a new key: every kept config
+        {**plain, "specialization": {"n": "i"}},
+        {**plain, "specialization": {"n": "i"}},
+        {**plain, "specialization": {"n": "1"}},
+    ]
+    assert count_compiles(records) == 8 + 1 + 2 + 2
+
+
+def test_precompile_fills_the_compile_cache_from_threads(tmp_path):
+    # What the bench and train stages do before their runs (MPGEMM_PRECOMPILE=1), here
+    # for an H100 through the stand-in driver the compile check uses: every config the
+    # launch would autotune over lands in triton's cache, and nothing runs.
+    script = (
+        "import torch, mpgemm\n"
+        "from mpgemm.kernels.aot import _hopper_target\n"
+        "with _hopper_target():\n"
+        "    out = mpgemm.matmul(torch.randn(64, 48), torch.randn(48, 32))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(MPGEMM_PRECOMPILE="1", TRITON_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    flags = dict(PROLOGUE=0, STORE_ACT_GRAD=False, ROWSUM_A=False, ALIGNED=True)
+    expected = len(gemm._prune_configs(gemm._hopper_configs(), {}, **flags))
+    assert len(list(tmp_path.rglob("*.cubin"))) == expected
