@@ -4,7 +4,7 @@ operands (rounded in the kernel, where autocast casts first). Work: 2MNK flops."
 
 import pytest
 import torch
-from harness import ON_GPU
+from harness import GPU_SCALE
 
 import mpgemm
 
@@ -17,7 +17,7 @@ SHAPES = (
     [(s, s, s) for s in (512, 1024, 2048, 4096, 8192)]
     + [(8192, 784, 4096), (8192, 4096, 4096), (8192, 4096, 10), (128, 784, 128),
        (8192, 4096, 11008), (8192, 11008, 4096)]
-    if ON_GPU else [(64, 64, 64), (128, 128, 128), (32, 48, 64)]
+    if GPU_SCALE else [(64, 64, 64), (128, 128, 128), (32, 48, 64)]
 )
 IMPLS = ["mpgemm", "mpgemm_from_fp32", "torch_fp16", "autocast", "fp32"]
 

@@ -5,7 +5,7 @@ backward, 6MNK both."""
 
 import pytest
 import torch
-from harness import ON_GPU
+from harness import GPU_SCALE
 
 import mpgemm
 
@@ -15,12 +15,13 @@ pytestmark = pytest.mark.benchmark(group="linear")
 SHAPES = (
     [(8192, 784, 4096), (8192, 4096, 4096), (128, 784, 128), (8192, 4096, 11008),
      (8192, 11008, 4096)]
-    if ON_GPU else [(64, 48, 32), (128, 96, 64)]
+    if GPU_SCALE else [(64, 48, 32), (128, 96, 64)]
 )
 PHASES = {"forward": 2, "backward": 4, "forward_backward": 6}
 
 
 def _layer(impl, m, k, n, device):
+    """The layer's forward and its output dtype (FP16 for the mixed-precision ones)."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(k, n, device=device)
     if impl == "mpgemm":
@@ -34,7 +35,7 @@ def _layer(impl, m, k, n, device):
                 return layer(x)
         return layer(x)
 
-    return forward
+    return forward, dtype
 
 
 @pytest.mark.parametrize("impl", ["mpgemm", "autocast", "fp32"])
@@ -42,8 +43,8 @@ def _layer(impl, m, k, n, device):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_linear(run_case, device, shape, phase, impl):
     m, k, n = shape
-    forward = _layer(impl, m, k, n, device)
-    grad = torch.randn(m, n, device=device).to(forward().dtype)
+    forward, dtype = _layer(impl, m, k, n, device)
+    grad = torch.randn(m, n, device=device).to(dtype)
     case = f"{phase} {'x'.join(map(str, shape))}"
     flops = PHASES[phase] * m * n * k
     if phase == "forward":

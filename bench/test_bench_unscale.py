@@ -7,13 +7,13 @@ bytes: mpgemm's ratio to it is the fraction of the reachable bandwidth it achiev
 
 import pytest
 import torch
-from harness import ON_GPU
+from harness import GPU_SCALE
 
 from mpgemm.scaling import unscale_
 
 pytestmark = pytest.mark.benchmark(group="unscale")
 
-WIDTH, LAYERS, MANY, COUNT = (4096, 4, 500_000, 200) if ON_GPU else (64, 4, 5_000, 20)
+WIDTH, LAYERS, MANY, COUNT = (4096, 4, 500_000, 200) if GPU_SCALE else (64, 4, 5_000, 20)
 SETS = [f"mlp_{WIDTH}x{LAYERS}_fp32", f"{COUNT}x{MANY}_fp32", f"{COUNT}x{MANY}_fp16"]
 
 
