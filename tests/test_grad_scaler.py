@@ -221,10 +221,10 @@ def test_getters_setters_and_nested_outputs(device):
     scaler.set_growth_interval(7)
     assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (3.0, 0.25)
     assert scaler.get_growth_interval() == 7 and scaler.get_scale() == 8.0
-    out = scaler.scale([torch.ones(2), (torch.full((1,), 2.0),)])
+    out = scaler.scale([torch.ones(2, device=device), (torch.full((1,), 2.0, device=device),)])
     assert isinstance(out, list) and isinstance(out[1], tuple)
     assert out[0].tolist() == [8.0, 8.0] and out[1][0].tolist() == [16.0]
     scaler.update(new_scale=4.0)
     assert scaler.get_scale() == 4.0
-    scaler.update(new_scale=torch.tensor(2.0))
+    scaler.update(new_scale=torch.tensor(2.0, device=device))
     assert scaler.get_scale() == 2.0

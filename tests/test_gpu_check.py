@@ -1,0 +1,106 @@
+"""The GPU runbook, ``bench/gpu_check.sh``, checked on the CPU: each stage's dry run
+writes the files its GPU run writes, within what the device machine returns (at most 8
+files, at most 2 folders down, names of letters, digits, '.', '_' and '-'); the bench
+stage's JSON and report hold what the GPU-results issue reads; the plan counts each
+stage's compiles at the GPU's sizes and keeps every stage inside its time limit."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up
+_spec.loader.exec_module(gpu_check)
+
+NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _run(*args, **env):
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900,
+                          env={**base, "PYTHON": sys.executable, **env})
+
+
+def _check_bench_results(out: Path):
+    data = json.loads((out / "bench.json").read_text())
+    assert data["machine_info"]["mpgemm"]["torch"]
+    groups = {b["group"] for b in data["benchmarks"]}
+    assert groups == {"gemm", "linear", "unscale", "step"}
+    ours = [b for b in data["benchmarks"] if b["extra_info"]["impl"].startswith("mpgemm")]
+    for bench in ours:
+        info = bench["extra_info"]
+        assert info["ratio_to"] and all(r > 0 for r in info["ratio_to"].values()), info
+        assert info.get("tflops", 0) > 0 or info.get("gb_per_s", 0) > 0, info
+    step = [b for b in ours if b["group"] == "step"][0]["extra_info"]
+    assert set(step["ratio_to"]) == {"autocast_foreach", "autocast_fused", "fp32"}
+    assert step["timing"] == "wall clock"
+    gemm = [b["extra_info"] for b in ours if b["group"] == "gemm"]
+    assert {i["impl"] for i in gemm} == {"mpgemm", "mpgemm_from_fp32"}
+    assert all(set(i["ratio_to"]) == {"torch_fp16", "autocast", "fp32"} for i in gemm)
+
+    table = (out / "report.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line
+            and not line.startswith("| case")]
+    assert len(rows) == len(ours)
+    assert "### gemm" in table and "x torch_fp16" in table
+    assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The log says each case's time as it goes, so a stage cut short still reports.
+    assert "64x64x64 mpgemm: median" in (out / "bench.log").read_text()
+
+
+@pytest.mark.parametrize("stage", list(gpu_check.STAGES))
+def test_dry_run_writes_the_stage_files_within_the_device_limits(stage, tmp_path):
+    run = _run(stage, GPU_CHECK_DRY_RUN="1", OUT=str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")
+                   if p.is_file())
+    assert files == sorted(gpu_check.STAGES[stage].files)
+    assert len(files) <= gpu_check.MAX_FILES
+    for name in files:
+        parts = name.split("/")
+        assert len(parts) <= 3 and all(NAME.fullmatch(part) for part in parts), name
+    assert "dry run" in (tmp_path / "env.txt").read_text()
+    if stage == "bench":
+        _check_bench_results(tmp_path)
+    if stage == "tests":
+        assert re.search(r'tests="\d+"', (tmp_path / "junit.xml").read_text())
+
+
+def test_unknown_stage_is_refused_before_anything_runs(tmp_path):
+    run = _run("benchmark", OUT=str(tmp_path))
+    assert run.returncode == 2 and "usage" in run.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_stage_is_stopped_at_its_limit_and_keeps_its_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "GRACE_SECONDS", 5)
+    command = gpu_check.Command(
+        [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+        "slow.log")
+    status = gpu_check._run(command, tmp_path, gpu_check.time.monotonic() + 2, dict(os.environ))
+    assert status != 0
+    log = (tmp_path / "slow.log").read_text()
+    assert "started" in log and "stopped at the stage's limit" in log
+
+
+def test_plan_counts_compiles_and_fits_every_stage_in_its_limit():
+    run = _run("plan")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    pattern = re.compile(r"stage (\w+): (\d+) compiles, (\d+) files, estimate (\d+) s")
+    found = {m.group(1): m for m in map(pattern.fullmatch, lines) if m}
+    assert list(found) == list(gpu_check.STAGES), run.stdout
+    for name, match in found.items():
+        assert int(match.group(2)) > 0, name
+        assert int(match.group(3)) == len(gpu_check.STAGES[name].files) <= gpu_check.MAX_FILES
+        assert int(match.group(4)) <= gpu_check.STAGE_SECONDS, match.group(0)
