@@ -209,7 +209,9 @@ def _gemm_kernel(
         if PROLOGUE != 0:
             s = tl.load(s_ptrs, mask=a_mask, other=0.0)
             if PROLOGUE == 1:
-                a = tl.where(s > 0, a.to(tl.float32), 0.0)
+                # threshold_backward's rule: zero where the output is <= 0, so a NaN
+                # output passes its gradient on, as in torch.
+                a = tl.where(s <= 0, 0.0, a.to(tl.float32))
             else:
                 a = a.to(tl.float32) * s.to(tl.float32)
             s_ptrs += BLOCK_K * stride_sk
@@ -233,7 +235,8 @@ def _gemm_kernel(
         acc += tl.load(bias_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     c_mask = mask_m[:, None] & mask_n[None, :]
     if ACTIVATION == 1:
-        acc = tl.maximum(acc, 0.0)
+        # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
+        acc = tl.where(acc < 0.0, 0.0, acc)
     elif ACTIVATION == 2:
         acc, act_grad = _gelu_and_derivative(acc)
         if STORE_ACT_GRAD:

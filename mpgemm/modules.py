@@ -77,6 +77,7 @@ class Linear(nn.Linear):
         *,
         compute_dtype: torch.dtype = torch.float16,
         out_dtype: torch.dtype | None = None,
+        activation: str | None = None,
     ) -> Linear:
         """An ``mpgemm.Linear`` holding ``module``'s very own Parameter objects (no copy),
         so an optimizer built over ``module`` keeps stepping them."""
@@ -87,6 +88,7 @@ class Linear(nn.Linear):
             bias=module.bias is not None,
             device="meta",
             compute_dtype=compute_dtype,
+            activation=activation,
             out_dtype=out_dtype,
         )
         new.weight = module.weight
@@ -95,12 +97,35 @@ class Linear(nn.Linear):
         return new
 
 
+def _fusable_activation(module: nn.Module) -> str | None:
+    """The ``activation`` of ``mpgemm.Linear`` that computes ``module``, if any."""
+    if type(module) is nn.ReLU:
+        return "relu"
+    if type(module) is nn.GELU and module.approximate == "none":
+        return "gelu"
+    return None
+
+
+def _following_activation(root: nn.Module, name: str) -> tuple[nn.Sequential, int] | None:
+    """(parent, index) of the activation module right after layer ``name`` in an
+    ``nn.Sequential``, when it is one ``_fusable_activation`` knows."""
+    parent_name, _, child_name = name.rpartition(".")
+    parent = root.get_submodule(parent_name)
+    if type(parent) is not nn.Sequential or not child_name.isdigit():
+        return None
+    index = int(child_name) + 1
+    if index < len(parent) and _fusable_activation(parent[index]) is not None:
+        return parent, index
+    return None
+
+
 def convert(
     module: nn.Module,
     *,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     compute_dtype: torch.dtype = torch.float16,
     keep_output_fp32: bool | str = True,
+    fuse_activations: bool = True,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` by an ``mpgemm.Linear`` sharing its
     Parameters, in place; returns ``module`` (or the new layer if ``module`` itself is
@@ -115,6 +140,12 @@ def convert(
     mixed-precision rule). ``keep_output_fp32`` says which layer that is: ``True`` (the
     default) means the last converted layer in ``named_modules()`` order, the output
     layer of an ``nn.Sequential`` MLP; a string names the layer; ``False`` means none.
+
+    ``fuse_activations``: a converted layer followed directly, in an ``nn.Sequential``,
+    by ``nn.ReLU`` or ``nn.GELU()`` (the exact form) computes that activation in its
+    GEMM's epilogue (and its derivative as the backward GEMMs load the gradient), and
+    the activation module becomes ``nn.Identity``, so ``state_dict`` keys and indexing
+    are unchanged. Hooks registered on the activation module no longer run.
     """
     _check_compute_dtype("mpgemm.convert", compute_dtype)
     chosen = [
@@ -134,16 +165,23 @@ def convert(
             )
         fp32_name = keep_output_fp32
 
-    def replacement(name: str) -> Linear:
+    def replacement(name: str, activation: str | None = None) -> Linear:
         return Linear.from_linear(
             module.get_submodule(name),
             compute_dtype=compute_dtype,
             out_dtype=torch.float32 if name == fp32_name else None,
+            activation=activation,
         )
 
     if chosen == [""]:  # the root itself is an nn.Linear and cannot be swapped in place
         return replacement("")
     for name in chosen:
+        activation = None
+        following = _following_activation(module, name) if fuse_activations else None
+        if following is not None:
+            parent, index = following
+            activation = _fusable_activation(parent[index])
+            parent[index] = nn.Identity()
         parent_name, _, child_name = name.rpartition(".")
-        setattr(module.get_submodule(parent_name), child_name, replacement(name))
+        setattr(module.get_submodule(parent_name), child_name, replacement(name, activation))
     return module

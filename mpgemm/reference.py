@@ -50,7 +50,8 @@ def gemm_ref(
     R = FP32 row sums of A', where A' = A * f(S) for the prologue f."""
     a32 = a.to(torch.float32)
     if prologue == "relu_mask":
-        a32 = torch.where(prologue_operand > 0, a32, 0.0)
+        # threshold_backward's rule: zero where the output is <= 0 (NaN passes).
+        a32 = torch.where(prologue_operand <= 0, 0.0, a32)
     elif prologue == "mul":
         a32 = a32 * prologue_operand.to(torch.float32)
     z = round_to(a32, compute_dtype) @ round_to(b, compute_dtype)

@@ -159,3 +159,21 @@ def test_frozen_weight_still_gets_bias_and_input_gradients(device):
     F.gelu(F.linear(x64, w.double(), b64)).backward(grad_out.double())
     torch.testing.assert_close(b.grad.double(), b64.grad, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_nan_is_never_hidden_by_a_fused_activation(device, activation):
+    # torch.relu(nan) is nan: a fused ReLU must not turn it into 0, or the loss
+    # scaler's inf/NaN check would miss it.
+    x = torch.tensor([[1.0, -2.0], [float("nan"), 1.0]], device=device, requires_grad=True)
+    w = torch.eye(2, device=device)
+    y = mpgemm.linear(x, w, activation=activation, out_dtype=torch.float32)
+    expected = mpgemm.linear_ref(x, w, activation=activation, out_dtype=torch.float32)
+    assert torch.equal(y.isnan(), expected.isnan()) and y[1].isnan().all()
+    if activation == "relu":
+        # The backward is torch's threshold_backward: zero where the output is <= 0, and
+        # a NaN output passes its gradient on.
+        y.backward(torch.ones_like(y))
+        theirs = x.detach().clone().requires_grad_()
+        torch.relu(theirs @ w).backward(torch.ones_like(y))
+        assert torch.equal(x.grad, theirs.grad)

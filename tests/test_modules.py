@@ -130,3 +130,35 @@ def test_convert_reaches_nested_layers_by_their_qualified_names(device):
     # blocks.1.fc stays FP32 nn.Linear and must receive FP32: pass it FP32 input.
     model.blocks[0].fc.out_dtype = torch.float32
     assert model(torch.randn(3, 16, device=device)).dtype == torch.float32
+
+
+def test_convert_fuses_a_following_relu_or_exact_gelu(device):
+    model = mlp(device)
+    keys = list(model.state_dict())
+    reference = mlp(device)  # the same weights, unconverted, in FP32
+    mpgemm.convert(model)
+    assert [type(m) for m in model] == [mpgemm.Linear, nn.Identity, mpgemm.Linear,
+                                        nn.Identity, mpgemm.Linear]
+    assert [m.activation for m in model if isinstance(m, mpgemm.Linear)] == ["relu", "gelu",
+                                                                             None]
+    assert list(model.state_dict()) == keys
+    x = torch.randn(8, 33, device=device)
+    torch.testing.assert_close(model(x), reference(x), rtol=2e-2, atol=2e-2)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=5e-2, atol=5e-2)
+
+
+def test_convert_fuses_only_what_computes_the_same(device):
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(approximate="tanh"), nn.Linear(8, 8),
+                          nn.Tanh(), nn.Linear(8, 4), nn.ReLU()).to(device)
+    mpgemm.convert(model)
+    assert type(model[1]) is nn.GELU and type(model[3]) is nn.Tanh
+    assert [model[0].activation, model[2].activation] == [None, None]
+    # The output layer's ReLU fuses too: applied to the FP32 accumulator, written FP32.
+    assert type(model[5]) is nn.Identity and model[4].activation == "relu"
+    assert model(torch.randn(2, 8, device=device)).dtype == torch.float32
+
+    unfused = mpgemm.convert(mlp(device), fuse_activations=False)
+    assert type(unfused[1]) is nn.ReLU and unfused[0].activation is None
