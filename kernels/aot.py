@@ -94,30 +94,39 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     """(label, run) pairs: each ``run`` makes one layer's launches, in the order
     LinearFunction makes them (forward; input gradient, then weight gradient)."""
     from mpgemm.functional import linear
+    from mpgemm.modules import Linear
 
     aligned = spec == "aligned"
     m, k, n = _SHAPES[spec]
     f32 = torch.float32
 
-    def layer(x_dtype, w_dtype, *, bias, activation, out_dtype=None, grad_x=True):
+    def module(x_dtype, *, activation, out_dtype=None, grad_x=True):
+        # A training step's layer: FP32 master weights, whose 16-bit copy the GEMMs read.
+        layer = Linear(k, n, activation=activation, compute_dtype=half, out_dtype=out_dtype)
         x = _tensor((m, k), x_dtype, aligned).requires_grad_(grad_x)
-        w = _tensor((n, k), w_dtype, aligned).requires_grad_()
-        b = _tensor((n,), f32, aligned).requires_grad_() if bias else None
-        return lambda: linear(x, w, b, activation=activation, compute_dtype=half,
-                              out_dtype=out_dtype)
+        return lambda: layer(x)
 
-    def forward_only(x_dtype, w_dtype):
-        x, w = _tensor((m, k), x_dtype, aligned), _tensor((n, k), w_dtype, aligned)
-        return lambda: linear(x, w, compute_dtype=half)
+    def functional(x_dtype, w_dtype, *, bias, activation, grad=True):
+        x = _tensor((m, k), x_dtype, aligned).requires_grad_(grad)
+        w = _tensor((n, k), w_dtype, aligned).requires_grad_(grad)
+        b = _tensor((n,), f32, aligned).requires_grad_(grad) if bias else None
+        return lambda: linear(x, w, b, activation=activation, compute_dtype=half)
 
-    yield "forward 16-bit", forward_only(half, half)
-    # The layers of a training step from FP32 master weights: the first (FP32 input),
-    # hidden ones with each activation, the FP32 logits.
-    yield "first layer relu", layer(f32, f32, bias=True, activation="relu", grad_x=False)
-    yield "hidden relu", layer(half, f32, bias=True, activation="relu")
-    yield "hidden gelu", layer(half, f32, bias=True, activation="gelu")
-    yield "head", layer(half, f32, bias=True, activation=None, out_dtype=f32)
-    yield "matmul 16-bit", layer(half, half, bias=False, activation=None)
+    yield "forward 16-bit", functional(half, half, bias=False, activation=None, grad=False)
+    # The layers of a converted MLP's training step: the first (an FP32 input, rounded
+    # once), hidden ones with each fused activation, the FP32 logits.
+    yield "step: first layer", module(f32, activation="relu", grad_x=False)
+    yield "step: hidden relu", module(half, activation="relu")
+    yield "step: hidden gelu", module(half, activation="gelu")
+    yield "step: head", module(half, activation=None, out_dtype=f32)
+    if half == torch.bfloat16:
+        # BF16 changes only the MMA's input type: its step and plain product suffice.
+        return
+    # mpgemm.linear and matmul on what they are given: FP32 operands rounded in the kernel.
+    yield "functional fp32 weight", functional(half, f32, bias=True, activation="relu")
+    yield "functional fp32 operands", functional(f32, f32, bias=True, activation=None,
+                                                 grad=False)
+    yield "matmul 16-bit", functional(half, half, bias=False, activation=None)
 
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
@@ -141,18 +150,26 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
     if aligned:
         yield "scale update", lambda: triton_update_scale_(
             torch.ones(()), torch.zeros((), dtype=torch.int32), torch.zeros(()), 2.0, 0.5, 2000)
-    for param, grad in ((f32, f32), (f32, f16), (f32, bf16), (bf16, bf16)):
+    # (parameter, gradient, compute copy): FP32 masters of mpgemm.Linear layers get
+    # their 16-bit copy written in the step; None: no copy.
+    for param, grad, copy in ((f32, f32, None), (f32, f16, None), (f32, bf16, None),
+                              (bf16, bf16, None), (f32, f32, f16), (f32, f32, bf16)):
         scaled = dict(inv_scale=one, found_inf=torch.zeros(()))
-        yield f"sgd {param} <- {grad}", lambda p=param, g=grad, s=scaled: triton_sgd_step_(
+        name = f"{param} <- {grad}" + (f", copy {copy}" if copy else "")
+
+        def copies(c=copy):
+            return None if c is None else tensors(c)
+
+        yield f"sgd {name}", lambda p=param, g=grad, s=scaled, c=copies: triton_sgd_step_(
             tensors(p), tensors(g), tensors(p), lr=0.1, momentum=0.9, weight_decay=0.0,
-            nesterov=False, maximize=False, **s)
+            nesterov=False, maximize=False, compute_copies=c(), **s)
         for decoupled in (False, True):
-            yield (f"adam{'w' if decoupled else ''} {param} <- {grad}",
-                   lambda p=param, g=grad, d=decoupled, s=scaled: triton_adam_step_(
+            yield (f"adam{'w' if decoupled else ''} {name}",
+                   lambda p=param, g=grad, d=decoupled, s=scaled, c=copies: triton_adam_step_(
                        tensors(p), tensors(g), tensors(p), tensors(p),
                        [torch.ones(()) for _ in range(2)], lr=1e-3, beta1=0.9, beta2=0.999,
                        eps=1e-8, weight_decay=0.01, decoupled_weight_decay=d, maximize=False,
-                       **s))
+                       compute_copies=c(), **s))
 
 
 @dataclass(frozen=True)

@@ -145,12 +145,16 @@ def _gelu_and_derivative(z):
     return z * cdf, cdf + z * pdf
 
 
-@triton.jit
+# The size buckets are read by the autotuner only; specialising the binary on them would
+# compile a new one per bucket.
+@triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET"])
 def _gemm_kernel(
     # operands and outputs
     a_ptr, b_ptr, c_ptr, bias_ptr, s_ptr, g_ptr, r_ptr,
     # problem size: A is (M, K), B is (K, N), C is (M, N)
     M, N, K,
+    # the autotune key's sizes (size_bucket)
+    M_BUCKET, N_BUCKET, K_BUCKET,
     # strides, in elements
     stride_am, stride_ak,
     stride_bk, stride_bn,
@@ -252,13 +256,22 @@ def _gemm_kernel(
 # Every flag that changes the code or the pruned config list is part of the key
 # (triton adds the tensors' dtypes itself).
 _AUTOTUNE_KEY = [
-    "M", "N", "K",
+    "M_BUCKET", "N_BUCKET", "K_BUCKET",
     "COMPUTE_BF16", "PROLOGUE", "HAS_BIAS", "ACTIVATION", "STORE_ACT_GRAD", "ROWSUM_A",
     "ALIGNED",
 ]
+# Tuned configs are kept on disk too (triton's cache): a new process reuses them.
 gemm_kernel = triton.autotune(
-    configs=CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
+    configs=CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs},
+    cache_results=True,
 )(_gemm_kernel)
+
+
+def size_bucket(n: int) -> int:
+    """A dimension's size as the autotune key sees it: the next power of two, so that a
+    ragged last batch or a new batch size reuses a tuned config instead of timing every
+    config again."""
+    return triton.next_power_of_2(max(n, 1))
 
 
 def triton_gemm(
@@ -318,6 +331,7 @@ def triton_gemm(
         g if g is not None else c,
         r if r is not None else c,
         M, N, K,
+        size_bucket(M), size_bucket(N), size_bucket(K),
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
         c.stride(0), c.stride(1),

@@ -7,6 +7,11 @@ state in FP32 registers, with the math of ``mpgemm.scaling_ref.sgd_step_ref_`` a
 where ``found_inf`` is nonzero, each program reads the flag and nothing else, so the
 parameters and state keep their bits and the host never has to read the flag.
 
+A parameter may come with a compute copy (``mpgemm.compute_copy``: the 16-bit weight
+an ``mpgemm.Linear``'s GEMMs read); the step writes it from the updated parameter in the
+same pass, so the next forward needs no cast. A parameter without one is listed as its
+own copy, and ``HAS_COPY`` is off.
+
 Hyperparameters arrive in an FP64 table (``scalar_table``), as torch computes its
 Python-side scalars (bias corrections, ``1 - lr * weight_decay``) in double before
 rounding them to FP32.
@@ -50,11 +55,21 @@ def _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE: tl.constexpr,
 
 
 @triton.jit
+def _store_param(p_ptr, c_ptr, p, mask, PARAM_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
+                 HAS_COPY: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Store the updated parameter, and its compute copy rounded from what was stored."""
+    p = cast_rne(p, PARAM_DTYPE, INTERPRETED)
+    tl.store(p_ptr, p, mask=mask)
+    if HAS_COPY:
+        tl.store(c_ptr, cast_rne(p.to(tl.float32), COPY_DTYPE, INTERPRETED), mask=mask)
+
+
+@triton.jit
 def _sgd_block(
-    p_ptr, g_ptr, buf_ptr, mask, inv_scale_ptr, lr, momentum, weight_decay,
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    p_ptr, g_ptr, buf_ptr, c_ptr, mask, inv_scale_ptr, lr, momentum, weight_decay,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
+    HAS_COPY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr, HAS_INV_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     p = load_block(p_ptr, mask).to(tl.float32)
     g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE,
@@ -69,28 +84,30 @@ def _sgd_block(
         else:
             g = buf
     p = p - lr.to(tl.float32) * g
-    tl.store(p_ptr, cast_rne(p, PARAM_DTYPE, INTERPRETED), mask=mask)
+    _store_param(p_ptr, c_ptr, p, mask, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED)
 
 
 @triton.jit
 def _sgd_kernel(
-    # table of [param, grad, momentum buffer] tensors and its size
+    # table of [param, grad, momentum buffer, compute copy] tensors and its size
     table_ptr, num_tensors,
     # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_INV_SCALE)
     found_inf_ptr, inv_scale_ptr,
     # FP64 table: lr, momentum, weight_decay
     hyper_ptr,
     # element types
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
     # flags
+    HAS_COPY: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 3, BLOCK)
+    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 4, BLOCK)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE, ALIGNED) + offsets
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, 1, GRAD_DTYPE, ALIGNED) + offsets
     buf_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE, ALIGNED) + offsets
+    c_ptr = table_pointer(table_ptr, num_tensors, tensor, 3, COPY_DTYPE, ALIGNED) + offsets
     lr = tl.load(hyper_ptr)
     momentum = tl.load(hyper_ptr + 1)
     weight_decay = tl.load(hyper_ptr + 2)
@@ -100,21 +117,21 @@ def _sgd_kernel(
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
-            _sgd_block(p_ptr, g_ptr, buf_ptr, None, inv_scale_ptr, lr, momentum,
-                       weight_decay, PARAM_DTYPE, GRAD_DTYPE, HAS_MOMENTUM, NESTEROV,
-                       MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
+            _sgd_block(p_ptr, g_ptr, buf_ptr, c_ptr, None, inv_scale_ptr, lr, momentum,
+                       weight_decay, PARAM_DTYPE, GRAD_DTYPE, COPY_DTYPE, HAS_COPY,
+                       HAS_MOMENTUM, NESTEROV, MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
         else:
-            _sgd_block(p_ptr, g_ptr, buf_ptr, mask, inv_scale_ptr, lr, momentum,
-                       weight_decay, PARAM_DTYPE, GRAD_DTYPE, HAS_MOMENTUM, NESTEROV,
-                       MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
+            _sgd_block(p_ptr, g_ptr, buf_ptr, c_ptr, mask, inv_scale_ptr, lr, momentum,
+                       weight_decay, PARAM_DTYPE, GRAD_DTYPE, COPY_DTYPE, HAS_COPY,
+                       HAS_MOMENTUM, NESTEROV, MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
 
 
 @triton.jit
 def _adam_block(
-    p_ptr, g_ptr, m_ptr, v_ptr, mask, inv_scale_ptr,
+    p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, mask, inv_scale_ptr,
     lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    DECOUPLED_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
+    HAS_COPY: tl.constexpr, DECOUPLED_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_INV_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     p = load_block(p_ptr, mask).to(tl.float32)
@@ -139,29 +156,31 @@ def _adam_block(
     p = p - step_size * tl.div_rn(m, denom)
     tl.store(m_ptr, cast_rne(m, PARAM_DTYPE, INTERPRETED), mask=mask)
     tl.store(v_ptr, cast_rne(v, PARAM_DTYPE, INTERPRETED), mask=mask)
-    tl.store(p_ptr, cast_rne(p, PARAM_DTYPE, INTERPRETED), mask=mask)
+    _store_param(p_ptr, c_ptr, p, mask, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED)
 
 
 @triton.jit
 def _adam_kernel(
-    # table of [param, grad, exp_avg, exp_avg_sq, step] tensors and its size
+    # table of [param, grad, exp_avg, exp_avg_sq, step, compute copy] tensors and its size
     table_ptr, num_tensors,
     # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_INV_SCALE)
     found_inf_ptr, inv_scale_ptr,
     # FP64 table: lr, beta1, beta2, eps, weight_decay
     hyper_ptr,
     # element types
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
     # flags
+    HAS_COPY: tl.constexpr,
     DECOUPLED_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 5, BLOCK)
+    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 6, BLOCK)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE, ALIGNED) + offsets
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, 1, GRAD_DTYPE, ALIGNED) + offsets
     m_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE, ALIGNED) + offsets
     v_ptr = table_pointer(table_ptr, num_tensors, tensor, 3, PARAM_DTYPE, ALIGNED) + offsets
+    c_ptr = table_pointer(table_ptr, num_tensors, tensor, 5, COPY_DTYPE, ALIGNED) + offsets
     lr = tl.load(hyper_ptr)
     beta1 = tl.load(hyper_ptr + 1)
     beta2 = tl.load(hyper_ptr + 2)
@@ -179,31 +198,42 @@ def _adam_kernel(
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
-            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, None, inv_scale_ptr, lr, beta1, beta2,
-                        eps, weight_decay, step_size, bias_correction2_sqrt, PARAM_DTYPE,
-                        GRAD_DTYPE, DECOUPLED_WEIGHT_DECAY, MAXIMIZE, HAS_INV_SCALE,
-                        INTERPRETED)
+            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, None, inv_scale_ptr, lr, beta1,
+                        beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+                        PARAM_DTYPE, GRAD_DTYPE, COPY_DTYPE, HAS_COPY,
+                        DECOUPLED_WEIGHT_DECAY, MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
         else:
-            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, mask, inv_scale_ptr, lr, beta1, beta2,
-                        eps, weight_decay, step_size, bias_correction2_sqrt, PARAM_DTYPE,
-                        GRAD_DTYPE, DECOUPLED_WEIGHT_DECAY, MAXIMIZE, HAS_INV_SCALE,
-                        INTERPRETED)
+            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, mask, inv_scale_ptr, lr, beta1,
+                        beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+                        PARAM_DTYPE, GRAD_DTYPE, COPY_DTYPE, HAS_COPY,
+                        DECOUPLED_WEIGHT_DECAY, MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
 
 
-def _launch(kernel, lists, found_inf, inv_scale, hyper, **flags) -> None:
-    table, num_tensors, num_blocks = tensor_table(lists)
+def _launch(kernel, lists, copies, found_inf, inv_scale, hyper, *, strided,
+            warps_with_copy: int = 8, **flags) -> None:
+    """One launch over the parallel ``lists`` and the compute ``copies`` (the table's last
+    list); the first ``strided`` lists, and the copies, are walked element by element.
+    ``warps_with_copy``: the warps when a copy is written (more warps, fewer elements
+    and registers per thread)."""
+    params = lists[0]
+    if copies is None:
+        copies = params  # each parameter its own copy: nothing more is written
+    has_copy = copies[0].dtype != params[0].dtype
+    table, num_tensors, num_blocks = tensor_table([*lists, copies])
     if num_blocks == 0:
         return
+    walked = [*lists[:strided], *([copies] if has_copy else [])]
     launch(
         kernel, (num_blocks,),
         table, num_tensors,
         found_inf if found_inf is not None else table,
         inv_scale if inv_scale is not None else table,
         scalar_table(hyper, table.device),
-        PARAM_DTYPE=TRITON_DTYPES[lists[0][0].dtype], GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
+        PARAM_DTYPE=TRITON_DTYPES[params[0].dtype], GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
+        COPY_DTYPE=TRITON_DTYPES[copies[0].dtype], HAS_COPY=has_copy,
         HAS_FOUND_INF=found_inf is not None, HAS_INV_SCALE=inv_scale is not None,
-        ALIGNED=is_aligned(lists[:4]), INTERPRETED=INTERPRET, BLOCK=BLOCK,
-        num_warps=8,
+        ALIGNED=is_aligned(walked), INTERPRETED=INTERPRET, BLOCK=BLOCK,
+        num_warps=warps_with_copy if has_copy else 8,
         **flags,
     )
 
@@ -220,15 +250,17 @@ def triton_sgd_step_(
     maximize: bool,
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """``sgd_step_ref_`` in one launch. ``params`` (and buffers) share a dtype, ``grads``
-    share a dtype; all flat, one device, parallel tensors with equal strides."""
+    share a dtype, ``compute_copies`` share a dtype (a parameter's own tensor: none);
+    all flat, one device, parallel tensors with equal strides."""
     if not params:
         return
     buffers = momentum_buffers if momentum != 0 else params
     _launch(
-        _sgd_kernel, [params, grads, buffers], found_inf, inv_scale,
-        (lr, momentum, weight_decay),
+        _sgd_kernel, [params, grads, buffers], compute_copies, found_inf, inv_scale,
+        (lr, momentum, weight_decay), strided=3,
         HAS_MOMENTUM=momentum != 0, NESTEROV=nesterov, MAXIMIZE=maximize,
     )
 
@@ -249,13 +281,18 @@ def triton_adam_step_(
     maximize: bool,
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """``adam_step_ref_`` in one launch. ``params`` and moments share a dtype, ``grads``
-    share a dtype, ``steps`` are FP32 one-element tensors; all on one device."""
+    share a dtype, ``compute_copies`` share a dtype (a parameter's own tensor: none),
+    ``steps`` are FP32 one-element tensors; all on one device."""
     if not params:
         return
     _launch(
-        _adam_kernel, [params, grads, exp_avgs, exp_avg_sqs, steps], found_inf, inv_scale,
-        (lr, beta1, beta2, eps, weight_decay),
+        _adam_kernel, [params, grads, exp_avgs, exp_avg_sqs, steps], compute_copies,
+        found_inf, inv_scale, (lr, beta1, beta2, eps, weight_decay), strided=4,
+        # At 8 warps, Adam writing a copy spills 64 bytes under Triton 3.6 (254
+        # registers); at 16 it takes 128 and none (python -m mpgemm.kernels.aot).
+        warps_with_copy=16,
         DECOUPLED_WEIGHT_DECAY=decoupled_weight_decay, MAXIMIZE=maximize,
     )

@@ -122,8 +122,12 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 class LinearFunction(torch.autograd.Function):
     """y = act(x @ W.T + bias) with 16-bit operands and FP32 accumulation.
 
-    x: (*, K) float32/float16/bfloat16; W: (N, K), any strides; bias: (N,) or None.
-    Forward: one GEMM with bias, activation and the output cast in the epilogue.
+    x: (*, K) float32/float16/bfloat16; W: (N, K), any strides; bias: (N,) or None;
+    weight_copy: None, or W in the compute dtype (``mpgemm.Linear``'s current copy of
+    its FP32 master), which the GEMMs then read in W's place.
+    Forward: one GEMM with bias, activation and the output cast in the epilogue. An FP32
+    x that the weight gradient needs is rounded to the compute dtype once, and the
+    rounded x is what is saved (the GEMMs would round it anyway; half the memory).
     Backward: dZ = dY * act'(z) is applied as the GEMMs load dY, then
     dx = dZ @ W (in x's dtype) and dW = dZ.T @ x (in W's dtype, FP32 for master weights,
     laid out like W), with the bias gradient, the FP32 column sum of dZ, computed by
@@ -131,14 +135,17 @@ class LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, compute_dtype, out_dtype):
+    def forward(ctx, x, weight, bias, activation, compute_dtype, out_dtype, weight_copy=None):
         gemm = _gemm(x.device)
         x2d = _as_rows(x)
+        if ctx.needs_input_grad[1] and x.dtype == torch.float32:
+            x2d = x2d.to(compute_dtype)
+        w = weight if weight_copy is None else weight_copy
         out = torch.empty((*x.shape[:-1], weight.shape[0]), device=x.device, dtype=out_dtype)
         save_gelu_derivative = activation == "gelu" and any(ctx.needs_input_grad[:3])
         _, act_grad, _ = gemm(
             x2d,
-            weight.t(),
+            w.t(),
             compute_dtype=compute_dtype,
             out_dtype=out_dtype,
             bias=bias,
@@ -148,8 +155,8 @@ class LinearFunction(torch.autograd.Function):
         )
         # What the derivative prologue reads: ReLU's own output, GELU's stored act'(z).
         derivative_operand = {None: None, "relu": out, "gelu": act_grad}[activation]
-        ctx.save_for_backward(x2d, weight, derivative_operand)
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.save_for_backward(x2d, w, derivative_operand)
+        ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.activation, ctx.compute_dtype = activation, compute_dtype
         ctx.has_bias = bias is not None
         return out
@@ -175,15 +182,16 @@ class LinearFunction(torch.autograd.Function):
         if need_w or (need_b and ctx.has_bias):
             # A frozen weight still lets its GEMM sum the bias gradient: B gets no columns.
             x_operand = x2d if need_w else x2d[:, :0]
-            grad_w = torch.empty_like(weight) if need_w else None
+            # Laid out like the weight (its copy is), in the weight's own dtype.
+            grad_w = torch.empty_like(weight, dtype=ctx.weight_dtype) if need_w else None
             _, _, grad_b = gemm(
                 dy.t(), x_operand,
-                compute_dtype=ctx.compute_dtype, out_dtype=weight.dtype,
+                compute_dtype=ctx.compute_dtype, out_dtype=ctx.weight_dtype,
                 prologue=prologue, prologue_operand=None if s is None else s.t(),
                 rowsum_a=need_b and ctx.has_bias,
                 out=grad_w,
             )
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------
@@ -211,6 +219,22 @@ def linear(
     Differentiable in input, weight and bias; each gradient has its tensor's dtype, so
     FP32 master weights get FP32 gradients.
     """
+    return _linear(input, weight, bias, activation=activation, compute_dtype=compute_dtype,
+                   out_dtype=out_dtype)
+
+
+def _linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    activation: str | None,
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+    weight_copy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``linear``, with the GEMMs reading ``weight_copy`` (``weight`` in the compute
+    dtype, from ``mpgemm.Linear``) in ``weight``'s place when given."""
     op = "mpgemm.linear"
     _check_tensors(op, input=input, weight=weight, bias=bias)
     _check_compute_dtype(op, compute_dtype)
@@ -228,7 +252,7 @@ def linear(
             f"{tuple(weight.shape)}; expected ({weight.shape[0]},)"
         )
     return LinearFunction.apply(
-        input, weight, bias, activation, compute_dtype, out_dtype or compute_dtype
+        input, weight, bias, activation, compute_dtype, out_dtype or compute_dtype, weight_copy
     )
 
 

@@ -7,11 +7,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mpgemm.compute_copy import ComputeCopy
 from mpgemm.functional import (
     _check_activation,
     _check_compute_dtype,
     _check_out_dtype,
-    linear,
+    _linear,
 )
 
 
@@ -19,9 +20,12 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose product runs with 16-bit operands and FP32 accumulation.
 
     Parameters stay FP32: they are the master weights, and their gradients arrive in
-    FP32. ``forward`` takes (*, in_features) inputs of dtype float32, float16 or
-    bfloat16 and returns ``act(input @ weight.T + bias)`` of ``out_dtype`` (default
-    ``compute_dtype``). ``state_dict`` is ``nn.Linear``'s, so checkpoints load both ways.
+    FP32. The GEMMs read a ``compute_dtype`` copy of the weight (``mpgemm.compute_copy``),
+    remade whenever the weight changes and written by mpgemm's fused optimizers in their
+    step, so 16-bit operands reach the Tensor Cores. ``forward`` takes (*, in_features)
+    inputs of dtype float32, float16 or bfloat16 and returns
+    ``act(input @ weight.T + bias)`` of ``out_dtype`` (default ``compute_dtype``).
+    ``state_dict`` is ``nn.Linear``'s, so checkpoints load both ways.
 
     Mixed-precision rule: the layer whose output is the model's output (the logits)
     should use ``out_dtype=torch.float32`` so softmax and loss run in FP32;
@@ -53,15 +57,20 @@ class Linear(nn.Linear):
         self.compute_dtype = compute_dtype
         self.activation = activation
         self.out_dtype = out_dtype
+        self._weight_copy = ComputeCopy(compute_dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(
+        if self._weight_copy.dtype != self.compute_dtype:  # compute_dtype was reassigned
+            self._weight_copy = ComputeCopy(self.compute_dtype)
+        copy = self._weight_copy.of(self.weight) if self.weight.dtype == torch.float32 else None
+        return _linear(
             input,
             self.weight,
             self.bias,
             activation=self.activation,
             compute_dtype=self.compute_dtype,
             out_dtype=self.out_dtype,
+            weight_copy=copy,
         )
 
     def extra_repr(self) -> str:

@@ -7,8 +7,10 @@ torch's protocol for scaler-aware optimizers (``_step_supports_amp_scaling``): a
 scaler sets ``grad_scale`` and ``found_inf`` tensors on the optimizer before calling
 ``step``, and the kernels unscale the gradients as they read them and leave every
 parameter and state tensor untouched when ``found_inf`` is set, without the host
-reading the flag. Adam's step counts are FP32 tensors on the parameters' device, so a
-skipped step does not advance them either.
+reading the flag. A parameter with a compute copy (the 16-bit weight an
+``mpgemm.Linear`` reads, ``mpgemm.compute_copy``) gets it written in the same pass.
+Adam's step counts are FP32 tensors on the parameters' device, so a skipped step does
+not advance them either.
 
 Not supported: SGD's ``dampening``, Adam's ``amsgrad``, tensor learning rates, sparse
 gradients (``ValueError``), FP64 parameters (``TypeError``).
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mpgemm.compute_copy import copy_of
 from mpgemm.scaling import KERNEL_DTYPES, adam_step_, advance_steps_, sgd_step_
 
 __all__ = ["SGD", "Adam", "AdamW"]
@@ -46,6 +49,11 @@ class _ScaledStep:
         # As GradScaler.unscale_ would: multiply by the reciprocal, taken in double.
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         return inv_scale, found_inf
+
+    @staticmethod
+    def _compute_copies(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        # A parameter without a compute copy stands for its own: nothing more is written.
+        return [copy if (copy := copy_of(p)) is not None else p for p in params]
 
     @staticmethod
     def _params_with_grad(group: dict) -> list[torch.Tensor]:
@@ -113,7 +121,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
             params, [p.grad for p in params], buffers,
             lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
             nesterov=group["nesterov"], maximize=group["maximize"],
-            inv_scale=inv_scale, found_inf=found_inf,
+            inv_scale=inv_scale, found_inf=found_inf, compute_copies=self._compute_copies(params),
         )
 
 
@@ -153,6 +161,7 @@ class _FusedAdamStep(_ScaledStep):
             weight_decay=group["weight_decay"],
             decoupled_weight_decay=self._decoupled_weight_decay,
             maximize=group["maximize"], inv_scale=inv_scale, found_inf=found_inf,
+            compute_copies=self._compute_copies(params),
         )
 
 

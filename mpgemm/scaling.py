@@ -114,13 +114,19 @@ def sgd_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor] | None,
+    *,
+    compute_copies: Sequence[torch.Tensor] | None = None,
     **hyper,
 ) -> None:
-    """One SGD step of ``mpgemm.scaling_ref.sgd_step_ref_``'s math, fused per dtype."""
-    lists = [params, grads] + ([momentum_buffers] if momentum_buffers is not None else [])
+    """One SGD step of ``mpgemm.scaling_ref.sgd_step_ref_``'s math, fused per dtype.
+    ``compute_copies``: per parameter, its compute copy (``mpgemm.compute_copy``) to
+    write from the updated value, or the parameter itself for none."""
+    copies = params if compute_copies is None else compute_copies
+    lists = [params, grads, copies] + ([momentum_buffers] if momentum_buffers is not None else [])
     _dispatch(
         "sgd_step", lists,
-        lambda impl, ls: impl(ls[0], ls[1], ls[2] if len(ls) > 2 else None, **hyper),
+        lambda impl, ls: impl(ls[0], ls[1], ls[3] if len(ls) > 3 else None,
+                              compute_copies=ls[2], **hyper),
         strided=len(lists),
     )
 
@@ -131,12 +137,17 @@ def adam_step_(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
+    *,
+    compute_copies: Sequence[torch.Tensor] | None = None,
     **hyper,
 ) -> None:
     """One Adam/AdamW step of ``mpgemm.scaling_ref.adam_step_ref_``'s math, fused per
-    dtype; ``steps`` must already count this step (``advance_steps_``)."""
+    dtype; ``steps`` must already count this step (``advance_steps_``).
+    ``compute_copies`` as for ``sgd_step_``."""
+    copies = params if compute_copies is None else compute_copies
     _dispatch(
-        "adam_step", [params, grads, exp_avgs, exp_avg_sqs, steps],
-        lambda impl, ls: impl(*ls, **hyper),
-        strided=4,
+        "adam_step", [params, grads, exp_avgs, exp_avg_sqs, copies, steps],
+        lambda impl, ls: impl(ls[0], ls[1], ls[2], ls[3], ls[5], compute_copies=ls[4],
+                              **hyper),
+        strided=5,
     )

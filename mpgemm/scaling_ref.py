@@ -66,6 +66,17 @@ def _store_unless_skipped(
     dst.copy_(value if found_inf is None else torch.where(found_inf != 0, dst, value))
 
 
+def _store_param(
+    p: torch.Tensor, copy: torch.Tensor | None, value: torch.Tensor,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """The updated parameter, and its compute copy rounded from what was stored (a
+    parameter listed as its own copy has none)."""
+    _store_unless_skipped(p, value, found_inf)
+    if copy is not None and copy is not p:
+        _store_unless_skipped(copy, p, found_inf)
+
+
 def sgd_step_ref_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -78,6 +89,7 @@ def sgd_step_ref_(
     maximize: bool,
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """SGD with momentum (torch.optim.SGD's math, dampening 0), in FP32:
 
@@ -85,8 +97,10 @@ def sgd_step_ref_(
         buf = momentum * buf + g;  d = g + momentum * buf if nesterov else buf
         p = p - lr * d
 
-    Buffers start as zeros, which gives torch's first step (buf = g). Nothing changes
-    where ``found_inf`` is nonzero."""
+    Buffers start as zeros, which gives torch's first step (buf = g). Each
+    ``compute_copies`` tensor gets its parameter's new value in its own dtype. Nothing
+    changes where ``found_inf`` is nonzero."""
+    copies = compute_copies or [None] * len(params)
     for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
         g = _unscaled_fp32(grad, inv_scale)
         g = -g if maximize else g
@@ -97,7 +111,7 @@ def sgd_step_ref_(
             buf = momentum_buffers[i].float() * momentum + g
             g = g + momentum * buf if nesterov else buf
             _store_unless_skipped(momentum_buffers[i], buf, found_inf)
-        _store_unless_skipped(p, p32 - lr * g, found_inf)
+        _store_param(p, copies[i], p32 - lr * g, found_inf)
 
 
 def adam_step_ref_(
@@ -116,6 +130,7 @@ def adam_step_ref_(
     maximize: bool,
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Adam (AdamW with ``decoupled_weight_decay``), torch.optim.Adam's math in FP32,
     with ``steps`` already counting this step:
@@ -124,8 +139,11 @@ def adam_step_ref_(
         m = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g^2
         p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
+    Each ``compute_copies`` tensor gets its parameter's new value in its own dtype.
     Nothing changes where ``found_inf`` is nonzero."""
-    for p, grad, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+    copies = compute_copies or [None] * len(params)
+    for p, grad, m, v, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies,
+                                         strict=True):
         g = _unscaled_fp32(grad, inv_scale)
         g = -g if maximize else g
         p32 = p.float()
@@ -142,4 +160,4 @@ def adam_step_ref_(
         denom = v32.sqrt() / bias_correction2_sqrt + eps
         _store_unless_skipped(m, m32, found_inf)
         _store_unless_skipped(v, v32, found_inf)
-        _store_unless_skipped(p, p32 - step_size * (m32 / denom), found_inf)
+        _store_param(p, copy, p32 - step_size * (m32 / denom), found_inf)

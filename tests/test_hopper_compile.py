@@ -1,7 +1,8 @@
 """Every launch the code paths make compiles for an H100 (sm_90a) as triton's JIT would
 compile it there, aligned and unaligned, with the ptxas inside the triton wheel: GEMMs
-with wgmma and no register spills, the plain 16-bit forward GEMM with its MMAs in
-flight while the next tiles load (async wgmma, at least one group pending) when aligned;
+with wgmma and no register spills; the plain 16-bit forward GEMM and every GEMM of a
+training step with its MMAs in flight while the next tiles load (async wgmma, at least
+one group pending) when aligned;
 the loss-scaling kernels with no spills, vector loads and no approximate FP32 math. This
 runs the GPU compiler, which the interpreter never does, and needs no GPU."""
 
@@ -34,6 +35,13 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     assert {r["flags"]["COMPUTE_BF16"] for r in gemms} == {False, True}
     bad = [r for r in gemms if not (r["wgmma"] and r["spill_bytes"] == 0)]
     assert not bad, bad
+
+    # Every GEMM of a converted MLP's training step (16-bit weight copies, an FP32 input
+    # rounded once, fused activations) keeps its MMAs in flight when aligned.
+    step = [r for r in gemms if r["launch"].startswith("step:")]
+    assert {r["layout"] for r in step} == {"forward", "grad_input", "grad_weight"}
+    assert all(r["b_dtype"] != "fp32" for r in step)
+    assert all(r["wgmma_pending"] >= 1 for r in step if r["specialization"] == "aligned")
 
     for dtype in ("float16", "bfloat16"):
         plain = [r for r in gemms if r["launch"] == f"forward 16-bit {dtype}"]

@@ -31,12 +31,26 @@ def test_a_recorded_launch_runs_nothing_and_says_what_it_compiles(tmp_path):
     assert torch.isnan(out).all()  # allocations are NaN-poisoned: no kernel wrote them
     [record] = _records(path)
     assert record["kernel"] == "_gemm_kernel"
-    assert record["tune_key"][:3] == [64, 32, 48]  # M, N, K
+    assert record["tune_key"][:3] == [64, 32, 64]  # M, N, K, each to a power of two
     flags = {name: record["specialization"][name] for name in gemm._PRUNE_FLAGS}
     assert flags["ALIGNED"] is True
     assert record["configs"] == len(gemm._prune_configs(gemm.GPU_CONFIGS, {}, **flags)) > 1
     assert record["specialization"]["a_ptr"] == ["torch.float32", True]
     assert record["specialization"]["stride_ak"] == "1"
+
+
+def test_a_ragged_batch_reuses_the_tuned_config(tmp_path):
+    path = tmp_path / "launches.jsonl"
+    w = torch.randn(32, 48)
+    with record_to(str(path)):
+        for batch in (128, 96, 65):  # a full batch, a ragged last one, a new size
+            mpgemm.linear(torch.randn(batch, 48), w)
+    records = _records(path)
+    assert len({json.dumps(r["tune_key"]) for r in records}) == 1
+    # One key: its configs are compiled and timed once; the other sizes compile only
+    # the chosen config again if their specialisation differs (65 is not a multiple
+    # of 16, 96 is).
+    assert count_compiles(records) == records[0]["configs"] + 1
 
 
 def test_a_training_step_records_its_gemms_and_loss_scaling(tmp_path):

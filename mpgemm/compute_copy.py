@@ -1,0 +1,62 @@
+"""16-bit copies of FP32 master weights, for the Tensor Cores, that are never stale.
+
+An ``mpgemm.Linear`` keeps its weight in FP32 (the master) and hands its GEMMs a copy
+in the compute dtype: an FP32 operand would be converted in the kernel on every tile,
+through shared memory, and keep Hopper's MMAs from overlapping the loads. The copy is
+remade whenever the weight may have changed under it: a new tensor or storage (a new
+Parameter, ``.to()``, ``.data =``), or a bump of its version counter (any in-place
+change through torch: ``load_state_dict``, ``torch.optim`` optimizers, ``mul_``, ...).
+mpgemm's fused optimizers write the copy in the same kernel pass that updates the
+master (``copy_of``): a kernel's writes leave the version counter alone, so the copy
+stays current and no cast runs in the next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# weight -> its ComputeCopy, for the optimizers; weak, so a dropped weight is forgotten.
+_copies = WeakIdKeyDictionary()
+
+
+def _storage(weight: torch.Tensor) -> tuple:
+    return (weight.data_ptr(), weight.device, weight.shape, weight.stride())
+
+
+class ComputeCopy:
+    """A ``dtype`` copy of one FP32 weight at a time, remade only when stale."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._tensor: torch.Tensor | None = None
+        self._made_from: tuple | None = None
+        # The storage the copy was made from, held so that its address cannot be reused
+        # by a new weight's storage while the copy exists (a new storage always shows
+        # as a new address). It is the weight's own storage, so it costs nothing unless
+        # the weight moved (.to(), .data =), and then only until the next forward.
+        self._source: torch.Tensor | None = None
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` in ``dtype``, laid out like it; cast now only if the copy is stale."""
+        identity = (*_storage(weight), weight._version)
+        if self._tensor is None or self._made_from != identity:
+            with torch.no_grad():
+                copy = torch.empty_like(weight, dtype=self.dtype)
+                copy.copy_(weight)
+            self._tensor, self._made_from, self._source = copy, identity, weight.detach()
+        _copies[weight] = self
+        return self._tensor
+
+    def tensor_for(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The copy's tensor when it was made from ``weight``'s storage (current or not:
+        an optimizer overwrites all of it), else None."""
+        if self._tensor is None or self._made_from[:-1] != _storage(weight):
+            return None
+        return self._tensor
+
+
+def copy_of(weight: torch.Tensor) -> torch.Tensor | None:
+    """The compute copy an optimizer should write along with ``weight``, if it has one."""
+    holder = _copies.get(weight)
+    return None if holder is None else holder.tensor_for(weight)

@@ -1,0 +1,197 @@
+"""mpgemm.Linear's 16-bit weight copy: never stale, written by mpgemm's fused optimizers
+in their step; and a converted MLP's training step runs 16-bit operands into every
+GEMM with no activation or weight-cast kernels around them."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mpgemm
+from mpgemm.kernels.launches import intercept, jit_function
+
+
+def _layer(device, **options):
+    torch.manual_seed(0)
+    return mpgemm.Linear(48, 32, device=device, **options)
+
+
+def _assert_forward_uses_the_current_weight(layer, device):
+    # The functional form rounds the FP32 weight in the kernel: the same numbers a
+    # current copy gives, bit for bit; a stale copy would differ by the edit.
+    x = torch.randn(16, 48, device=device)
+    expected = mpgemm.linear(x, layer.weight, layer.bias, activation=layer.activation,
+                             compute_dtype=layer.compute_dtype, out_dtype=layer.out_dtype)
+    assert torch.equal(layer(x), expected)
+
+
+def _edit_in_place(layer):
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)
+
+
+def _load_state_dict(layer):
+    other = nn.Linear(48, 32, device=layer.weight.device)
+    layer.load_state_dict(other.state_dict())
+
+
+def _torch_optimizer_step(layer):
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.1)
+    layer(torch.randn(4, 48, device=layer.weight.device)).float().sum().backward()
+    optimizer.step()
+
+
+def _new_parameter(layer):
+    layer.weight = nn.Parameter(torch.randn_like(layer.weight))
+
+
+def _to_and_back(layer):
+    # .to() gives the Parameters new storage (here a round trip through FP64).
+    layer.double().float()
+
+
+def _data_assignment(layer):
+    layer.weight.data = torch.randn_like(layer.weight)
+
+
+@pytest.mark.parametrize("edit", [_edit_in_place, _load_state_dict, _torch_optimizer_step,
+                                  _new_parameter, _to_and_back, _data_assignment])
+def test_the_copy_is_never_stale(device, edit):
+    layer = _layer(device, activation="relu")
+    _assert_forward_uses_the_current_weight(layer, device)
+    edit(layer)
+    _assert_forward_uses_the_current_weight(layer, device)
+
+
+def _copy(layer):
+    copy = mpgemm.compute_copy.copy_of(layer.weight)
+    assert copy is not None and copy.dtype == layer.compute_dtype
+    return copy
+
+
+@pytest.mark.parametrize("make", [lambda ps: mpgemm.optim.Adam(ps, lr=0.1),
+                                  lambda ps: mpgemm.optim.AdamW(ps, lr=0.1),
+                                  lambda ps: mpgemm.optim.SGD(ps, lr=0.1, momentum=0.9)],
+                         ids=["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("compute_dtype", [torch.float16, torch.bfloat16])
+def test_fused_optimizers_write_the_copy_in_their_step(device, make, compute_dtype):
+    layer = _layer(device, compute_dtype=compute_dtype)
+    optimizer = make(layer.parameters())
+    x = torch.randn(8, 48, device=device)
+    for _ in range(3):
+        layer(x).float().square().sum().backward()
+        copy = _copy(layer)
+        before = layer.weight.detach().clone()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert not torch.equal(layer.weight, before)
+        # Written in the step: the copy is the new weight rounded, and the same tensor
+        # the next forward reads, with no cast.
+        assert torch.equal(copy, layer.weight.detach().to(compute_dtype))
+        with _OpLog() as log:
+            layer(x)
+        assert _copy(layer) is copy and not log.casts_of(layer.weight)
+        _assert_forward_uses_the_current_weight(layer, device)
+
+
+def test_a_skipped_step_leaves_weight_and_copy_alone(device):
+    layer = _layer(device)
+    optimizer = mpgemm.optim.Adam(layer.parameters(), lr=0.1)
+    layer(torch.randn(8, 48, device=device)).float().sum().backward()
+    copy = _copy(layer)
+    before, copy_before = layer.weight.detach().clone(), copy.clone()
+    optimizer.found_inf = torch.ones((), device=device)
+    optimizer.grad_scale = torch.ones((), device=device)
+    optimizer.step()
+    assert torch.equal(layer.weight, before) and torch.equal(copy, copy_before)
+
+
+class _OpLog(TorchDispatchMode):
+    """The aten ops that run, with their arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, args, out))
+        return out
+
+    def names(self) -> list[str]:
+        return [func.__name__ for func, _, _ in self.calls]
+
+    def casts_of(self, weight: torch.Tensor) -> list:
+        """Ops that turn an FP32 tensor of ``weight``'s shape into a 16-bit one."""
+        found = []
+        for func, args, out in self.calls:
+            made = args[0] if func.__name__.startswith("copy_") else out
+            sources = [a for a in args if isinstance(a, torch.Tensor)
+                       and a.shape == weight.shape and a.dtype == torch.float32]
+            if (isinstance(made, torch.Tensor) and made.shape == weight.shape
+                    and made.dtype in (torch.float16, torch.bfloat16) and sources):
+                found.append(func)
+        return found
+
+
+def test_a_training_step_feeds_16_bit_operands_and_runs_no_activation_kernels(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 10)).to(device)
+    mpgemm.convert(model)
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=1e-3))
+    x = torch.randn(32, 48, device=device)  # an FP32 input
+    y = torch.randint(0, 10, (32,), device=device)
+
+    def step():
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the copies are made in the first forward
+    launches = []
+
+    def run_and_keep(kernel, grid, args, kwargs, configs):
+        if jit_function(kernel).fn.__name__ == "_gemm_kernel":
+            launches.append((args[0].dtype, args[1].dtype, args[2].dtype))
+        kernel[grid](*args, **kwargs)
+
+    with intercept(run_and_keep), _OpLog() as log:
+        step()
+    # 3 forward GEMMs, then 2 + 2 + 1 backward (the input needs no gradient).
+    assert len(launches) == 8
+    # B is always 16-bit (weight copies, rounded inputs, 16-bit activations); A too,
+    # except the gradient of the FP32 logits, read once in FP32 by the head's two
+    # backward GEMMs: converted in registers, it does not hold back the MMAs (the
+    # compile check), and the head's bias gradient is summed from it in FP32.
+    half = torch.float16
+    assert all(b == half for _, b, _ in launches), launches
+    fp32_a = [a for a, _, _ in launches if a != half]
+    assert fp32_a == [torch.float32, torch.float32], launches
+    names = log.names()
+    assert not any(n.startswith(("relu", "threshold_backward")) for n in names), names
+    for layer in model:
+        if isinstance(layer, mpgemm.Linear):
+            assert not log.casts_of(layer.weight), layer
+
+
+def test_to_remakes_the_copy_for_the_new_storage(device):
+    layer = _layer(device)
+    layer(torch.randn(2, 48, device=device))
+    old = _copy(layer)
+    layer.double().float()
+    # The old copy belongs to the old storage: the optimizers no longer write it, and
+    # the next forward makes a new one.
+    assert mpgemm.compute_copy.copy_of(layer.weight) is None
+    layer(torch.randn(2, 48, device=device))
+    assert _copy(layer) is not old
+
+
+def test_an_fp32_input_is_rounded_once_and_saved_in_16_bits(device):
+    layer = _layer(device)
+    x = torch.randn(16, 48, device=device)
+    y = layer(x)
+    saved_x, saved_w, _ = y.grad_fn.saved_tensors
+    assert saved_x.dtype == saved_w.dtype == torch.float16
+    assert torch.equal(saved_x, x.half()) and saved_w is _copy(layer)
