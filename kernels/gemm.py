@@ -11,10 +11,16 @@ One kernel serves the forward pass and both backward GEMMs of a linear layer:
 Operands may arrive as FP32 (master weights, a first layer's input), FP16 or BF16
 and are rounded to the compute dtype in registers, so no cast kernel runs.
 Every operand is addressed through its strides: a transposed view needs no copy.
+
+Split-K: a launch with no epilogue (the backward GEMMs) whose tile grid would leave
+most SMs idle splits K over ``split_k_for`` programs per tile; each writes its FP32
+partial C (and row sums), and ``_split_k_reduce_kernel`` adds them in split order and
+rounds once, so the result is the same run to run.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -172,6 +178,9 @@ def _gemm_kernel(
     # operands_aligned(): the JIT specialises on alignment anyway; as an argument it
     # lets the autotune key and pruning see it too
     ALIGNED: tl.constexpr,
+    # programs per tile along K (split_k_for); above 1, C and R are FP32 partials,
+    # (SPLIT_K, M, N) and (SPLIT_K, M), and there is no epilogue
+    SPLIT_K: tl.constexpr,
     # tiling
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -189,6 +198,19 @@ def _gemm_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
 
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:
+        # This program's share of K, in whole BLOCK_K steps (the last split takes the
+        # rest), and its own partial C and R.
+        pid_k = tl.program_id(1)
+        k_share = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = pid_k * k_share
+        k_hi = tl.minimum(K, k_lo + k_share)
+        c_ptr += pid_k.to(tl.int64) * M * N
+        r_ptr += pid_k.to(tl.int64) * M
+
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -197,16 +219,17 @@ def _gemm_kernel(
     # 64-bit row/column offsets: an operand may span more than 2**31 elements.
     rows = offs_m.to(tl.int64)
     cols = offs_n.to(tl.int64)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    ks = k_lo + offs_k
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
     if PROLOGUE != 0:
-        s_ptrs = s_ptr + rows[:, None] * stride_sm + offs_k[None, :] * stride_sk
+        s_ptrs = s_ptr + rows[:, None] * stride_sm + ks[None, :] * stride_sk
 
     compute_dtype = tl.bfloat16 if COMPUTE_BF16 else tl.float16
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rowsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        mask_k = offs_k < k_hi - k0
         a_mask = mask_m[:, None] & mask_k[None, :]
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
@@ -253,18 +276,78 @@ def _gemm_kernel(
             tl.store(r_ptr + rows, rowsum, mask=mask_m)
 
 
+@triton.jit
+def _split_k_reduce_kernel(
+    partial_ptr, c_ptr, partial_rowsum_ptr, r_ptr,
+    M, N,
+    stride_cm, stride_cn,
+    SPLIT_K: tl.constexpr,
+    ROWSUM_A: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """C = sum over the splits of the FP32 partial products, in split order (so a result
+    is the same run to run), rounded once to C's dtype; likewise the row sums."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    plane = M.to(tl.int64) * N  # one split's partial C
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(partial_ptr + split * plane + rows[:, None] * N + cols[None, :],
+                       mask=mask, other=0.0)
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    if ROWSUM_A:
+        if pid_n == 0:
+            rowsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                rowsum += tl.load(partial_rowsum_ptr + split * M + rows, mask=rows < M,
+                                  other=0.0)
+            tl.store(r_ptr + rows, rowsum, mask=rows < M)
+
+
 # Every flag that changes the code or the pruned config list is part of the key
 # (triton adds the tensors' dtypes itself).
 _AUTOTUNE_KEY = [
     "M_BUCKET", "N_BUCKET", "K_BUCKET",
     "COMPUTE_BF16", "PROLOGUE", "HAS_BIAS", "ACTIVATION", "STORE_ACT_GRAD", "ROWSUM_A",
-    "ALIGNED",
+    "ALIGNED", "SPLIT_K",
 ]
 # Tuned configs are kept on disk too (triton's cache): a new process reuses them.
 gemm_kernel = triton.autotune(
     configs=CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs},
     cache_results=True,
 )(_gemm_kernel)
+
+
+# An H100's SM count, for devices that have none to ask (the interpreter, recording).
+_HOPPER_SMS = 132
+# A split gets at least this much of K, so that its partial is worth writing.
+_MIN_SPLIT_K = 1024
+
+
+@functools.lru_cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _HOPPER_SMS
+
+
+def split_k_for(M: int, N: int, K: int, device: torch.device) -> int:
+    """How many programs share each tile's K: doubled while the grid of 128x128 tiles
+    would still fill at most half the SMs and each split keeps 1024 of K (at most 8).
+    The head's weight gradient of a 10-class MLP (10 x 4096 over a batch of 8192: 32
+    tiles) gets 4, a 4096-wide layer's GEMMs 1."""
+    tiles = triton.cdiv(M, 128) * max(triton.cdiv(N, 128), 1)
+    sms = _multiprocessors(device)
+    splits = 1
+    while splits < 8 and 2 * tiles * splits <= sms and K // (2 * splits) >= _MIN_SPLIT_K:
+        splits *= 2
+    return splits
 
 
 def size_bucket(n: int) -> int:
@@ -307,11 +390,17 @@ def triton_gemm(
 
     # Unused pointer arguments get a live tensor so that no null pointer is formed.
     s = prologue_operand if prologue_operand is not None else a
+    epilogue = bias is not None or activation is not None or store_act_grad
+    splits = 1 if epilogue else split_k_for(M, N, K, a.device)
+    result, row_sums = c, r
+    if splits > 1:  # the kernel writes FP32 partials; the reduction writes c and r
+        c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
+        r = torch.empty((splits, M), device=a.device, dtype=torch.float32) if rowsum_a else None
     grid = lambda meta: (  # noqa: E731
-        triton.cdiv(M, meta["BLOCK_M"]) * max(triton.cdiv(N, meta["BLOCK_N"]), 1),
+        triton.cdiv(M, meta["BLOCK_M"]) * max(triton.cdiv(N, meta["BLOCK_N"]), 1), splits,
     )
     operands = [t for t in (a, b, c, bias, s, g, r) if t is not None]
-    strides = [*a.stride(), *b.stride(), *c.stride(), *s.stride(),
+    strides = [*a.stride(), *b.stride(), *c.stride()[-2:], *s.stride(),
                *(g.stride() if g is not None else ())]
     flags = dict(
         COMPUTE_BF16=compute_dtype == torch.bfloat16,
@@ -322,6 +411,7 @@ def triton_gemm(
         STORE_ACT_GRAD=store_act_grad,
         ROWSUM_A=rowsum_a,
         ALIGNED=operands_aligned(operands, strides),
+        SPLIT_K=splits,
     )
     launch(
         gemm_kernel, grid,
@@ -334,10 +424,20 @@ def triton_gemm(
         size_bucket(M), size_bucket(N), size_bucket(K),
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
-        c.stride(0), c.stride(1),
+        c.stride(-2), c.stride(-1),
         s.stride(0), s.stride(1),
         *(g.stride() if g is not None else (0, 0)),
         gpu_configs=_prune_configs(GPU_CONFIGS, {}, **flags) if intercepting() else (),
         **flags,
     )
-    return c, g, r
+    if splits > 1:
+        block = 32 if INTERPRET else 64
+        launch(
+            _split_k_reduce_kernel,
+            (triton.cdiv(M, block), max(triton.cdiv(N, block), 1)),
+            c, result, r if r is not None else c, row_sums if row_sums is not None else c,
+            M, N, result.stride(0), result.stride(1),
+            SPLIT_K=splits, ROWSUM_A=rowsum_a, INTERPRETED=INTERPRET,
+            BLOCK_M=block, BLOCK_N=block, num_warps=4,
+        )
+    return result, g, row_sums

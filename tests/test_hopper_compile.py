@@ -43,6 +43,12 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     assert all(r["b_dtype"] != "fp32" for r in step)
     assert all(r["wgmma_pending"] >= 1 for r in step if r["specialization"] == "aligned")
 
+    # The guide MLP head's weight gradient is split along K, and summed by a reduction.
+    split = [r for r in step if r["flags"]["SPLIT_K"] > 1]
+    assert split and all(r["layout"] == "grad_weight" for r in split)
+    assert all(r["wgmma_pending"] >= 1 for r in split)
+    assert any(r["kernel"] == "_split_k_reduce_kernel" and r["ok"] for r in reports)
+
     for dtype in ("float16", "bfloat16"):
         plain = [r for r in gemms if r["launch"] == f"forward 16-bit {dtype}"]
         aligned = [r for r in plain if r["specialization"] == "aligned"]
@@ -51,9 +57,10 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
         assert any(r["wgmma_pending"] == 0 for r in plain if r["specialization"] == "unaligned")
 
     assert {r["kernel"] for r in scaling} == {
-        "_unscale_kernel", "_update_scale_kernel", "_sgd_kernel", "_adam_kernel"}
+        "_unscale_kernel", "_update_scale_kernel", "_sgd_kernel", "_adam_kernel",
+        "_split_k_reduce_kernel"}
     bad = [r for r in scaling if not r["ok"] or r["spill_bytes"] or r["approx_fp32"]]
     assert not bad, bad
     aligned = [r for r in scaling if r["specialization"] == "aligned"
-               and r["kernel"] != "_update_scale_kernel"]
+               and r["kernel"] not in ("_update_scale_kernel", "_split_k_reduce_kernel")]
     assert aligned and all(r["vector_loads"] > 0 for r in aligned)

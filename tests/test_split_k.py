@@ -1,0 +1,76 @@
+"""Split-K: a GEMM whose tile grid would leave most SMs idle (the head's weight gradient:
+10 x 4096 over a batch of 8192) splits K over more programs, each writing an FP32
+partial, summed in a fixed order by a second kernel: as accurate as one pass, and the
+same bits run to run."""
+
+import pytest
+import torch
+from accuracy import assert_within_torch_error, nan_padded
+
+from mpgemm.reference import gemm_ref, round_to
+
+pytest.importorskip("triton")
+
+from mpgemm.kernels import gemm  # noqa: E402
+from mpgemm.kernels.launches import intercept, jit_function  # noqa: E402
+
+
+def test_the_heads_weight_gradient_is_split_and_large_grids_are_not():
+    cpu = torch.device("cpu")  # counted as an H100's 132 SMs
+    assert gemm.split_k_for(10, 4096, 8192, cpu) == 4  # 32 tiles -> 128 programs
+    assert gemm.split_k_for(4096, 4096, 8192, cpu) == 1  # 1024 tiles fill the GPU
+    assert gemm.split_k_for(10, 4096, 512, cpu) == 1  # too little K to share
+
+
+def _launched(run):
+    names = []
+
+    def run_and_keep(kernel, grid, args, kwargs, configs):
+        names.append(jit_function(kernel).fn.__name__)
+        kernel[grid](*args, **kwargs)
+
+    with intercept(run_and_keep):
+        out = run()
+    return names, out
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("prologue", [None, "relu_mask", "mul"])
+def test_split_k_weight_gradient_within_the_bar_and_deterministic(
+    device, monkeypatch, splits, prologue
+):
+    monkeypatch.setattr(gemm, "split_k_for", lambda m, n, k, device: splits)
+    m, n, k = 10, 70, 300  # K = 300 is not a multiple of any BLOCK_K
+    dy_t = nan_padded(torch.randn(k, m, device=device), transposed=True).t()  # dY.T, a view
+    x = nan_padded(torch.randn(k, n, device=device, dtype=torch.float16))
+    s = None if prologue is None else nan_padded(torch.randn(k, m, device=device)).t()
+    out = torch.empty(m, n, device=device)  # NaN-poisoned: every element must be written
+
+    def run():
+        return gemm.triton_gemm(dy_t, x, compute_dtype=torch.float16, out_dtype=torch.float32,
+                                prologue=prologue, prologue_operand=s, rowsum_a=True, out=out)
+
+    names, (c, _, r) = _launched(run)
+    assert names == ["_gemm_kernel", "_split_k_reduce_kernel"]
+    ref_c, _, ref_r = gemm_ref(dy_t, x, compute_dtype=torch.float16, out_dtype=torch.float32,
+                               prologue=prologue, prologue_operand=s, rowsum_a=True)
+    a = dy_t.double()
+    if prologue == "relu_mask":
+        a = torch.where(s <= 0, 0.0, a)
+    elif prologue == "mul":
+        a = a * s.double()
+    exact = round_to(a, torch.float16).double() @ x.double()
+    assert_within_torch_error(c, exact, ref_c, "split-K product")
+    assert_within_torch_error(r, a.sum(1), ref_r, "split-K row sums")
+    again = gemm.triton_gemm(dy_t, x, compute_dtype=torch.float16, out_dtype=torch.float32,
+                             prologue=prologue, prologue_operand=s, rowsum_a=True)
+    assert torch.equal(again[0], c) and torch.equal(again[2], r)
+
+
+def test_split_k_leaves_launches_with_an_epilogue_whole(device, monkeypatch):
+    monkeypatch.setattr(gemm, "split_k_for", lambda m, n, k, device: 4)
+    a, b = torch.randn(16, 300, device=device), torch.randn(300, 8, device=device)
+    names, _ = _launched(lambda: gemm.triton_gemm(
+        a, b, compute_dtype=torch.float16, out_dtype=torch.float32,
+        bias=torch.randn(8, device=device), activation="relu"))
+    assert names == ["_gemm_kernel"]
