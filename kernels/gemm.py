@@ -167,6 +167,7 @@ def _gemm_kernel(
     stride_cm, stride_cn,
     stride_sm, stride_sk,
     stride_gm, stride_gn,
+    stride_bias,
     # what to compute
     COMPUTE_BF16: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -259,7 +260,8 @@ def _gemm_kernel(
 
     # Epilogue, while the accumulator is still FP32.
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     c_mask = mask_m[:, None] & mask_n[None, :]
     if ACTIVATION == 1:
         # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
@@ -373,7 +375,8 @@ def triton_gemm(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the kernel; see the module docstring for the math.
 
-    a: (M, K), b: (K, N), any strides, float32/float16/bfloat16. bias: (N,).
+    a: (M, K), b: (K, N), any strides, float32/float16/bfloat16. bias: (N,), any stride
+    (an expanded scalar included).
     prologue_operand: (M, K), the S of the prologue. out: an (M, N) tensor of
     out_dtype to write C into (any strides), else a contiguous one is allocated.
     Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,).
@@ -427,6 +430,7 @@ def triton_gemm(
         c.stride(-2), c.stride(-1),
         s.stride(0), s.stride(1),
         *(g.stride() if g is not None else (0, 0)),
+        bias.stride(0) if bias is not None else 0,
         gpu_configs=_prune_configs(GPU_CONFIGS, {}, **flags) if intercepting() else (),
         **flags,
     )

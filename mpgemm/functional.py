@@ -45,11 +45,12 @@ def _intercepting() -> bool:
     return intercepting()
 
 
-def backend(device: torch.device) -> str:
-    """Which implementation runs tensors on ``device``: ``"triton"`` (compiled for CUDA,
-    or interpreted on the CPU when ``TRITON_INTERPRET=1``) or ``"reference"``. While
-    launches are intercepted (``mpgemm.kernels.launches``) nothing runs, and CPU tensors
-    take the kernel path too."""
+def backend(device: torch.device | str) -> str:
+    """Which implementation runs tensors on ``device`` (a ``torch.device`` or a string
+    such as ``"cuda:0"``): ``"triton"`` (compiled for CUDA, or interpreted on the CPU
+    when ``TRITON_INTERPRET=1``) or ``"reference"``. While launches are intercepted
+    (``mpgemm.kernels.launches``) nothing runs, and CPU tensors take the kernel path too."""
+    device = torch.device(device)
     if device.type == "cuda" or (device.type == "cpu" and (_interpreting() or _intercepting())):
         return "triton"
     return "reference"
@@ -91,12 +92,21 @@ def _check_activation(op: str, activation: str | None) -> None:
         )
 
 
+_OPTIONAL = ("bias",)
+
+
 def _check_tensors(op: str, **tensors: torch.Tensor | None) -> None:
-    """Each tensor must be a float32/float16/bfloat16 tensor, all on one device."""
-    given = {name: t for name, t in tensors.items() if t is not None}
+    """Each tensor must be a dense float32/float16/bfloat16 tensor, all on one device;
+    only a bias may be None."""
+    given = {name: t for name, t in tensors.items() if t is not None or name not in _OPTIONAL}
     for name, t in given.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(
+                f"{op}: {name} is a {t.layout} tensor; only dense (torch.strided) tensors are "
+                "supported (call .to_dense() first)"
+            )
         if t.dtype not in INPUT_DTYPES:
             raise TypeError(
                 f"{op}: {name} has dtype {t.dtype}; supported are torch.float32, "

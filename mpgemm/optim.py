@@ -12,8 +12,11 @@ reading the flag. A parameter with a compute copy (the 16-bit weight an
 Adam's step counts are FP32 tensors on the parameters' device, so a skipped step does
 not advance them either.
 
-Not supported: SGD's ``dampening``, Adam's ``amsgrad``, tensor learning rates, sparse
-gradients (``ValueError``), FP64 parameters (``TypeError``).
+torch's constructor keywords are accepted; the ones that choose torch's implementation
+take the values the fused kernels honour (``foreach`` None or False, ``fused`` None or
+True, ``differentiable`` False; ``capturable`` either way: the step never reads the
+device on the host). Not supported: SGD's ``dampening``, Adam's ``amsgrad``, tensor
+learning rates, sparse gradients (``ValueError``), FP64 parameters (``TypeError``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,17 @@ def _check_supported(**options: Any) -> None:
                 f"mpgemm's fused optimizers do not support {name}={value!r}; use the torch "
                 "optimizer (mpgemm.LossScaleOptimizer wraps any)"
             )
+
+
+def _check_implementation(foreach: bool | None, fused: bool | None, differentiable: bool) -> None:
+    """torch's keywords that choose an implementation: accepted at values the fused
+    kernels honour (None, or ``fused=True``, ``foreach=False``), refused otherwise."""
+    if fused is False:
+        raise ValueError(
+            "mpgemm's optimizers are fused kernels, so fused=False cannot be honoured; use the "
+            "torch optimizer for its for-loop or foreach implementation"
+        )
+    _check_supported(foreach=foreach, differentiable=differentiable)
 
 
 class _ScaledStep:
@@ -98,8 +112,12 @@ class SGD(_ScaledStep, torch.optim.SGD):
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
         _check_supported(dampening=dampening, tensor_lr=isinstance(lr, torch.Tensor))
+        _check_implementation(foreach, fused, differentiable)
         super().__init__(
             params, lr=lr, momentum=momentum, dampening=0.0, weight_decay=weight_decay,
             nesterov=nesterov, maximize=maximize,
@@ -128,13 +146,16 @@ class SGD(_ScaledStep, torch.optim.SGD):
 class _FusedAdamStep(_ScaledStep):
     _decoupled_weight_decay = False
 
-    def _init(self, params, lr, betas, eps, weight_decay, amsgrad, maximize) -> None:
+    def _init(self, params, lr, betas, eps, weight_decay, amsgrad, maximize, *, foreach,
+              fused, capturable, differentiable, **extra) -> None:
         _check_supported(amsgrad=amsgrad, tensor_lr=isinstance(lr, torch.Tensor))
-        # torch.optim.Adam's or AdamW's, next in the MRO. capturable: the step counts
-        # live on the parameters' device, and load_state_dict puts them there.
+        _check_implementation(foreach, fused, differentiable)
+        # torch.optim.Adam's or AdamW's, next in the MRO. The step counts live on the
+        # parameters' device whatever ``capturable`` says (the step never reads them on
+        # the host); it is kept as given, so that torch's optimizer loads the state dict.
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            maximize=maximize, capturable=True,
+            maximize=maximize, capturable=capturable, **extra,
         )
 
     def step(self, closure: Callable | None = None) -> Any:
@@ -159,15 +180,16 @@ class _FusedAdamStep(_ScaledStep):
             params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"],
-            decoupled_weight_decay=self._decoupled_weight_decay,
+            decoupled_weight_decay=group.get("decoupled_weight_decay",
+                                             self._decoupled_weight_decay),
             maximize=group["maximize"], inv_scale=inv_scale, found_inf=found_inf,
             compute_copies=self._compute_copies(params),
         )
 
 
 class Adam(_FusedAdamStep, torch.optim.Adam):
-    """``torch.optim.Adam`` (L2 weight decay, maximize; no amsgrad) fused into one
-    kernel per dtype."""
+    """``torch.optim.Adam`` (L2 weight decay, or decoupled as AdamW's; maximize; no
+    amsgrad) fused into one kernel per dtype."""
 
     def __init__(
         self,
@@ -178,9 +200,18 @@ class Adam(_FusedAdamStep, torch.optim.Adam):
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         *,
+        foreach: bool | None = None,
         maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
     ) -> None:
-        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize)
+        # torch records decoupled_weight_decay in the param groups from 2.7 on; before,
+        # AdamW was the only way to ask for it.
+        extra = {"decoupled_weight_decay": True} if decoupled_weight_decay else {}
+        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach=foreach,
+                   fused=fused, capturable=capturable, differentiable=differentiable, **extra)
 
 
 class AdamW(_FusedAdamStep, torch.optim.AdamW):
@@ -199,5 +230,10 @@ class AdamW(_FusedAdamStep, torch.optim.AdamW):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
-        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize)
+        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach=foreach,
+                   fused=fused, capturable=capturable, differentiable=differentiable)

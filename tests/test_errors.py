@@ -56,3 +56,18 @@ def test_unknown_activation_lists_the_valid_ones():
 def test_non_tensor_argument():
     with pytest.raises(TypeError, match="list"):
         mpgemm.matmul([[1.0]], torch.randn(1, 1))
+
+
+def test_missing_and_sparse_operands_raise_type_error_naming_them():
+    w = torch.randn(4, 3)
+    with pytest.raises(TypeError, match="a must be a torch.Tensor, got NoneType"):
+        mpgemm.matmul(None, w.t())
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor, got NoneType"):
+        mpgemm.linear(torch.randn(2, 3), None)
+    with pytest.raises(TypeError, match="b is a torch.sparse_coo tensor"):
+        mpgemm.matmul(torch.randn(2, 3), w.t().to_sparse())
+
+
+def test_backend_takes_a_device_or_its_name():
+    assert mpgemm.backend("cpu") == mpgemm.backend(torch.device("cpu"))
+    assert mpgemm.backend("cuda:0") == "triton"

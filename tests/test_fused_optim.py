@@ -196,3 +196,48 @@ def test_fp64_parameters_raise_type_error_naming_dtype_and_shape():
     param.grad = torch.ones_like(param)
     with pytest.raises(TypeError, match=r"torch.float64 parameter of shape \(3, 2\)"):
         mpgemm.optim.Adam([param]).step()
+
+
+OPTIMIZERS = {"sgd": mpgemm.optim.SGD, "adam": mpgemm.optim.Adam, "adamw": mpgemm.optim.AdamW}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_torchs_constructor_keywords_are_accepted(name):
+    params = [torch.nn.Parameter(torch.ones(3))]
+    keywords = dict(foreach=None, fused=None, differentiable=False)
+    if name != "sgd":
+        keywords["capturable"] = False
+    if name == "adam":
+        keywords["decoupled_weight_decay"] = False
+    # The values torch takes by default, and the ones the fused kernels honour.
+    OPTIMIZERS[name](params, **keywords)
+    OPTIMIZERS[name](params, foreach=False, fused=True)
+    for refused in (dict(foreach=True), dict(fused=False), dict(differentiable=True)):
+        with pytest.raises(ValueError, match=next(iter(refused))):
+            OPTIMIZERS[name](params, **refused)
+
+
+def test_adam_with_decoupled_weight_decay_steps_as_adamw(device):
+    steps = []
+    for make in (lambda ps: mpgemm.optim.Adam(ps, weight_decay=0.1, decoupled_weight_decay=True),
+                 lambda ps: mpgemm.optim.AdamW(ps, weight_decay=0.1)):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(100, device=device))
+        optimizer = make([p])
+        p.grad = torch.randn(100, device=device)
+        optimizer.step()
+        steps.append(p.detach().clone())
+    assert_same_bits(steps[0], steps[1], "Adam(decoupled_weight_decay=True) vs AdamW")
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_state_dict_loads_into_torchs_optimizer_and_steps(device, name):
+    p = torch.nn.Parameter(torch.randn(10, device=device))
+    ours = OPTIMIZERS[name]([p], lr=0.1)
+    p.grad = torch.randn(10, device=device)
+    ours.step()
+    theirs = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]([p], lr=0.1)
+    theirs.load_state_dict(ours.state_dict())
+    before = p.detach().clone()
+    theirs.step()  # capturable=True in the state dict made torch's CPU step assert
+    assert not torch.equal(p, before)

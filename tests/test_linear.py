@@ -177,3 +177,15 @@ def test_nan_is_never_hidden_by_a_fused_activation(device, activation):
         theirs = x.detach().clone().requires_grad_()
         torch.relu(theirs @ w).backward(torch.ones_like(y))
         assert torch.equal(x.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("make_bias", [
+    lambda n, device: torch.randn(2 * n, device=device)[::2],  # every other element
+    lambda n, device: torch.tensor(0.5, device=device).expand(n),  # one value, stride 0
+], ids=["strided", "expanded"])
+def test_a_bias_of_any_stride(device, make_bias):
+    x, w = torch.randn(5, 8, device=device), torch.randn(6, 8, device=device)
+    bias = make_bias(6, device)
+    out = mpgemm.linear(x, w, bias, out_dtype=torch.float32)
+    expected = linear_ref(x, w, bias.contiguous(), out_dtype=torch.float32)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
