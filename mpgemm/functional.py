@@ -20,8 +20,9 @@ INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 VALID_ACTIVATIONS = (None, "relu", "gelu")
 
 # The backward prologue that applies each activation's derivative to the output gradient:
-# ReLU's from its saved output (y > 0 exactly where z > 0), GELU's by multiplying with the
-# act'(z) its forward epilogue stored.
+# ReLU's from its saved output, as torch's threshold_backward does (zero where y <= 0; a
+# positive z that underflows to 0 in a 16-bit y gets no gradient, as under autocast),
+# GELU's by multiplying with the act'(z) its forward epilogue stored.
 _DERIVATIVE_PROLOGUE = {None: None, "relu": "relu_mask", "gelu": "mul"}
 
 

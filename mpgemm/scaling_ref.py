@@ -29,10 +29,12 @@ def unscale_ref_(
             found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(t)).any().float()))
         return
     if dst is not None:
-        # Widening is exact, so unscaling the copy equals unscaling src in FP32.
+        # The kernel's order: check src, then round src * inv_scale (an FP32 product)
+        # once into dst's dtype. Copying first would round a narrower dst before scaling.
+        unscale_ref_(src, found_inf, None)
         for d, s in zip(dst, src, strict=True):
-            d.copy_(s)
-        src = dst
+            d.copy_(s.float() * inv_scale)
+        return
     for dtype in {t.dtype for t in src}:
         group = [t for t in src if t.dtype == dtype]
         torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from accuracy import assert_same_bits
 
+from mpgemm import scaling_ref
 from mpgemm.scaling import unscale_, update_scale_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -126,3 +127,19 @@ def test_fp64_gradients_take_torchs_op(device):
     grads[0][5] = float("nan")
     expected = [g.clone() for g in grads]
     assert _check_against_torch(grads, expected, 0.125) == 1.0
+
+
+def test_the_reference_unscales_into_a_narrower_dst_before_rounding(device):
+    # FP32 gradients into FP16: 1e5 overflows FP16 only if it is copied before scaling.
+    src = [torch.tensor([1e5, 2.0], device=device)]
+    inv_scale = torch.tensor(2.0**-16, device=device)
+    results = []
+    for impl in (scaling_ref.unscale_ref_, unscale_):
+        dst = [torch.empty(2, device=device, dtype=torch.float16)]
+        found_inf = torch.zeros((), device=device)
+        impl(src, found_inf, inv_scale, dst=dst)
+        assert found_inf.item() == 0.0
+        results.append(dst[0])
+    expected = (src[0] * inv_scale).half()
+    assert_same_bits(results[0], expected, "reference")
+    assert_same_bits(results[1], expected, "kernel path")
