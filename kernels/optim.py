@@ -3,7 +3,8 @@
 One launch per list of tensors (``tensor_table``) updates parameters and optimizer
 state in FP32 registers, with the math of ``mpgemm.scaling_ref.sgd_step_ref_`` and
 ``adam_step_ref_`` (torch.optim.SGD's and Adam's). The scaled gradient is multiplied by
-``inv_scale`` and rounded to its own dtype, as ``GradScaler.unscale_`` would leave it;
+``inv_scale`` and rounded to its own dtype, as ``GradScaler.unscale_`` would leave it,
+and written back (torch's optimizers leave ``.grad`` unscaled after ``scaler.step``);
 where ``found_inf`` is nonzero, each program reads the flag and nothing else, so the
 parameters and state keep their bits and the host never has to read the flag.
 
@@ -45,10 +46,13 @@ def _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE: tl.constexpr,
                    HAS_INV_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
                    INTERPRETED: tl.constexpr):
     """The block's gradient in FP32, unscaled and rounded to its own dtype as
-    ``GradScaler.unscale_`` would leave it, negated to maximise."""
+    ``GradScaler.unscale_`` would leave it (and left so in the gradient tensor, as
+    torch's optimizers leave it after ``scaler.step``), negated to maximise."""
     g = load_block(g_ptr, mask).to(tl.float32)
     if HAS_INV_SCALE:
-        g = cast_rne(g * tl.load(inv_scale_ptr), GRAD_DTYPE, INTERPRETED).to(tl.float32)
+        g = cast_rne(g * tl.load(inv_scale_ptr), GRAD_DTYPE, INTERPRETED)
+        tl.store(g_ptr, g, mask=mask)
+        g = g.to(tl.float32)
     if MAXIMIZE:
         g = -g
     return g

@@ -54,11 +54,17 @@ def update_scale_ref_(
     )
 
 
-def _unscaled_fp32(grad: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
-    # As unscale_ followed by a step: the unscaled gradient is rounded to its own dtype.
+def _unscaled_fp32(
+    grad: torch.Tensor, inv_scale: torch.Tensor | None, found_inf: torch.Tensor | None
+) -> torch.Tensor:
+    """As unscale_ followed by a step: the unscaled gradient, rounded to its own dtype,
+    is what the step uses and what ``grad`` holds after a step that was taken (torch's
+    optimizers leave ``.grad`` unscaled after ``scaler.step``)."""
     if inv_scale is None:
         return grad.float()
-    return (grad.float() * inv_scale).to(grad.dtype).float()
+    unscaled = (grad.float() * inv_scale).to(grad.dtype)
+    _store_unless_skipped(grad, unscaled, found_inf)
+    return unscaled.float()
 
 
 def _store_unless_skipped(
@@ -104,7 +110,7 @@ def sgd_step_ref_(
     changes where ``found_inf`` is nonzero."""
     copies = compute_copies or [None] * len(params)
     for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
-        g = _unscaled_fp32(grad, inv_scale)
+        g = _unscaled_fp32(grad, inv_scale, found_inf)
         g = -g if maximize else g
         p32 = p.float()
         if weight_decay != 0:
@@ -146,7 +152,7 @@ def adam_step_ref_(
     copies = compute_copies or [None] * len(params)
     for p, grad, m, v, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies,
                                          strict=True):
-        g = _unscaled_fp32(grad, inv_scale)
+        g = _unscaled_fp32(grad, inv_scale, found_inf)
         g = -g if maximize else g
         p32 = p.float()
         if weight_decay != 0:

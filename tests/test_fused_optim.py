@@ -198,10 +198,10 @@ def test_fp64_parameters_raise_type_error_naming_dtype_and_shape():
         mpgemm.optim.Adam([param]).step()
 
 
-OPTIMIZERS = {"sgd": mpgemm.optim.SGD, "adam": mpgemm.optim.Adam, "adamw": mpgemm.optim.AdamW}
+CLASSES = {"sgd": mpgemm.optim.SGD, "adam": mpgemm.optim.Adam, "adamw": mpgemm.optim.AdamW}
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", list(CLASSES))
 def test_torchs_constructor_keywords_are_accepted(name):
     params = [torch.nn.Parameter(torch.ones(3))]
     keywords = dict(foreach=None, fused=None, differentiable=False)
@@ -210,11 +210,11 @@ def test_torchs_constructor_keywords_are_accepted(name):
     if name == "adam":
         keywords["decoupled_weight_decay"] = False
     # The values torch takes by default, and the ones the fused kernels honour.
-    OPTIMIZERS[name](params, **keywords)
-    OPTIMIZERS[name](params, foreach=False, fused=True)
+    CLASSES[name](params, **keywords)
+    CLASSES[name](params, foreach=False, fused=True)
     for refused in (dict(foreach=True), dict(fused=False), dict(differentiable=True)):
         with pytest.raises(ValueError, match=next(iter(refused))):
-            OPTIMIZERS[name](params, **refused)
+            CLASSES[name](params, **refused)
 
 
 def test_adam_with_decoupled_weight_decay_steps_as_adamw(device):
@@ -233,7 +233,7 @@ def test_adam_with_decoupled_weight_decay_steps_as_adamw(device):
 @pytest.mark.parametrize("name", ["adam", "adamw"])
 def test_state_dict_loads_into_torchs_optimizer_and_steps(device, name):
     p = torch.nn.Parameter(torch.randn(10, device=device))
-    ours = OPTIMIZERS[name]([p], lr=0.1)
+    ours = CLASSES[name]([p], lr=0.1)
     p.grad = torch.randn(10, device=device)
     ours.step()
     theirs = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]([p], lr=0.1)

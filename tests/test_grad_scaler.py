@@ -228,3 +228,21 @@ def test_getters_setters_and_nested_outputs(device):
     assert scaler.get_scale() == 4.0
     scaler.update(new_scale=torch.tensor(2.0, device=device))
     assert scaler.get_scale() == 2.0
+
+
+@pytest.mark.parametrize("make", [lambda ps: mpgemm.optim.SGD(ps, lr=0.1),
+                                  lambda ps: mpgemm.optim.Adam(ps, lr=0.1),
+                                  lambda ps: mpgemm.optim.AdamW(ps, lr=0.1),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1)],
+                         ids=["sgd", "adam", "adamw", "torch_sgd"])
+@pytest.mark.parametrize("scaler_class", [mpgemm.GradScaler, torch.amp.GradScaler],
+                         ids=["mpgemm_scaler", "torch_scaler"])
+def test_after_step_the_gradients_are_unscaled_as_torch_leaves_them(device, make,
+                                                                     scaler_class):
+    p = torch.nn.Parameter(torch.ones(3, device=device))
+    optimizer = make([p])
+    scaler = scaler_class(device.type, init_scale=128.0)
+    scaler.scale((p * 2).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert p.grad.tolist() == [2.0, 2.0, 2.0]
