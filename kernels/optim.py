@@ -214,16 +214,17 @@ def _adam_kernel(
 
 
 def _launch(kernel, lists, copies, found_inf, inv_scale, hyper, *, strided,
-            warps_with_copy: int = 8, **flags) -> None:
+            block_with_copy: int = BLOCK, **flags) -> None:
     """One launch over the parallel ``lists`` and the compute ``copies`` (the table's last
     list); the first ``strided`` lists, and the copies, are walked element by element.
-    ``warps_with_copy``: the warps when a copy is written (more warps, fewer elements
-    and registers per thread)."""
+    ``block_with_copy``: the elements per program when a copy is written too (fewer
+    elements, fewer registers per thread)."""
     params = lists[0]
     if copies is None:
         copies = params  # each parameter its own copy: nothing more is written
     has_copy = copies[0].dtype != params[0].dtype
-    table, num_tensors, num_blocks = tensor_table([*lists, copies])
+    block = block_with_copy if has_copy else BLOCK
+    table, num_tensors, num_blocks = tensor_table([*lists, copies], block)
     if num_blocks == 0:
         return
     walked = [*lists[:strided], *([copies] if has_copy else [])]
@@ -236,8 +237,8 @@ def _launch(kernel, lists, copies, found_inf, inv_scale, hyper, *, strided,
         PARAM_DTYPE=TRITON_DTYPES[params[0].dtype], GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
         COPY_DTYPE=TRITON_DTYPES[copies[0].dtype], HAS_COPY=has_copy,
         HAS_FOUND_INF=found_inf is not None, HAS_INV_SCALE=inv_scale is not None,
-        ALIGNED=is_aligned(walked), INTERPRETED=INTERPRET, BLOCK=BLOCK,
-        num_warps=warps_with_copy if has_copy else 8,
+        ALIGNED=is_aligned(walked), INTERPRETED=INTERPRET, BLOCK=block,
+        num_warps=8,
         **flags,
     )
 
@@ -295,8 +296,10 @@ def triton_adam_step_(
     _launch(
         _adam_kernel, [params, grads, exp_avgs, exp_avg_sqs, steps], compute_copies,
         found_inf, inv_scale, (lr, beta1, beta2, eps, weight_decay), strided=4,
-        # At 8 warps, Adam writing a copy spills 64 bytes under Triton 3.6 (254
-        # registers); at 16 it takes 128 and none (python -m mpgemm.kernels.aot).
-        warps_with_copy=16,
+        # Adam writing a copy (and the unscaled gradient) spills under Triton 3.6 with
+        # 16 elements per thread (188 bytes at 8 warps) or a 128-register cap (12 bytes
+        # at 16 warps); 2048-element blocks at 8 warps take 172 registers and none
+        # (python -m mpgemm.kernels.aot).
+        block_with_copy=2048,
         DECOUPLED_WEIGHT_DECAY=decoupled_weight_decay, MAXIMIZE=maximize,
     )

@@ -48,8 +48,11 @@ def is_flat(tensor: torch.Tensor) -> bool:
     return True
 
 
-def tensor_table(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, int, int]:
-    """The launch table for parallel ``lists`` of tensors: ``(table, T, P)``.
+def tensor_table(
+    lists: Sequence[Sequence[torch.Tensor]], block: int = BLOCK
+) -> tuple[torch.Tensor, int, int]:
+    """The launch table for parallel ``lists`` of tensors, in blocks of ``block``
+    elements: ``(table, T, P)``.
 
     ``lists[l][t]`` is tensor ``t`` of list ``l``; the numels come from list 0.
     Zero-size tensors get no blocks. The table lives on the tensors' device."""
@@ -61,13 +64,13 @@ def tensor_table(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor,
         first_blocks, block_tensor = [], []
         for index, numel in enumerate(numels):
             first_blocks.append(len(block_tensor))
-            block_tensor += [index] * triton.cdiv(numel, BLOCK)
+            block_tensor += [index] * triton.cdiv(numel, block)
         rows = [t.data_ptr() for lst in lists for t in lst]
         rows += numels + first_blocks + block_tensor
         table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
         return table, len(tensors), len(block_tensor)
 
-    key = (device, tuple(numels), *(tuple(t.data_ptr() for t in lst) for lst in lists))
+    key = (device, block, tuple(numels), *(tuple(t.data_ptr() for t in lst) for lst in lists))
     return _cached(key, build)
 
 

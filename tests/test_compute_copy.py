@@ -16,10 +16,10 @@ def _layer(device, **options):
     return mpgemm.Linear(48, 32, device=device, **options)
 
 
-def _assert_forward_uses_the_current_weight(layer, device):
+def _assert_forward_uses_the_current_weight(layer, device, in_features=48):
     # The functional form rounds the FP32 weight in the kernel: the same numbers a
     # current copy gives, bit for bit; a stale copy would differ by the edit.
-    x = torch.randn(16, 48, device=device)
+    x = torch.randn(16, in_features, device=device)
     expected = mpgemm.linear(x, layer.weight, layer.bias, activation=layer.activation,
                              compute_dtype=layer.compute_dtype, out_dtype=layer.out_dtype)
     assert torch.equal(layer(x), expected)
@@ -75,9 +75,11 @@ def _copy(layer):
                          ids=["adam", "adamw", "sgd"])
 @pytest.mark.parametrize("compute_dtype", [torch.float16, torch.bfloat16])
 def test_fused_optimizers_write_the_copy_in_their_step(device, make, compute_dtype):
-    layer = _layer(device, compute_dtype=compute_dtype)
+    # 130 x 40: whole blocks of the optimizer kernels (2048 or 4096 elements) and a tail.
+    torch.manual_seed(0)
+    layer = mpgemm.Linear(130, 40, device=device, compute_dtype=compute_dtype)
     optimizer = make(layer.parameters())
-    x = torch.randn(8, 48, device=device)
+    x = torch.randn(8, 130, device=device)
     for _ in range(3):
         layer(x).float().square().sum().backward()
         copy = _copy(layer)
@@ -91,7 +93,7 @@ def test_fused_optimizers_write_the_copy_in_their_step(device, make, compute_dty
         with _OpLog() as log:
             layer(x)
         assert _copy(layer) is copy and not log.casts_of(layer.weight)
-        _assert_forward_uses_the_current_weight(layer, device)
+        _assert_forward_uses_the_current_weight(layer, device, in_features=130)
 
 
 def test_a_skipped_step_leaves_weight_and_copy_alone(device):
