@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -196,8 +197,6 @@ class _Stopper:
     """Interrupts a process group at a deadline, then kills it after a grace period."""
 
     def __init__(self, proc: subprocess.Popen, deadline: float) -> None:
-        import threading
-
         self.fired = False
         self._proc = proc
         self._timer = threading.Timer(max(deadline - time.monotonic(), 0), self._stop)
