@@ -34,7 +34,8 @@ def test_a_recorded_launch_runs_nothing_and_says_what_it_compiles(tmp_path):
     assert record["tune_key"][:3] == [64, 32, 64]  # M, N, K, each to a power of two
     flags = {name: record["specialization"][name] for name in gemm._PRUNE_FLAGS}
     assert flags["ALIGNED"] is True
-    assert record["configs"] == len(gemm._prune_configs(gemm.GPU_CONFIGS, {}, **flags)) > 1
+    # Every config the GPU would tune over for it (8 of them; 1 in the tests stage).
+    assert record["configs"] == len(gemm._prune_configs(gemm.GPU_CONFIGS, {}, **flags))
     assert record["specialization"]["a_ptr"] == ["torch.float32", True]
     assert record["specialization"]["stride_ak"] == "1"
 
@@ -104,5 +105,5 @@ def test_precompile_fills_the_compile_cache_from_threads(tmp_path):
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     flags = dict(PROLOGUE=0, STORE_ACT_GRAD=False, ROWSUM_A=False, ALIGNED=True)
-    expected = len(gemm._prune_configs(gemm._hopper_configs(), {}, **flags))
+    expected = len(gemm._prune_configs(gemm.GPU_CONFIGS, {}, **flags))
     assert len(list(tmp_path.rglob("*.cubin"))) == expected
