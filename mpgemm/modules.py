@@ -115,17 +115,18 @@ def _fusable_activation(module: nn.Module) -> str | None:
     return None
 
 
-def _following_activation(root: nn.Module, name: str) -> tuple[nn.Sequential, int] | None:
-    """(parent, index) of the activation module right after layer ``name`` in an
-    ``nn.Sequential``, when it is one ``_fusable_activation`` knows."""
+def _following_activation(
+    root: nn.Module, name: str
+) -> tuple[nn.Sequential, int, str] | None:
+    """(parent, index, activation) of the activation module right after layer ``name``
+    in an ``nn.Sequential``, when it is one ``_fusable_activation`` knows."""
     parent_name, _, child_name = name.rpartition(".")
     parent = root.get_submodule(parent_name)
     if type(parent) is not nn.Sequential or not child_name.isdigit():
         return None
     index = int(child_name) + 1
-    if index < len(parent) and _fusable_activation(parent[index]) is not None:
-        return parent, index
-    return None
+    activation = _fusable_activation(parent[index]) if index < len(parent) else None
+    return None if activation is None else (parent, index, activation)
 
 
 def convert(
@@ -188,8 +189,7 @@ def convert(
         activation = None
         following = _following_activation(module, name) if fuse_activations else None
         if following is not None:
-            parent, index = following
-            activation = _fusable_activation(parent[index])
+            parent, index, activation = following
             parent[index] = nn.Identity()
         parent_name, _, child_name = name.rpartition(".")
         setattr(module.get_submodule(parent_name), child_name, replacement(name, activation))
