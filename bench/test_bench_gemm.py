@@ -1,12 +1,15 @@
 """gemm: mpgemm.matmul against torch.matmul on FP16 operands (``torch_fp16``: cuBLAS
 on a GPU), under autocast from FP32 operands, and in FP32; mpgemm also from FP32
-operands (rounded in the kernel, where autocast casts first). Work: 2MNK flops."""
+operands (rounded in the kernel, where autocast casts first), and with its pointer
+kernel forced where the default takes the TMA kernel (``mpgemm_pointer``: the kernel
+before TMA, in the same run). Work: 2MNK flops."""
 
 import pytest
 import torch
 from harness import GPU_SCALE
 
 import mpgemm
+from mpgemm.kernels.gemm import use_kernel
 
 pytestmark = pytest.mark.benchmark(group="gemm")
 
@@ -19,7 +22,7 @@ SHAPES = (
        (8192, 4096, 11008), (8192, 11008, 4096)]
     if GPU_SCALE else [(64, 64, 64), (128, 128, 128), (32, 48, 64)]
 )
-IMPLS = ["mpgemm", "mpgemm_from_fp32", "torch_fp16", "autocast", "fp32"]
+IMPLS = ["mpgemm", "mpgemm_pointer", "mpgemm_from_fp32", "torch_fp16", "autocast", "fp32"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -33,8 +36,13 @@ def test_gemm(run_case, device, shape, impl):
         with torch.autocast(device.type, dtype=torch.float16):
             return torch.matmul(a32, b32)
 
+    def pointer():
+        with use_kernel("pointer"):
+            return mpgemm.matmul(a16, b16)
+
     fn = {
         "mpgemm": lambda: mpgemm.matmul(a16, b16),
+        "mpgemm_pointer": pointer,
         "mpgemm_from_fp32": lambda: mpgemm.matmul(a32, b32),
         "torch_fp16": lambda: torch.matmul(a16, b16),
         "autocast": autocast,

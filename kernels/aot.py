@@ -14,7 +14,8 @@ spills. No GPU or driver is needed.
 
     python -m mpgemm.kernels.aot     # one JSON line per binary, exit 1 on a defect
 
-A defect: a GEMM without wgmma or with register spills; a loss-scaling kernel with
+A defect: a GEMM without wgmma, with register spills or with more shared memory than
+an H100 block may have (it would fail to launch); a loss-scaling kernel with
 spills, approximate FP32 math (torch divides and takes square roots exactly and keeps
 denormals) or, when aligned, no 16-byte vector loads. The report also says, per
 binary, how many wgmma groups stay in flight (``wgmma_pending``: the largest N of
@@ -43,6 +44,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
+from mpgemm.kernels.gemm_tma import SMEM_BYTES
 from mpgemm.kernels.launches import compile_launch, intercept, jit_function, named_arguments
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -120,6 +122,8 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     yield "step: first layer", module(f32, activation="relu", grad_x=False)
     yield "step: hidden relu", module(half, activation="relu")
     yield "step: hidden gelu", module(half, activation="gelu")
+    # No activation: the weight gradient sums the bias gradient with no prologue.
+    yield "step: hidden linear", module(half, activation=None)
     yield "step: head", module(half, activation=None, out_dtype=f32)
     if aligned:
         # The guide MLP's head: its weight gradient (10 x 4096 over a batch of 8192)
@@ -215,11 +219,21 @@ def _launches(run) -> list[tuple]:
     return made
 
 
+_GEMMS = ("_gemm_kernel", "_gemm_tma_kernel")
+
+
+def _operand(named: dict, name: str) -> torch.Tensor:
+    # The pointer kernel's a_ptr, or the tensor the TMA kernel's a_desc describes.
+    return named[f"{name}_ptr"] if f"{name}_ptr" in named else named[f"{name}_desc"].base
+
+
 def _layout(phase: str, named: dict) -> str:
-    # The weight gradient's A is dY.T, a transposed view: unit stride down its columns.
+    # The weight gradient's A is dY.T, a transposed view: unit stride down its columns
+    # (the TMA kernel describes it as dY, A_T).
     if phase == "forward":
         return "forward"
-    return "grad_weight" if named["stride_am"] == 1 else "grad_input"
+    transposed = named["A_T"] if "A_T" in named else named["stride_am"] == 1
+    return "grad_weight" if transposed else "grad_input"
 
 
 def jobs() -> list[Job]:
@@ -297,7 +311,7 @@ def compile_job(job: Job) -> dict:
     report = {
         "kernel": name,
         "launch": label if job.group == "scaling" else f"{label} {job.dtype}",
-        "layout": _layout(phase, named) if name == "_gemm_kernel" else None,
+        "layout": _layout(phase, named) if name in _GEMMS else None,
         "specialization": job.spec,
         "config": str(config) if config is not None else None,
         "smem_bytes": compiled.metadata.shared,
@@ -305,11 +319,12 @@ def compile_job(job: Job) -> dict:
         **ptx_facts(ptx),
         **ptxas_report(ptx),
     }
-    if name == "_gemm_kernel":
-        report.update(a_dtype=_DTYPE_NAMES[named["a_ptr"].dtype],
-                      b_dtype=_DTYPE_NAMES[named["b_ptr"].dtype],
+    if name in _GEMMS:
+        report.update(a_dtype=_DTYPE_NAMES[_operand(named, "a").dtype],
+                      b_dtype=_DTYPE_NAMES[_operand(named, "b").dtype],
                       flags={k: v for k, v in kwargs.items() if k.isupper()})
-        report["ok"] = report["wgmma"] and report["spill_bytes"] == 0
+        report["ok"] = (report["wgmma"] and report["spill_bytes"] == 0
+                        and report["smem_bytes"] <= SMEM_BYTES)
     else:
         # The loss-scaling kernels walk whole aligned blocks: their loads must be 16
         # bytes wide (the scale update and split-K's reduction have no such blocks).
@@ -333,7 +348,8 @@ def main() -> int:
         print(json.dumps(report))
     defects = sum(not report["ok"] for report in reports)
     print(f"{len(reports)} kernels compiled for sm_90a, {defects} with a defect (GEMM: no "
-          "wgmma or spills; loss scaling: spills, approximate FP32 math, scalar loads)")
+          "wgmma, spills or too much shared memory; loss scaling: spills, approximate FP32 "
+          "math, scalar loads)")
     return 1 if defects else 0
 
 

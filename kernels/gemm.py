@@ -1,6 +1,11 @@
 """Mixed-precision GEMM: FP16/BF16 operands on the Tensor Cores, FP32 accumulation.
 
-One kernel serves the forward pass and both backward GEMMs of a linear layer:
+``triton_gemm`` serves the forward pass and both backward GEMMs of a linear layer with
+one of two kernels of the same math: the TMA persistent kernel
+(``mpgemm.kernels.gemm_tma``) for every launch whose A and B are already 16-bit,
+16-byte aligned and unsplit (a training step's GEMMs: weight copies, rounded inputs,
+16-bit activations), and the pointer kernel here for the rest (FP32 or unaligned
+operands, split K). ``use_kernel`` forces one, for tests and benchmarks.
 
     A'  = A * f(S)                     prologue (backward only): f is the ReLU mask
                                         (S > 0) or the identity, S the saved tensor
@@ -20,34 +25,39 @@ rounds once, so the result is the same run to run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
+from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels import gemm_tma
+from mpgemm.kernels.gemm_common import (
+    ACTIVATIONS,
+    INTERPRET,
+    PROLOGUES,
+    SINGLE_CONFIG,
+    apply_prologue,
+    grouped_tile,
+    multiprocessors,
+    size_bucket,
+    store_epilogue,
+    tile,
+    tile_configs,
+)
 from mpgemm.kernels.launches import intercepting, launch
 from mpgemm.kernels.rounding import cast_rne
 
-# The interpreter runs the kernels on the CPU through numpy; it must be chosen before
-# triton is imported, so it is read once here.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Test-only: one config per launch, so the suite compiles each kernel once on a GPU
-# instead of autotuning every shape it tries (``bench/gpu_check.sh tests``).
-SINGLE_CONFIG = os.environ.get("MPGEMM_SINGLE_CONFIG", "0") == "1"
-
-ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
-PROLOGUES = {None: 0, "relu_mask": 1, "mul": 2}
-
 
 def _hopper_configs() -> list[triton.Config]:
-    """Tiles for an H100, each with a group of 8 row-blocks for L2 reuse; small tiles
-    serve skinny problems such as a batch of 128 rows. ``fits_registers`` says which
-    each launch may use. Every (launch, config) the autotuner can pick compiles with
-    wgmma and no register spills under Triton 3.6 and 3.9 (``mpgemm.kernels.aot``);
-    128x256x64 (spills 624 bytes on a plain FP16 GEMM under 3.6) and 256x128x32 (spills
-    with FP32 operands) were dropped for that reason."""
+    """Tiles for an H100; small tiles serve skinny problems such as a batch of 128
+    rows. ``fits_registers`` says which each launch may use. Every (launch, config) the
+    autotuner can pick compiles with wgmma and no register spills under Triton 3.6 and
+    3.9 (``mpgemm.kernels.aot``); 128x256x64 (spills 624 bytes on a plain FP16 GEMM
+    under 3.6) and 256x128x32 (spills with FP32 operands) were dropped for that
+    reason."""
     tiles = [
         # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
         (128, 256, 32, 3, 8),
@@ -62,31 +72,19 @@ def _hopper_configs() -> list[triton.Config]:
         (128, 64, 32, 3, 8),
         (64, 128, 32, 3, 8),
     ]
-    return [
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-            num_stages=stages,
-            num_warps=warps,
-        )
-        for bm, bn, bk, stages, warps in tiles
-    ]
+    return tile_configs(tiles)
 
 
 def _single_config() -> list[triton.Config]:
     # One tile for every aligned launch kind and one for every unaligned one
     # (``fits_registers``): pruning leaves each launch one, so none is timed.
-    return [config for config in _hopper_configs() if _tile(config) in
+    return [config for config in _hopper_configs() if tile(config) in
             {(128, 128, 32, 8), (64, 128, 32, 8)}]
 
 
 def _interpreter_configs() -> list[triton.Config]:
     # Autotuning times each config on a GPU; the interpreter has none, so one config.
     return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
-
-
-def _tile(config: triton.Config) -> tuple[int, int, int, int]:
-    meta = config.kwargs
-    return meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"], config.num_warps
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps) of the tiles that leave registers for a prologue or
@@ -110,13 +108,13 @@ def fits_registers(
     storing GELU's derivative beside the output needs an accumulator of fewer than 128
     registers per thread. Measured with ``python -m mpgemm.kernels.aot``, which compiles
     every launch kind aligned and unaligned."""
-    tile = _tile(config)
-    if not aligned or tile in _UNALIGNED_TILES:
-        return not aligned and tile in _UNALIGNED_TILES
+    shape = tile(config)
+    if not aligned or shape in _UNALIGNED_TILES:
+        return not aligned and shape in _UNALIGNED_TILES
     if prologue or rowsum_a:
-        return tile in _PROLOGUE_TILES
+        return shape in _PROLOGUE_TILES
     if store_act_grad:
-        return tile[0] * tile[1] // (32 * tile[3]) < 128
+        return shape[0] * shape[1] // (32 * shape[3]) < 128
     return True
 
 
@@ -140,15 +138,6 @@ def _prune_configs(configs, named_args, **kwargs):
 # The configs a GPU autotunes over, and those this process does.
 GPU_CONFIGS = _single_config() if SINGLE_CONFIG else _hopper_configs()
 CONFIGS = _interpreter_configs() if INTERPRET else GPU_CONFIGS
-
-
-@triton.jit
-def _gelu_and_derivative(z):
-    """Exact (erf) GELU, as torch.nn.functional.gelu(approximate="none"), and its
-    derivative, sharing the erf: gelu(z) = z Phi(z), gelu'(z) = Phi(z) + z phi(z)."""
-    cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
-    pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
-    return z * cdf, cdf + z * pdf
 
 
 # The size buckets are read by the autotuner only; specialising the binary on them would
@@ -188,16 +177,9 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped ordering: GROUP_M row-blocks share their B column-blocks while in L2.
     # N == 0 still gets one column of programs when the row sums are wanted.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.maximum(tl.cdiv(N, BLOCK_N), 1)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M),
+                                tl.maximum(tl.cdiv(N, BLOCK_N), 1), GROUP_M)
 
     if SPLIT_K == 1:
         k_lo = 0
@@ -235,13 +217,7 @@ def _gemm_kernel(
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if PROLOGUE != 0:
-            s = tl.load(s_ptrs, mask=a_mask, other=0.0)
-            if PROLOGUE == 1:
-                # threshold_backward's rule: zero where the output is <= 0, so a NaN
-                # output passes its gradient on, as in torch.
-                a = tl.where(s <= 0, 0.0, a.to(tl.float32))
-            else:
-                a = a.to(tl.float32) * s.to(tl.float32)
+            a = apply_prologue(a, tl.load(s_ptrs, mask=a_mask, other=0.0), PROLOGUE)
             s_ptrs += BLOCK_K * stride_sk
         if ROWSUM_A:
             # Only the first column of programs owns the row sums.
@@ -258,21 +234,9 @@ def _gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    # Epilogue, while the accumulator is still FP32.
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    c_mask = mask_m[:, None] & mask_n[None, :]
-    if ACTIVATION == 1:
-        # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
-        acc = tl.where(acc < 0.0, 0.0, acc)
-    elif ACTIVATION == 2:
-        acc, act_grad = _gelu_and_derivative(acc)
-        if STORE_ACT_GRAD:
-            g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
-            tl.store(g_ptrs, cast_rne(act_grad, g_ptr.dtype.element_ty, INTERPRETED), mask=c_mask)
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=c_mask)
+    store_epilogue(acc, offs_m, offs_n, M, N, c_ptr, bias_ptr, g_ptr,
+                   stride_cm, stride_cn, stride_gm, stride_gn, stride_bias,
+                   HAS_BIAS, ACTIVATION, STORE_ACT_GRAD, INTERPRETED)
     if ROWSUM_A:
         if pid_n == 0:
             tl.store(r_ptr + rows, rowsum, mask=mask_m)
@@ -326,17 +290,8 @@ gemm_kernel = triton.autotune(
 )(_gemm_kernel)
 
 
-# An H100's SM count, for devices that have none to ask (the interpreter, recording).
-_HOPPER_SMS = 132
 # A split gets at least this much of K, so that its partial is worth writing.
 _MIN_SPLIT_K = 1024
-
-
-@functools.lru_cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _HOPPER_SMS
 
 
 def split_k_for(M: int, N: int, K: int, device: torch.device) -> int:
@@ -345,18 +300,58 @@ def split_k_for(M: int, N: int, K: int, device: torch.device) -> int:
     The head's weight gradient of a 10-class MLP (10 x 4096 over a batch of 8192: 32
     tiles) gets 4, a 4096-wide layer's GEMMs 1."""
     tiles = triton.cdiv(M, 128) * max(triton.cdiv(N, 128), 1)
-    sms = _multiprocessors(device)
+    sms = multiprocessors(device)
     splits = 1
     while splits < 8 and 2 * tiles * splits <= sms and K // (2 * splits) >= _MIN_SPLIT_K:
         splits *= 2
     return splits
 
 
-def size_bucket(n: int) -> int:
-    """A dimension's size as the autotune key sees it: the next power of two, so that a
-    ragged last batch or a new batch size reuses a tuned config instead of timing every
-    config again."""
-    return triton.next_power_of_2(max(n, 1))
+KERNELS = ("auto", "pointer", "tma")
+_kernel = "auto"
+
+
+@contextlib.contextmanager
+def use_kernel(name: str) -> Iterator[None]:
+    """Within the block, ``triton_gemm`` runs kernel ``name``: "auto" (the default: the
+    TMA kernel for every launch ``gemm_tma.tma_layout`` admits, on a GPU with TMA, else
+    the pointer kernel), "pointer" or "tma" (then a launch that does not qualify raises
+    ValueError). Tests and benchmarks compare the two this way."""
+    global _kernel
+    if name not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
+    previous, _kernel = _kernel, name
+    try:
+        yield
+    finally:
+        _kernel = previous
+
+
+def _has_tma(device: torch.device) -> bool:
+    # Hopper's Tensor Memory Accelerator; the interpreter and a compile for an H100
+    # (launches intercepted) emulate or target it.
+    if device.type == "cuda" and not intercepting():
+        return _capability(device) >= (9, 0)
+    return True
+
+
+@functools.lru_cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _tma_layout(a, b, s, compute_dtype, splits) -> tuple[bool, bool] | None:
+    """The TMA kernel's (A_T, B_T) for this launch, or None for the pointer kernel."""
+    if _kernel == "pointer":
+        return None
+    layout = None
+    if splits == 1 and _has_tma(a.device):
+        layout = gemm_tma.tma_layout(a, b, s, compute_dtype)
+    if layout is None and _kernel == "tma":
+        raise ValueError(
+            "the TMA GEMM needs A and B in the compute dtype, 16-byte-aligned, each with a "
+            "unit stride and no split of K; this launch does not qualify")
+    return layout
 
 
 def triton_gemm(
@@ -399,12 +394,6 @@ def triton_gemm(
     if splits > 1:  # the kernel writes FP32 partials; the reduction writes c and r
         c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
         r = torch.empty((splits, M), device=a.device, dtype=torch.float32) if rowsum_a else None
-    grid = lambda meta: (  # noqa: E731
-        triton.cdiv(M, meta["BLOCK_M"]) * max(triton.cdiv(N, meta["BLOCK_N"]), 1), splits,
-    )
-    operands = [t for t in (a, b, c, bias, s, g, r) if t is not None]
-    strides = [*a.stride(), *b.stride(), *c.stride()[-2:], *s.stride(),
-               *(g.stride() if g is not None else ())]
     flags = dict(
         COMPUTE_BF16=compute_dtype == torch.bfloat16,
         INTERPRETED=INTERPRET,
@@ -413,9 +402,20 @@ def triton_gemm(
         ACTIVATION=ACTIVATIONS[activation],
         STORE_ACT_GRAD=store_act_grad,
         ROWSUM_A=rowsum_a,
-        ALIGNED=operands_aligned(operands, strides),
-        SPLIT_K=splits,
     )
+    layout = _tma_layout(a, b, prologue_operand, compute_dtype, splits)
+    if layout is not None:
+        gemm_tma.launch_tma_gemm(a, b, c, bias=bias, s=prologue_operand, g=g, r=r,
+                                 layout=layout, sms=multiprocessors(a.device), flags=flags)
+        return c, g, r
+
+    grid = lambda meta: (  # noqa: E731
+        triton.cdiv(M, meta["BLOCK_M"]) * max(triton.cdiv(N, meta["BLOCK_N"]), 1), splits,
+    )
+    operands = [t for t in (a, b, c, bias, s, g, r) if t is not None]
+    strides = [*a.stride(), *b.stride(), *c.stride()[-2:], *s.stride(),
+               *(g.stride() if g is not None else ())]
+    flags.update(ALIGNED=operands_aligned(operands, strides), SPLIT_K=splits)
     launch(
         gemm_kernel, grid,
         a, b, c,

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 import torch
 import triton
 from triton.runtime.autotuner import Autotuner
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # interceptor(kernel, grid, args, kwargs, configs): what launch does instead of running.
 # ``configs`` are an autotuned kernel's configs that survive pruning on a GPU.
@@ -76,10 +77,14 @@ def named_arguments(kernel, args: tuple, kwargs: dict) -> dict:
     return {**dict(zip(jit_function(kernel).arg_names, args, strict=False)), **kwargs}
 
 
-def launch_options(kwargs: dict, config: triton.Config | None) -> dict:
-    """The keyword arguments the autotuner passes for ``config`` (None: a plain kernel)."""
+def launch_options(kernel, args: tuple, kwargs: dict, config: triton.Config | None) -> dict:
+    """The keyword arguments the autotuner passes for ``config`` (None: a plain kernel),
+    after running the config's pre-hook on the arguments as the autotuner does (the TMA
+    GEMM's sets its descriptors' block shapes)."""
     if config is None:
         return dict(kwargs)
+    if config.pre_hook is not None:
+        config.pre_hook({**named_arguments(kernel, args, kwargs), **config.all_kwargs()})
     return {**kwargs, **config.kwargs, "num_warps": config.num_warps,
             "num_stages": config.num_stages}
 
@@ -88,7 +93,7 @@ def compile_launch(kernel, grid, args, kwargs, configs) -> list:
     """The interceptor that compiles: the JIT's binaries for this launch (one per
     config), as the JIT would build them to run it (``warmup``)."""
     jit = jit_function(kernel)
-    return [jit.warmup(*args, grid=grid, **launch_options(kwargs, config))
+    return [jit.warmup(*args, grid=grid, **launch_options(kernel, args, kwargs, config))
             for config in (configs or [None])]
 
 
@@ -122,6 +127,9 @@ def record_to(path: str) -> Iterator[None]:
 def _specialization(value) -> object:
     if isinstance(value, torch.Tensor):
         return [str(value.dtype), value.data_ptr() % 16 == 0]
+    if isinstance(value, TensorDescriptor):
+        # Its block shape is the config's: the binary specialises on its dtype only.
+        return ["descriptor", str(value.base.dtype)]
     if isinstance(value, int) and not isinstance(value, bool):
         return "1" if value == 1 else "d16" if value % 16 == 0 else "i"
     return _plain(value)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpgemm.kernels.gemm import INTERPRET
+from mpgemm.kernels.gemm_common import INTERPRET
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne
 from mpgemm.kernels.tensor_table import (

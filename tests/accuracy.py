@@ -1,4 +1,5 @@
-"""Shared test helpers: the accuracy bar, and operands that expose missing masks."""
+"""Shared test helpers: the accuracy bar, operands that expose missing masks, the
+kernels a call launches."""
 
 from __future__ import annotations
 
@@ -22,16 +23,22 @@ def assert_within_torch_error(
     assert err <= 2 * base + atol, f"{what}: error {err:.3g} > 2 x torch's {base:.3g} + {atol:.3g}"
 
 
-def nan_padded(t: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+def nan_padded(t: torch.Tensor, transposed: bool = False, aligned: bool = False) -> torch.Tensor:
     """A copy of 2-D ``t`` living as a strided view inside a NaN-filled buffer (stored
-    column-major when ``transposed``), so any read outside ``t`` shows up as NaN."""
+    column-major when ``transposed``), so any read outside ``t`` shows up as NaN.
+    ``aligned``: the view starts on a 16-byte boundary and its rows are a multiple of 16
+    bytes apart, as the TMA kernel's descriptors need."""
     rows, cols = t.shape
     if transposed:
-        buf = torch.full((cols + 5, rows + 3), float("nan"), dtype=t.dtype, device=t.device)
-        view = buf[2 : 2 + cols, 1 : 1 + rows].t()
-    else:
-        buf = torch.full((rows + 3, cols + 5), float("nan"), dtype=t.dtype, device=t.device)
-        view = buf[1 : 1 + rows, 2 : 2 + cols]
+        rows, cols = cols, rows
+    lead, skip = (8, 16) if aligned else (2, 5)  # elements before and after each row
+    width = cols + lead + skip
+    if aligned:
+        width += -width % 8
+    buf = torch.full((rows + 3, width), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[1 : 1 + rows, lead : lead + cols]
+    if transposed:
+        view = view.t()
     view.copy_(t)
     return view
 
@@ -45,3 +52,19 @@ def assert_same_bits(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
     same = out.view(ints) == ref.view(ints)
     assert bool((same | nan).all()), f"{what}: {(~(same | nan)).sum().item()} elements differ"
+
+
+def launched_kernels(run):
+    """(names of the kernels ``run()`` launches, in order; what it returns): each launch
+    is run as usual and its kernel's name kept."""
+    from mpgemm.kernels.launches import intercept, jit_function
+
+    names = []
+
+    def run_and_keep(kernel, grid, args, kwargs, configs):
+        names.append(jit_function(kernel).fn.__name__)
+        kernel[grid](*args, **kwargs)
+
+    with intercept(run_and_keep):
+        out = run()
+    return names, out

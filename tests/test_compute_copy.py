@@ -155,8 +155,11 @@ def test_a_training_step_feeds_16_bit_operands_and_runs_no_activation_kernels(de
     launches = []
 
     def run_and_keep(kernel, grid, args, kwargs, configs):
-        if jit_function(kernel).fn.__name__ == "_gemm_kernel":
-            launches.append((args[0].dtype, args[1].dtype, args[2].dtype))
+        name = jit_function(kernel).fn.__name__
+        if name in ("_gemm_kernel", "_gemm_tma_kernel"):
+            # The TMA kernel reads A and B through descriptors of the tensors.
+            a, b = (getattr(t, "base", t) for t in args[:2])
+            launches.append((name, a.dtype, b.dtype))
         kernel[grid](*args, **kwargs)
 
     with intercept(run_and_keep), _OpLog() as log:
@@ -165,12 +168,14 @@ def test_a_training_step_feeds_16_bit_operands_and_runs_no_activation_kernels(de
     assert len(launches) == 8
     # B is always 16-bit (weight copies, rounded inputs, 16-bit activations); A too,
     # except the gradient of the FP32 logits, read once in FP32 by the head's two
-    # backward GEMMs: converted in registers, it does not hold back the MMAs (the
-    # compile check), and the head's bias gradient is summed from it in FP32.
+    # backward GEMMs: converted in registers by the pointer kernel, it does not hold
+    # back the MMAs (the compile check), and the head's bias gradient is summed from it
+    # in FP32. Every other GEMM (sizes multiples of 8) is the TMA kernel's.
     half = torch.float16
-    assert all(b == half for _, b, _ in launches), launches
-    fp32_a = [a for a, _, _ in launches if a != half]
-    assert fp32_a == [torch.float32, torch.float32], launches
+    assert all(b == half for _, _, b in launches), launches
+    fp32_a = [(name, a) for name, a, _ in launches if a != half]
+    assert fp32_a == [("_gemm_kernel", torch.float32)] * 2, launches
+    assert [name for name, a, _ in launches if a == half] == ["_gemm_tma_kernel"] * 6
     names = log.names()
     assert not any(n.startswith(("relu", "threshold_backward")) for n in names), names
     for layer in model:

@@ -1,8 +1,9 @@
 """Every launch the code paths make compiles for an H100 (sm_90a) as triton's JIT would
 compile it there, aligned and unaligned, with the ptxas inside the triton wheel: GEMMs
-with wgmma and no register spills; the plain 16-bit forward GEMM and every GEMM of a
-training step with its MMAs in flight while the next tiles load (async wgmma, at least
-one group pending) when aligned;
+with wgmma, no register spills and shared memory an H100 block may have; the plain
+16-bit forward GEMM and every GEMM of a training step with its MMAs in flight while the
+next tiles load (async wgmma, at least one group pending) when aligned, those with
+16-bit operands in the TMA kernel;
 the loss-scaling kernels with no spills, vector loads and no approximate FP32 math. This
 runs the GPU compiler, which the interpreter never does, and needs no GPU."""
 
@@ -14,6 +15,8 @@ import sys
 import pytest
 
 pytest.importorskip("triton")
+
+from mpgemm.kernels.gemm_tma import SMEM_BYTES  # noqa: E402
 
 FIELDS = {"specialization", "wgmma_pending", "cp_async", "tma", "smem_bytes", "registers",
           "spill_bytes", "a_dtype", "b_dtype"}
@@ -27,14 +30,21 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     )
     reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    gemms = [r for r in reports if r["kernel"] == "_gemm_kernel"]
-    scaling = [r for r in reports if r["kernel"] != "_gemm_kernel"]
+    gemm_kernels = ("_gemm_kernel", "_gemm_tma_kernel")
+    gemms = [r for r in reports if r["kernel"] in gemm_kernels]
+    scaling = [r for r in reports if r["kernel"] not in gemm_kernels]
     assert gemms and all(FIELDS <= set(r) for r in gemms)
     assert {r["layout"] for r in gemms} == {"forward", "grad_input", "grad_weight"}
     assert {r["specialization"] for r in reports} == {"aligned", "unaligned"}
     assert {r["flags"]["COMPUTE_BF16"] for r in gemms} == {False, True}
-    bad = [r for r in gemms if not (r["wgmma"] and r["spill_bytes"] == 0)]
+    bad = [r for r in gemms if not (r["wgmma"] and r["spill_bytes"] == 0
+                                     and r["smem_bytes"] <= SMEM_BYTES and r["ok"])]
     assert not bad, bad
+    # The TMA kernel: bulk tensor copies, async wgmma, for aligned 16-bit operands only.
+    tma = [r for r in gemms if r["kernel"] == "_gemm_tma_kernel"]
+    assert tma and all(r["tma"] and r["wgmma_pending"] >= 1 for r in tma)
+    assert all(r["specialization"] == "aligned" and r["a_dtype"] == r["b_dtype"] != "fp32"
+               for r in tma)
 
     # Every GEMM of a converted MLP's training step (16-bit weight copies, an FP32 input
     # rounded once, fused activations) keeps its MMAs in flight when aligned.
@@ -42,9 +52,14 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     assert {r["layout"] for r in step} == {"forward", "grad_input", "grad_weight"}
     assert all(r["b_dtype"] != "fp32" for r in step)
     assert all(r["wgmma_pending"] >= 1 for r in step if r["specialization"] == "aligned")
+    # Aligned, every one with 16-bit operands is the TMA kernel's; the head's backward
+    # GEMMs read the FP32 logits' gradient, in the pointer kernel.
+    aligned = [r for r in step if r["specialization"] == "aligned"]
+    assert all((r["kernel"] == "_gemm_tma_kernel") == (r["a_dtype"] != "fp32")
+               for r in aligned)
 
     # The guide MLP head's weight gradient is split along K, and summed by a reduction.
-    split = [r for r in step if r["flags"]["SPLIT_K"] > 1]
+    split = [r for r in step if r["flags"].get("SPLIT_K", 1) > 1]
     assert split and all(r["layout"] == "grad_weight" for r in split)
     assert all(r["wgmma_pending"] >= 1 for r in split)
     assert any(r["kernel"] == "_split_k_reduce_kernel" and r["ok"] for r in reports)
@@ -52,8 +67,9 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     for dtype in ("float16", "bfloat16"):
         plain = [r for r in gemms if r["launch"] == f"forward 16-bit {dtype}"]
         aligned = [r for r in plain if r["specialization"] == "aligned"]
-        assert aligned and all(r["wgmma_pending"] >= 1 and r["cp_async"] for r in aligned)
-        # Without alignment the same launch waits for every MMA: the contrast is real.
+        assert aligned and all(r["wgmma_pending"] >= 1 and r["tma"] for r in aligned)
+        # Without alignment (the pointer kernel) the same launch waits for every MMA:
+        # the contrast is real.
         assert any(r["wgmma_pending"] == 0 for r in plain if r["specialization"] == "unaligned")
 
     assert {r["kernel"] for r in scaling} == {

@@ -1,13 +1,15 @@
-"""The autotune set-up: what pruning reads is in the key, and no launch is left without
-a config (triton raises AutotunerError when pruning empties the list)."""
+"""The autotune set-up of both GEMM kernels: what pruning reads is in the key, and no
+launch is left without a config (triton raises AutotunerError when pruning empties the
+list)."""
 
 import itertools
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from mpgemm.kernels import gemm  # noqa: E402
+from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 
 LAUNCH_FLAGS = list(itertools.product((0, 1, 2), (0, 1), (0, 1), (False, True)))
 
@@ -53,3 +55,25 @@ def test_operands_aligned(pointers, strides, expected):
             return self.address
 
     assert gemm.operands_aligned([Pointer(p) for p in pointers], strides) is expected
+
+
+@pytest.mark.parametrize("s_bytes", [0, 2, 4])  # no prologue, ReLU's output, GELU's G
+@pytest.mark.parametrize("c_bytes", [2, 4])
+@pytest.mark.parametrize("store_act_grad", [False, True])
+def test_every_tma_launch_keeps_a_config_within_shared_memory(s_bytes, c_bytes,
+                                                               store_act_grad):
+    c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
+    kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), {"S_BYTES": s_bytes, "c_ptr": c},
+                                   STORE_ACT_GRAD=store_act_grad)
+    assert kept and all(
+        gemm_tma.smem_estimate(k, s_bytes=s_bytes, c_bytes=c_bytes,
+                               store_act_grad=store_act_grad) <= gemm_tma.SMEM_BYTES
+        for k in kept)
+    assert len(gemm_tma._prune_configs(gemm_tma._single_config(),
+                                       {"S_BYTES": s_bytes, "c_ptr": c},
+                                       STORE_ACT_GRAD=store_act_grad)) == 1
+
+
+def test_what_tma_pruning_reads_is_in_its_autotune_key():
+    # S's element size is an argument of its own; C's dtype triton adds to the key.
+    assert {"S_BYTES", "STORE_ACT_GRAD"} <= set(gemm_tma.gemm_tma_kernel.keys)

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 import mpgemm  # noqa: E402
-from mpgemm.kernels import gemm  # noqa: E402
+from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 from mpgemm.kernels.launches import count_compiles, intercepting, record_to  # noqa: E402
 
 
@@ -65,8 +65,10 @@ def test_a_training_step_records_its_gemms_and_loss_scaling(tmp_path):
         optimizer.step()
     kernels = [r["kernel"] for r in _records(path)]
     # 2 forward GEMMs, 3 backward (the first layer's input needs no gradient), Adam
-    # (which checks the scaled gradients itself) and the scale update.
-    assert kernels.count("_gemm_kernel") == 5
+    # (which checks the scaled gradients itself) and the scale update. The head's
+    # backward GEMMs read the FP32 logits' gradient: the pointer kernel's; the others
+    # the TMA kernel's.
+    assert kernels.count("_gemm_tma_kernel") == 3 and kernels.count("_gemm_kernel") == 2
     assert {"_adam_kernel", "_update_scale_kernel"} <= set(kernels)
 
 
@@ -107,3 +109,17 @@ def test_precompile_fills_the_compile_cache_from_threads(tmp_path):
     flags = dict(PROLOGUE=0, STORE_ACT_GRAD=False, ROWSUM_A=False, ALIGNED=True)
     expected = len(gemm._prune_configs(gemm.GPU_CONFIGS, {}, **flags))
     assert len(list(tmp_path.rglob("*.cubin"))) == expected
+
+
+def test_a_recorded_tma_launch_names_its_descriptors_by_dtype(tmp_path):
+    path = tmp_path / "launches.jsonl"
+    a, b = torch.randn(64, 48).half(), torch.randn(48, 32).half()
+    with record_to(str(path)):
+        mpgemm.matmul(a, b)
+    [record] = _records(path)
+    assert record["kernel"] == "_gemm_tma_kernel"
+    # A descriptor's block shape is the config's: the binary depends on its dtype.
+    assert record["specialization"]["a_desc"] == ["descriptor", "torch.float16"]
+    c = torch.empty(64, 32, dtype=torch.float16)
+    assert record["configs"] == len(gemm_tma._prune_configs(
+        gemm_tma.GPU_CONFIGS, {"S_BYTES": 0, "c_ptr": c}, STORE_ACT_GRAD=False))

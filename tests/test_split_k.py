@@ -5,14 +5,13 @@ same bits run to run."""
 
 import pytest
 import torch
-from accuracy import assert_within_torch_error, nan_padded
+from accuracy import assert_within_torch_error, launched_kernels, nan_padded
 
 from mpgemm.reference import gemm_ref, round_to
 
 pytest.importorskip("triton")
 
 from mpgemm.kernels import gemm  # noqa: E402
-from mpgemm.kernels.launches import intercept, jit_function  # noqa: E402
 
 
 def test_the_heads_weight_gradient_is_split_and_large_grids_are_not():
@@ -20,18 +19,6 @@ def test_the_heads_weight_gradient_is_split_and_large_grids_are_not():
     assert gemm.split_k_for(10, 4096, 8192, cpu) == 4  # 32 tiles -> 128 programs
     assert gemm.split_k_for(4096, 4096, 8192, cpu) == 1  # 1024 tiles fill the GPU
     assert gemm.split_k_for(10, 4096, 512, cpu) == 1  # too little K to share
-
-
-def _launched(run):
-    names = []
-
-    def run_and_keep(kernel, grid, args, kwargs, configs):
-        names.append(jit_function(kernel).fn.__name__)
-        kernel[grid](*args, **kwargs)
-
-    with intercept(run_and_keep):
-        out = run()
-    return names, out
 
 
 @pytest.mark.parametrize("splits", [2, 3])
@@ -50,7 +37,7 @@ def test_split_k_weight_gradient_within_the_bar_and_deterministic(
         return gemm.triton_gemm(dy_t, x, compute_dtype=torch.float16, out_dtype=torch.float32,
                                 prologue=prologue, prologue_operand=s, rowsum_a=True, out=out)
 
-    names, (c, _, r) = _launched(run)
+    names, (c, _, r) = launched_kernels(run)
     assert names == ["_gemm_kernel", "_split_k_reduce_kernel"]
     ref_c, _, ref_r = gemm_ref(dy_t, x, compute_dtype=torch.float16, out_dtype=torch.float32,
                                prologue=prologue, prologue_operand=s, rowsum_a=True)
@@ -70,7 +57,7 @@ def test_split_k_weight_gradient_within_the_bar_and_deterministic(
 def test_split_k_leaves_launches_with_an_epilogue_whole(device, monkeypatch):
     monkeypatch.setattr(gemm, "split_k_for", lambda m, n, k, device: 4)
     a, b = torch.randn(16, 300, device=device), torch.randn(300, 8, device=device)
-    names, _ = _launched(lambda: gemm.triton_gemm(
+    names, _ = launched_kernels(lambda: gemm.triton_gemm(
         a, b, compute_dtype=torch.float16, out_dtype=torch.float32,
         bias=torch.randn(8, device=device), activation="relu"))
     assert names == ["_gemm_kernel"]

@@ -1,0 +1,122 @@
+"""What both GEMM kernels share: the run mode, the flag encodings, the tile order, the
+epilogue and the autotune key's size buckets (``mpgemm.kernels.gemm`` launches them).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from mpgemm.kernels.rounding import cast_rne
+
+# The interpreter runs the kernels on the CPU through numpy; it must be chosen before
+# triton is imported, so it is read once here.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Test-only: one config per launch, so the suite compiles each kernel once on a GPU
+# instead of autotuning every shape it tries (``bench/gpu_check.sh tests``).
+SINGLE_CONFIG = os.environ.get("MPGEMM_SINGLE_CONFIG", "0") == "1"
+
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
+PROLOGUES = {None: 0, "relu_mask": 1, "mul": 2}
+
+# An H100's SM count, for devices that have none to ask (the interpreter, recording).
+_HOPPER_SMS = 132
+
+
+@functools.lru_cache
+def multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _HOPPER_SMS
+
+
+def size_bucket(n: int) -> int:
+    """A dimension's size as the autotune key sees it: the next power of two, so that a
+    ragged last batch or a new batch size reuses a tuned config instead of timing every
+    config again."""
+    return triton.next_power_of_2(max(n, 1))
+
+
+def tile_configs(tiles, pre_hook=None) -> list[triton.Config]:
+    """A config per (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) of ``tiles``, each with a
+    group of 8 row-blocks for L2 reuse."""
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+            num_stages=stages, num_warps=warps, pre_hook=pre_hook,
+        )
+        for bm, bn, bk, stages, warps in tiles
+    ]
+
+
+def tile(config: triton.Config) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of a config."""
+    meta = config.kwargs
+    return meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"], config.num_warps
+
+
+@triton.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a tile in grouped order: GROUP_M row-blocks share their B
+    column-blocks while in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def gelu_and_derivative(z):
+    """Exact (erf) GELU, as torch.nn.functional.gelu(approximate="none"), and its
+    derivative, sharing the erf: gelu(z) = z Phi(z), gelu'(z) = Phi(z) + z phi(z)."""
+    cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+    return z * cdf, cdf + z * pdf
+
+
+@triton.jit
+def store_epilogue(
+    acc, offs_m, offs_n, M, N,
+    c_ptr, bias_ptr, g_ptr,
+    stride_cm, stride_cn, stride_gm, stride_gn, stride_bias,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_ACT_GRAD: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """C[offs_m, offs_n] = act(acc + bias), rounded once to C's dtype, and G = act'(.)
+    in G's dtype when STORE_ACT_GRAD; done while the accumulator is still FP32."""
+    # 64-bit row/column offsets: an output may span more than 2**31 elements.
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    mask_n = offs_n < N
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if ACTIVATION == 1:
+        # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
+        acc = tl.where(acc < 0.0, 0.0, acc)
+    elif ACTIVATION == 2:
+        acc, act_grad = gelu_and_derivative(acc)
+        if STORE_ACT_GRAD:
+            g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
+            tl.store(g_ptrs, cast_rne(act_grad, g_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def apply_prologue(a, s, PROLOGUE: tl.constexpr):
+    """A' = A * f(S): the ReLU mask by threshold_backward's rule (zero where the output
+    is <= 0, so a NaN output passes its gradient on, as in torch), or a product."""
+    if PROLOGUE == 1:
+        # Compared in FP32: the interpreter compares a BF16 S as its raw bits.
+        a = tl.where(s.to(tl.float32) <= 0, 0.0, a.to(tl.float32))
+    else:
+        a = a.to(tl.float32) * s.to(tl.float32)
+    return a

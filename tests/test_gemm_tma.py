@@ -1,0 +1,130 @@
+"""The TMA persistent GEMM (``mpgemm.kernels.gemm_tma``) through the interpreter, like the
+pointer kernel: every launch kind of a training step (forward with bias, activation and
+GELU's derivative; the input gradient with a derivative prologue; the weight gradient
+reading dY.T with the bias gradient's row sums) against FP64 with torch's own 16-bit
+product as the bar, operands NaN-padded so that a descriptor reaching outside its
+matrix fails, outputs NaN-poisoned, and fewer programs than tiles so the persistent loop
+walks several; and which launches the default sends to it."""
+
+import pytest
+import torch
+from accuracy import assert_within_torch_error, launched_kernels, nan_padded
+
+from mpgemm.reference import gemm_ref, round_to
+
+pytest.importorskip("triton")
+
+from mpgemm.kernels import gemm  # noqa: E402
+
+COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
+# M, K, N: ragged against the interpreter's 32x32x32 tiles and the H100's.
+M, K, N = 72, 112, 48
+
+
+@pytest.fixture(autouse=True)
+def few_programs(monkeypatch):
+    # 3 programs for the 12 tiles of a 72 x 48 output: each walks 4.
+    monkeypatch.setattr(gemm, "multiprocessors", lambda device: 3)
+
+
+def _operands(kind, dtype, device):
+    """(a, b, kwargs) of one launch kind, as LinearFunction makes it: 16-bit operands,
+    views where the layer has them (W.T, dY.T), each padded with NaN."""
+    def half(*shape, transposed=False):
+        return nan_padded(torch.randn(*shape, device=device).to(dtype), transposed,
+                          aligned=True)
+
+    if kind.startswith("forward"):
+        activation = kind.split()[1] if " " in kind else None
+        bias = torch.randn(N, device=device)
+        w = half(N, K)
+        return half(M, K), w.t(), dict(bias=bias, activation=activation,
+                                       store_act_grad=activation == "gelu")
+    prologue = {"relu": "relu_mask", "gelu": "mul"}[kind.split()[1]]
+    # ReLU's S is its 16-bit output, GELU's the FP32 derivative.
+    s_dtype = dtype if prologue == "relu_mask" else torch.float32
+    if kind.startswith("grad_input"):  # dX = dZ @ W: A is dY (M, K), B is W (K, N)
+        s = nan_padded(torch.randn(M, K, device=device).to(s_dtype), aligned=True)
+        return half(M, K), half(K, N), dict(prologue=prologue, prologue_operand=s)
+    # dW = dZ.T @ X: A is dY.T, S.T likewise, and the row sums are the bias gradient.
+    s = nan_padded(torch.randn(K, M, device=device).to(s_dtype), aligned=True)
+    return (half(K, M).t(), half(K, N),
+            dict(prologue=prologue, prologue_operand=s.t(), rowsum_a=True))
+
+
+KINDS = ["forward", "forward relu", "forward gelu", "grad_input relu", "grad_input gelu",
+         "grad_weight relu", "grad_weight gelu"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
+def test_every_launch_kind_within_the_bar(kind, compute_dtype, device):
+    torch.manual_seed(0)
+    a, b, kwargs = _operands(kind, compute_dtype, device)
+    out_dtype = torch.float32 if kind.startswith("grad_weight") else compute_dtype
+    names, (c, g, r) = launched_kernels(lambda: gemm.triton_gemm(
+        a, b, compute_dtype=compute_dtype, out_dtype=out_dtype, **kwargs))
+    assert names == ["_gemm_tma_kernel"]
+    ref_c, ref_g, ref_r = gemm_ref(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype,
+                                   **kwargs)
+
+    a64 = a.double()
+    s = kwargs.get("prologue_operand")
+    if kwargs.get("prologue") == "relu_mask":
+        a64 = torch.where(s <= 0, 0.0, a64)
+    elif kwargs.get("prologue") == "mul":
+        a64 = a64 * s.double()
+    z = round_to(a64, compute_dtype).double() @ b.double()
+    if "bias" in kwargs:
+        z = z + kwargs["bias"].double()
+    activation = kwargs.get("activation")
+    exact = {None: z, "relu": z.relu(), "gelu": torch.nn.functional.gelu(z)}[activation]
+    assert_within_torch_error(c, exact, ref_c, kind)
+    if kwargs.get("store_act_grad"):
+        cdf = 0.5 * (1 + torch.erf(z / 2**0.5))
+        exact_g = cdf + z * torch.exp(-0.5 * z * z) / (2 * torch.pi) ** 0.5
+        assert_within_torch_error(g, exact_g, ref_g, f"{kind}: GELU derivative")
+    if kwargs.get("rowsum_a"):
+        assert_within_torch_error(r, a64.sum(1), ref_r, f"{kind}: row sums")
+
+
+def test_nan_and_inf_propagate_as_in_torch(device):
+    a = nan_padded(torch.randn(M, K, device=device).half(), aligned=True)
+    b = nan_padded(torch.randn(K, N, device=device).half(), aligned=True)
+    a[3, 5], a[7, 9] = float("nan"), float("inf")
+    names, (c, _, _) = launched_kernels(lambda: gemm.triton_gemm(
+        a, b, compute_dtype=torch.float16, out_dtype=torch.float32, activation="relu"))
+    assert names == ["_gemm_tma_kernel"]
+    expected = torch.relu(a.float() @ b.float())
+    assert torch.equal(torch.isnan(c), torch.isnan(expected))
+    assert torch.equal(torch.isinf(c), torch.isinf(expected))
+    assert torch.isnan(c[3]).all()  # ReLU keeps NaN
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("16-bit, aligned", "_gemm_tma_kernel"),
+    ("FP32 weight", "_gemm_kernel"),  # the TMA kernel converts nothing
+    ("a row of 70 halves", "_gemm_kernel"),  # 140 bytes: no descriptor
+    ("split K", "_gemm_kernel"),
+])
+def test_the_default_takes_the_tma_kernel_where_it_can(case, expected, device, monkeypatch):
+    a = torch.randn(M, 70 if case.startswith("a row") else K, device=device).half()
+    b = torch.randn(a.shape[1], N, device=device)
+    b = b if case == "FP32 weight" else b.half()
+    if case == "split K":
+        monkeypatch.setattr(gemm, "split_k_for", lambda m, n, k, device: 2)
+    names, _ = launched_kernels(lambda: gemm.triton_gemm(
+        a, b, compute_dtype=torch.float16, out_dtype=torch.float32))
+    assert names[0] == expected
+    with gemm.use_kernel("pointer"):
+        names, _ = launched_kernels(lambda: gemm.triton_gemm(
+            a, b, compute_dtype=torch.float16, out_dtype=torch.float32))
+    assert names[0] == "_gemm_kernel"
+    if expected == "_gemm_kernel":
+        with gemm.use_kernel("tma"), pytest.raises(ValueError, match="TMA"):
+            gemm.triton_gemm(a, b, compute_dtype=torch.float16, out_dtype=torch.float32)
+
+
+def test_use_kernel_names_the_choices():
+    with pytest.raises(ValueError, match="pointer"), gemm.use_kernel("cublas"):
+        pass
