@@ -45,7 +45,7 @@ def _check_bench_results(out: Path):
     assert set(step["ratio_to"]) == {"autocast_foreach", "autocast_fused", "fp32"}
     assert step["timing"] == "wall clock"
     gemm = [b["extra_info"] for b in ours if b["group"] == "gemm"]
-    assert {i["impl"] for i in gemm} == {"mpgemm", "mpgemm_from_fp32"}
+    assert {i["impl"] for i in gemm} == {"mpgemm", "mpgemm_pointer", "mpgemm_from_fp32"}
     assert all(set(i["ratio_to"]) == {"torch_fp16", "autocast", "fp32"} for i in gemm)
 
     table = (out / "report.md").read_text()
