@@ -57,8 +57,17 @@ def backend(device: torch.device | str) -> str:
     return "reference"
 
 
-def _gemm(device: torch.device) -> Callable:
-    if backend(device) == "reference":
+def is_plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass:
+    only such tensors reach the kernels, which read memory from ``data_ptr``. Any other
+    (a DTensor, a user's subclass) takes the reference path, whose torch ops it
+    handles."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _gemm(device: torch.device, *tensors: torch.Tensor | None) -> Callable:
+    plain = all(t is None or is_plain(t) for t in tensors)
+    if backend(device) == "reference" or not plain:
         return gemm_ref
     impl = _triton_gemm()
     if impl is None:
@@ -147,7 +156,7 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, compute_dtype, out_dtype, weight_copy=None):
-        gemm = _gemm(x.device)
+        gemm = _gemm(x.device, x, weight, bias, weight_copy)
         x2d = _as_rows(x)
         if ctx.needs_input_grad[1] and x.dtype == torch.float32:
             x2d = x2d.to(compute_dtype)
@@ -176,7 +185,7 @@ class LinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         x2d, weight, derivative_operand = ctx.saved_tensors
-        gemm = _gemm(grad_out.device)
+        gemm = _gemm(grad_out.device, grad_out, *ctx.saved_tensors)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy = _as_rows(grad_out)
         s = None if derivative_operand is None else _as_rows(derivative_operand)

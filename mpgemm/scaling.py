@@ -4,8 +4,10 @@ Each op takes tensors of any supported dtypes on one device, groups them by dtyp
 sends each group to one kernel launch (``mpgemm.kernels.unscale``, ``.optim``,
 ``.scale_update``) or, for CPU tensors without the interpreter, to
 ``mpgemm.scaling_ref``. A tensor the kernels cannot walk as flat memory (overlapping
-or gapped strides, or strides that differ from its partners') goes to the reference,
-which is exact too. ``found_inf`` and ``inv_scale`` stay on the device throughout.
+or gapped strides, or strides that differ from its partners', or a tensor subclass)
+goes to the reference, which is exact too. DTensors (FSDP2's sharded parameters,
+gradients and states) are worked on through their local shards. ``found_inf`` and
+``inv_scale`` stay on the device throughout.
 """
 
 from __future__ import annotations
@@ -16,10 +18,26 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mpgemm import scaling_ref
-from mpgemm.functional import backend
+from mpgemm.functional import backend, is_plain
 
 # What the kernels take; other dtypes (FP64) go to the reference implementation.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (its storage: in-place updates reach the DTensor),
+    else ``t``. The ops are elementwise, so each rank works on its own shards (FSDP2)."""
+    if _is_dtensor(t):
+        return t.to_local()
+    return t
+
+
+def _is_dtensor(t: object) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _is_flat(t: torch.Tensor) -> bool:
@@ -38,13 +56,15 @@ def _dispatch(
     reference implementation."""
     if not lists[0]:
         return
+    lists = [[_local(t) for t in lst] for lst in lists]
     device = lists[0][0].device
     use_kernels = backend(device) == "triton"
     groups: dict[tuple, list[int]] = defaultdict(list)
     for index in range(len(lists[0])):
         tensors = [lst[index] for lst in lists[:strided]]
         kernel_ok = use_kernels and all(
-            t.dtype in KERNEL_DTYPES and _is_flat(t) and t.stride() == tensors[0].stride()
+            is_plain(t) and t.dtype in KERNEL_DTYPES and _is_flat(t)
+            and t.stride() == tensors[0].stride()
             for t in tensors
         )
         groups[(kernel_ok, *(lst[index].dtype for lst in lists))].append(index)
@@ -83,6 +103,23 @@ def unscale_(
         lambda impl, ls: impl(ls[0], found_inf, inv_scale, dst=None if dst is None else ls[1]),
         strided=2,
     )
+    _reduce_over_shards(src, found_inf)
+
+
+def _reduce_over_shards(src: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """DTensor gradients (FSDP2's shards): each rank checked its own shards, so the flag
+    is MAX-reduced over every mesh dimension the gradients are not replicated on, as
+    torch's DTensor handler of ``_amp_foreach_non_finite_check_and_unscale_`` does."""
+    sharded = next((t for t in src if _is_dtensor(t)), None)
+    if sharded is None:
+        return
+    from torch.distributed.tensor import Replicate
+
+    mesh = sharded.device_mesh
+    for dim, placement in enumerate(sharded.placements):
+        if not isinstance(placement, Replicate):
+            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
+                                         group=mesh.get_group(dim))
 
 
 def update_scale_(

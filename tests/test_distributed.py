@@ -66,3 +66,82 @@ def test_ranks_skip_together(tmp_path):
     assert [r["ddp"][:2] for r in ranks] == [(1, 2.0**15)] * WORLD
     for a, b in zip(ranks[0]["ddp"][2], ranks[1]["ddp"][2], strict=True):
         assert torch.equal(a, b)
+
+
+# -- FSDP2: each rank holds a shard of every parameter, gradient and optimizer state ----
+
+FSDP_STEPS = 4
+FSDP_BATCH = 16
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return mpgemm.convert(torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+        torch.nn.Linear(32, 8)))
+
+
+def _fsdp_train(model, rank, world, case):
+    """Each rank trains on its share of the same batches; at INF_STEP one element of
+    rank 1's shard of the first weight's gradient is inf (world 1: of the whole one)."""
+    params = list(model.parameters())
+    if case == "loss_scale_optimizer":
+        optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(params, lr=1e-2))
+        scaler = None
+    else:
+        optimizer = mpgemm.optim.SGD(params, lr=0.1, momentum=0.9)
+        scaler = mpgemm.GradScaler("cpu", init_scale=2.0**16)
+    g = torch.Generator().manual_seed(1)
+    for step in range(FSDP_STEPS):
+        x = torch.randn(FSDP_BATCH, 16, generator=g)
+        y = torch.randn(FSDP_BATCH, 8, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x.chunk(world)[rank]).float(),
+                                            y.chunk(world)[rank])
+        optimizer.zero_grad()
+        (scaler.scale(loss) if scaler else optimizer.scale_loss(loss)).backward()
+        if step == INF_STEP and rank == world - 1:
+            grad = params[0].grad
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    scale = scaler.get_scale() if scaler else optimizer.loss_scale
+    return scale, [p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                   for p in model.parameters()]
+
+
+def _fsdp_worker(rank, port, out_dir, path):
+    # The reference path (torch ops) or the kernels through the interpreter.
+    os.environ["TRITON_INTERPRET"] = "1" if path == "interpreter" else "0"
+    from torch.distributed.fsdp import fully_shard  # FSDP2 (torch >= 2.6)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results = {}
+    for case in ("loss_scale_optimizer", "grad_scaler"):
+        model = _mlp()
+        for layer in model:
+            if isinstance(layer, mpgemm.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        results[case] = _fsdp_train(model, rank, WORLD, case)
+    torch.save(results, os.path.join(out_dir, f"{path}{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("path", ["reference", "interpreter"])
+def test_fsdp2_matches_one_process_on_the_whole_batch(tmp_path, path):
+    mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path), path), nprocs=WORLD,
+             join=True)
+    ranks = [torch.load(tmp_path / f"{path}{r}.pt") for r in range(WORLD)]
+    for case in ("loss_scale_optimizer", "grad_scaler"):
+        scale, expected = _fsdp_train(_mlp(), 0, 1, case)
+        # Rank 1's inf skipped the step on both ranks: the scale backed off once.
+        assert scale == 2.0**15
+        for rank in ranks:
+            got_scale, params = rank[case]
+            assert got_scale == scale, case
+            for got, want in zip(params, expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=case)

@@ -189,3 +189,21 @@ def test_a_bias_of_any_stride(device, make_bias):
     out = mpgemm.linear(x, w, bias, out_dtype=torch.float32)
     expected = linear_ref(x, w, bias.contiguous(), out_dtype=torch.float32)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_tensor_subclass_takes_the_reference_path(device):
+    class Wrapped(torch.Tensor):
+        pass
+
+    pytest.importorskip("triton")
+    from accuracy import launched_kernels
+
+    x = torch.randn(8, 16, device=device).as_subclass(Wrapped).requires_grad_()
+    w = torch.randn(4, 16, device=device, requires_grad=True)
+    names, y = launched_kernels(lambda: mpgemm.linear(x, w, compute_dtype=torch.float16))
+    names_back, _ = launched_kernels(lambda: y.float().sum().backward())
+    assert names == names_back == []
+    expected = linear_ref(x.detach().as_subclass(torch.Tensor), w.detach(),
+                          compute_dtype=torch.float16)
+    assert torch.equal(y.as_subclass(torch.Tensor), expected)
+    assert x.grad is not None and w.grad is not None
