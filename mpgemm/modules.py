@@ -73,10 +73,21 @@ class Linear(nn.Linear):
             weight_copy=copy,
         )
 
+    def _apply(self, fn, recurse=True):
+        # .to(dtype), .half(), .bfloat16(): parameters cast to a 16-bit dtype make it
+        # the compute dtype too, as a module of that dtype computes in it in torch
+        # (a BF16 layer computing in FP16 would turn inputs above 65504 into inf).
+        # Masters are then the optimizer's business (mpgemm.LossScaleOptimizer).
+        out = super()._apply(fn, recurse)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            self.compute_dtype = self.weight.dtype
+        return out
+
     def extra_repr(self) -> str:
+        # out_dtype=None: the output takes the compute dtype.
         return (
             f"{super().extra_repr()}, compute_dtype={self.compute_dtype}, "
-            f"activation={self.activation}, out_dtype={self.out_dtype or self.compute_dtype}"
+            f"activation={self.activation}, out_dtype={self.out_dtype}"
         )
 
     @classmethod

@@ -207,3 +207,14 @@ def test_a_tensor_subclass_takes_the_reference_path(device):
                           compute_dtype=torch.float16)
     assert torch.equal(y.as_subclass(torch.Tensor), expected)
     assert x.grad is not None and w.grad is not None
+
+
+def test_double_backward_raises_instead_of_a_wrong_second_derivative(device):
+    # The backward is once_differentiable (the README says so): its gradients carry no
+    # graph, so differentiating them raises rather than returning zeros.
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    w = torch.randn(8, 16, device=device, requires_grad=True)
+    (gx,) = torch.autograd.grad(mpgemm.linear(x, w).float().sum(), x, create_graph=True)
+    assert gx.grad_fn is None
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        gx.sum().backward()

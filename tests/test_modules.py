@@ -162,3 +162,27 @@ def test_convert_fuses_only_what_computes_the_same(device):
 
     unfused = mpgemm.convert(mlp(device), fuse_activations=False)
     assert type(unfused[1]) is nn.ReLU and unfused[0].activation is None
+
+
+@pytest.mark.parametrize("cast", ["bfloat16", "half", "to"])
+def test_casting_a_layer_to_16_bits_makes_that_the_compute_dtype(device, cast):
+    layer = mpgemm.Linear(16, 8, device=device)  # compute_dtype float16 by default
+    dtype = torch.float16 if cast == "half" else torch.bfloat16
+    layer = layer.to(dtype) if cast == "to" else getattr(layer, cast)()
+    assert layer.weight.dtype == layer.bias.dtype == layer.compute_dtype == dtype
+    # BF16 reaches 3e38: no inf where an FP16 product would overflow at 65504.
+    x = torch.full((4, 16), 3e4, device=device, dtype=dtype)
+    y = layer(x)
+    assert y.dtype == dtype
+    expected = mpgemm.reference.linear_ref(x, layer.weight, layer.bias, compute_dtype=dtype)
+    torch.testing.assert_close(y, expected)
+    if dtype == torch.bfloat16:
+        assert torch.isfinite(y).all()
+    # Back to FP32 masters: the compute dtype stays what it last was.
+    assert layer.float().compute_dtype == dtype
+
+
+def test_repr_shows_out_dtype_as_set(device):
+    model = mpgemm.convert(mlp(device))
+    assert "out_dtype=None" in repr(model[0])  # the compute dtype's
+    assert "out_dtype=torch.float32" in repr(model[4])  # the logits
