@@ -96,7 +96,16 @@ def unscale_(
     ``torch._amp_foreach_non_finite_check_and_unscale_`` bit for bit.
 
     ``src``: FP32/FP16/BF16 tensors on one device; ``dst``: tensors of ``src``'s shapes;
-    ``found_inf``, ``inv_scale``: one-element FP32 tensors on that device."""
+    ``found_inf``, ``inv_scale``: one-element FP32 tensors on that device.
+
+    Raises TypeError for a non-tensor or a flag or scale that is not FP32, ValueError
+    for a flag or scale of more than one element or on another device, or a ``dst``
+    that does not match ``src``."""
+    _check_lists("unscale_", src, dst)
+    device = src[0].device if src else found_inf.device if torch.is_tensor(found_inf) else None
+    _check_scalar("unscale_", "found_inf", found_inf, device)
+    if inv_scale is not None:
+        _check_scalar("unscale_", "inv_scale", inv_scale, device)
     lists = [src, src if dst is None else dst]
     _dispatch(
         "unscale", lists,
@@ -104,6 +113,31 @@ def unscale_(
         strided=2,
     )
     _reduce_over_shards(src, found_inf)
+
+
+def _check_lists(op: str, src, dst) -> None:
+    for name, tensors in (("src", src), ("dst", dst)):
+        if tensors is not None and not all(torch.is_tensor(t) for t in tensors):
+            raise TypeError(f"mpgemm.scaling.{op}: {name} must be a sequence of tensors")
+    if dst is not None and [t.shape for t in dst] != [t.shape for t in src]:
+        raise ValueError(f"mpgemm.scaling.{op}: dst must hold tensors of src's shapes, "
+                         f"got {[tuple(t.shape) for t in dst]} for "
+                         f"{[tuple(t.shape) for t in src]}")
+
+
+def _check_scalar(op: str, name: str, t, device: torch.device | None) -> None:
+    """``t`` must be a one-element FP32 tensor on ``device``, as torch's op requires."""
+    if not torch.is_tensor(t):
+        raise TypeError(f"mpgemm.scaling.{op}: {name} must be a one-element float32 "
+                        f"tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"mpgemm.scaling.{op}: {name} must be float32, got {t.dtype}")
+    if t.numel() != 1:
+        raise ValueError(f"mpgemm.scaling.{op}: {name} must have one element, got "
+                         f"shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"mpgemm.scaling.{op}: {name} is on {t.device}, the tensors on "
+                         f"{device}")
 
 
 def _reduce_over_shards(src: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:

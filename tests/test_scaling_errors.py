@@ -98,3 +98,34 @@ def test_cuda_scaler_without_cuda_warns_and_disables():
     with pytest.warns(UserWarning, match="CUDA is not available"):
         scaler = mpgemm.GradScaler("cuda")
     assert not scaler.is_enabled()
+
+
+@pytest.mark.parametrize("name, value, error, match", [
+    ("found_inf", torch.zeros((), dtype=torch.float64), TypeError, "float32"),
+    ("found_inf", torch.zeros((), dtype=torch.int32), TypeError, "float32"),
+    ("found_inf", torch.zeros(2), ValueError, "one element"),
+    ("found_inf", 0.0, TypeError, "tensor"),
+    ("inv_scale", 0.5, TypeError, "tensor"),  # crashed the interpreter before
+    ("inv_scale", torch.full((), 0.5, dtype=torch.float64), TypeError, "float32"),
+    ("inv_scale", torch.full((2,), 0.5), ValueError, "one element"),
+])
+def test_unscale_checks_its_flag_and_scale_as_torch_does(device, name, value, error, match):
+    from mpgemm.scaling import unscale_
+
+    grads = [torch.ones(5, device=device)]
+    args = {"found_inf": torch.zeros((), device=device),
+            "inv_scale": torch.full((), 0.5, device=device)}
+    args[name] = value.to(device) if torch.is_tensor(value) else value
+    with pytest.raises(error, match=f"{name}.*{match}"):
+        unscale_(grads, args["found_inf"], args["inv_scale"])
+    assert torch.equal(grads[0], torch.ones(5, device=device))  # nothing was written
+
+
+def test_unscale_checks_its_lists(device):
+    from mpgemm.scaling import unscale_
+
+    flag, inv = torch.zeros((), device=device), torch.full((), 0.5, device=device)
+    with pytest.raises(TypeError, match="src"):
+        unscale_([None], flag, inv)
+    with pytest.raises(ValueError, match="dst"):
+        unscale_([torch.ones(5, device=device)], flag, inv, dst=[torch.ones(4, device=device)])
