@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
@@ -89,8 +89,6 @@ class GradScaler:
         self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(
             _fresh_optimizer_state
         )
-        # Called on each new found_inf tensor; LossScaleOptimizer reduces it across ranks.
-        self._found_inf_hook: Callable[[torch.Tensor], None] | None = None
 
     # -- scaling ---------------------------------------------------------------------
 
@@ -133,20 +131,21 @@ class GradScaler:
 
     # -- unscaling and the inf check ---------------------------------------------------
 
-    def _unscale_grads(
+    def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
         inv_scale: torch.Tensor | None,
+        found_inf: torch.Tensor,
         allow_fp16: bool,
-        grad_sources: dict[torch.Tensor, torch.Tensor] | None = None,
     ) -> dict[torch.device, torch.Tensor]:
-        """Unscale (or, without ``inv_scale``, only check) ``optimizer``'s gradients in
-        place; returns a found_inf flag per device.
+        """Unscale ``optimizer``'s gradients in place (only check them when
+        ``inv_scale`` is None) and raise the flags; torch's override point, with its
+        signature: ``found_inf`` is the flag on the scale's device, other devices get a
+        copy of it, and the flag of each device is returned.
 
-        ``grad_sources`` maps an FP32 master parameter to the 16-bit model parameter
-        whose gradient it takes: that gradient is unscaled straight into the master's
-        (one pass, no copy first)."""
-        sources = grad_sources or {}
+        Subclasses change where gradients come from (``_grad_sources``) and what happens
+        to each device's flag once set (``_reduce_found_inf``)."""
+        sources = self._grad_sources(optimizer) if inv_scale is not None else {}
         # per device: [sources], [destinations] (the same tensors when in place)
         grads: dict[torch.device, tuple[list, list]] = defaultdict(lambda: ([], []))
         for group_index, group in enumerate(optimizer.param_groups):
@@ -181,14 +180,28 @@ class GradScaler:
                 grads[grad.device][1].append(grad)
         found_infs = {}
         for device, (srcs, dsts) in grads.items():
-            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+            flag = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
             inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
             with torch.no_grad():
-                unscale_(srcs, found_inf, inv, dst=dsts)
-            if self._found_inf_hook is not None:
-                self._found_inf_hook(found_inf)
-            found_infs[device] = found_inf
+                unscale_(srcs, flag, inv, dst=dsts)
+            self._reduce_found_inf(flag)
+            found_infs[device] = flag
         return found_infs
+
+    def _grad_sources(self, optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+        """Parameters of ``optimizer`` whose gradient is unscaled from another tensor's:
+        ``{parameter: source}``, the source's ``.grad`` unscaled straight into the
+        parameter's (one pass, no copy first). None here; LossScaleOptimizer's FP32
+        masters take their 16-bit model parameters' gradients."""
+        return {}
+
+    def _reduce_found_inf(self, found_inf: torch.Tensor) -> None:
+        """Called on each device's flag once this step's gradients have set it: nothing
+        here; LossScaleOptimizer reduces it across ranks."""
+
+    @staticmethod
+    def _fresh_flag(scale: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float32, device=scale.device)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale, in place, and record whether any
@@ -196,11 +209,7 @@ class GradScaler:
         gradients. At most once per optimizer per ``update()``, and not after ``step``."""
         self._unscale(optimizer)
 
-    def _unscale(
-        self,
-        optimizer: torch.optim.Optimizer,
-        grad_sources: dict[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._enabled:
             return
         scale = self._require_scale("unscale_")
@@ -213,8 +222,8 @@ class GradScaler:
             raise RuntimeError("unscale_() is being called after step().")
         # As torch: the reciprocal in double, rounded once to FP32.
         inv_scale = scale.double().reciprocal().float()
-        state["found_inf_per_device"] = self._unscale_grads(
-            optimizer, inv_scale, False, grad_sources
+        state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, inv_scale, self._fresh_flag(scale), False
         )
         state["stage"] = OptState.UNSCALED
 
@@ -238,7 +247,9 @@ class GradScaler:
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if state["stage"] is OptState.READY:
                 # Check only: the optimizer unscales as it reads the gradients.
-                state["found_inf_per_device"] = self._unscale_grads(optimizer, None, True)
+                state["found_inf_per_device"] = self._unscale_grads_(
+                    optimizer, None, self._fresh_flag(scale), True
+                )
             found_inf = self._found_inf(optimizer)
             previous = getattr(optimizer, "grad_scale", None)
             if state["stage"] is OptState.UNSCALED:
@@ -409,7 +420,6 @@ class GradScaler:
             state["_scale"] = None
             state["_growth_tracker"] = None
         state["_per_optimizer_states"] = None
-        state["_found_inf_hook"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -67,17 +67,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if not params:
             raise ValueError("the wrapped optimizer has no parameters")
         self.optimizer = optimizer
-        self.scaler = GradScaler(
-            params[0].device.type, init_scale=init_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-        )
-        self.scaler._found_inf_hook = self._reduce_found_inf
-        self._all_reduce_found_inf = all_reduce_found_inf
-        self._process_group = process_group
-        # (16-bit model parameter, its FP32 master) for each parameter that needs one
-        self._master_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         # master -> model parameter: whose gradient the scaler unscales into the master's
         self._grad_sources: dict[torch.Tensor, torch.Tensor] = {}
+        self.scaler = _MasterScaler(
+            params[0].device.type, init_scale=init_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval,
+            grad_sources=self._grad_sources, all_reduce_found_inf=all_reduce_found_inf,
+            process_group=process_group,
+        )
+        # (16-bit model parameter, its FP32 master) for each parameter that needs one
+        self._master_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for group in optimizer.param_groups:
             self._install_masters(group)
         self._skipped = torch.zeros((), dtype=torch.int64, device=params[0].device)
@@ -145,21 +144,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """How many steps were skipped for inf/NaN gradients (synchronises, as above)."""
         return int(self._skipped.item())
 
-    def _reduce_found_inf(self, found_inf: torch.Tensor) -> None:
-        reduce = self._all_reduce_found_inf
-        if reduce is None:
-            reduce = (
-                dist.is_available() and dist.is_initialized()
-                and dist.get_world_size(self._process_group) > 1
-            )
-        if reduce:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._process_group)
-
     def unscale_(self) -> None:
         """Unscale the gradients now, for clipping: scale, backward, ``unscale_``, clip,
         ``step``. A 16-bit parameter's gradient is unscaled straight into its FP32
         master's gradient, in the same pass that checks it."""
-        self.scaler._unscale(self.optimizer, self._grad_sources)
+        self.scaler._unscale(self.optimizer)
 
     def _unscaled_this_iteration(self) -> bool:
         state = self.scaler._per_optimizer_states.get(id(self.optimizer))
@@ -220,3 +209,30 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             for (param, master), saved in zip(self._master_pairs, masters, strict=True):
                 master.copy_(saved)
                 param.copy_(saved)
+
+
+class _MasterScaler(GradScaler):
+    """LossScaleOptimizer's scaler: FP32 masters take their 16-bit model parameters'
+    gradients (``_grad_sources``), and under ``torch.distributed`` each device's flag is
+    MAX-reduced across ``process_group`` (``_reduce_found_inf``). Being methods, both
+    survive pickling (a ProcessGroup itself does not pickle)."""
+
+    def __init__(self, *args: Any, grad_sources: dict[torch.Tensor, torch.Tensor],
+                 all_reduce_found_inf: bool | None, process_group: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sources = grad_sources
+        self._all_reduce_found_inf = all_reduce_found_inf
+        self._process_group = process_group
+
+    def _grad_sources(self, optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+        return self._sources
+
+    def _reduce_found_inf(self, found_inf: torch.Tensor) -> None:
+        reduce = self._all_reduce_found_inf
+        if reduce is None:
+            reduce = (
+                dist.is_available() and dist.is_initialized()
+                and dist.get_world_size(self._process_group) > 1
+            )
+        if reduce:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._process_group)

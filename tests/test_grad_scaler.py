@@ -246,3 +246,47 @@ def test_after_step_the_gradients_are_unscaled_as_torch_leaves_them(device, make
     scaler.step(optimizer)
     scaler.update()
     assert p.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_unscale_grads_is_torchs_override_point(device):
+    import inspect
+
+    # The same name and parameters as torch.amp.GradScaler's, and both unscale_ and a
+    # step that unscales go through it.
+    ours = list(inspect.signature(mpgemm.GradScaler._unscale_grads_).parameters)
+    assert ours == list(inspect.signature(torch.amp.GradScaler._unscale_grads_).parameters)
+
+    class Counting(mpgemm.GradScaler):
+        calls = []
+
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            self.calls.append(allow_fp16)
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    param = torch.nn.Parameter(torch.ones(3, device=device))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = Counting(device.type, init_scale=4.0)
+    for unscale_first in (True, False):
+        scaler.scale(param.sum()).backward()
+        if unscale_first:
+            scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert Counting.calls == [False, False]
+
+
+def test_a_pickled_loss_scale_optimizers_scaler_still_reduces_its_flag(device, monkeypatch):
+    from mpgemm import loss_scale_optimizer
+
+    param = torch.nn.Parameter(torch.ones(3, device=device))
+    wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD([param], lr=0.1),
+                                        all_reduce_found_inf=True)
+    scaler = pickle.loads(pickle.dumps(wrapped.scaler))
+    reduced = []
+    monkeypatch.setattr(loss_scale_optimizer.dist, "all_reduce",
+                        lambda flag, **kwargs: reduced.append(flag.item()))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler.scale(param.sum()).backward()
+    scaler.step(optimizer)
+    assert reduced == [0.0]  # the hook was lost in pickling before: no reduction
