@@ -15,8 +15,11 @@ not advance them either.
 torch's constructor keywords are accepted; the ones that choose torch's implementation
 take the values the fused kernels honour (``foreach`` None or False, ``fused`` None or
 True, ``differentiable`` False; ``capturable`` either way: the step never reads the
-device on the host). Not supported: SGD's ``dampening``, Adam's ``amsgrad``, tensor
-learning rates, sparse gradients (``ValueError``), FP64 parameters (``TypeError``).
+device on the host). FP64 and complex parameters (or gradients) are stepped by torch's
+own implementation, as the torch optimizer would step them (under a scaler: skipped on
+inf/NaN, which reads the flag on the host, else on gradients unscaled in place). Not
+supported: SGD's ``dampening``, Adam's ``amsgrad``, tensor learning rates, sparse
+gradients (``ValueError``).
 """
 
 from __future__ import annotations
@@ -70,18 +73,18 @@ class _ScaledStep:
         return [copy if (copy := copy_of(p)) is not None else p for p in params]
 
     @staticmethod
-    def _params_with_grad(group: dict) -> list[torch.Tensor]:
+    def _params_with_grad(group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(what the kernels step: FP32/FP16/BF16 parameters and gradients; the rest,
+        FP64 or complex, which torch's own implementation steps)."""
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError(f"sparse gradients are not supported (shape {tuple(p.shape)})")
-            if p.dtype not in KERNEL_DTYPES or p.grad.dtype not in KERNEL_DTYPES:
-                raise TypeError(
-                    f"mpgemm's fused optimizers step FP32, FP16 and BF16 parameters; got a "
-                    f"{p.dtype} parameter of shape {tuple(p.shape)} with a {p.grad.dtype} "
-                    "gradient (use the torch optimizer)"
-                )
-        return params
+        fused, rest = [], []
+        for p in params:
+            kernel_ok = p.dtype in KERNEL_DTYPES and p.grad.dtype in KERNEL_DTYPES
+            (fused if kernel_ok else rest).append(p)
+        return fused, rest
 
     def _run_step(self, closure: Callable | None, step_group: Callable) -> Any:
         loss = None
@@ -89,12 +92,41 @@ class _ScaledStep:
             with torch.enable_grad():
                 loss = closure()
         inv_scale, found_inf = self._scaling_tensors()
+        others = []
         with torch.no_grad():
             for group in self.param_groups:
-                params = self._params_with_grad(group)
+                params, rest = self._params_with_grad(group)
                 if params:
                     step_group(group, params, inv_scale, found_inf)
+                others.append(rest)
+        if any(others):
+            self._torch_step(others, inv_scale, found_inf)
         return loss
+
+    def _torch_step(self, others: list[list[torch.Tensor]], inv_scale, found_inf) -> None:
+        """Step ``others`` (per param group) with torch's own implementation (the step
+        of the torch class this one subclasses), as the torch optimizer would under a
+        GradScaler: skipped when ``found_inf`` is set (read on the host: only for dtypes
+        the kernels do not take), else on gradients unscaled in place first."""
+        if found_inf is not None and found_inf.item():
+            return
+        if inv_scale is not None:
+            with torch.no_grad():
+                for p in (p for rest in others for p in rest):
+                    p.grad.mul_(inv_scale.to(p.grad.device))
+        # torch's unfused implementations refuse a scaler's tensors: hide them, and show
+        # torch's step only these parameters; the state and hyperparameters are shared.
+        scaling = {name: self.__dict__.pop(name) for name in ("grad_scale", "found_inf")
+                   if name in self.__dict__}
+        params = [group["params"] for group in self.param_groups]
+        try:
+            for group, rest in zip(self.param_groups, others, strict=True):
+                group["params"] = rest
+            super().step()
+        finally:
+            for group, kept in zip(self.param_groups, params, strict=True):
+                group["params"] = kept
+            self.__dict__.update(scaling)
 
 
 class SGD(_ScaledStep, torch.optim.SGD):
