@@ -78,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup-steps", type=int, default=10,
                    help="steps left out of the timing (default 10)")
     t.add_argument("--out", type=Path, help="write results.json and results.png here")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none when stderr is not a terminal)")
+    t.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads for torch (default: torch's, "
+                   f"{torch.get_num_threads()} here)")
     return parser
 
 
@@ -89,17 +93,25 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, Dataset]:
         steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
         device=args.device, warmup_steps=args.warmup_steps,
     )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     data = load(args.data, features=args.features, samples=args.samples, seed=args.seed)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     return config, data
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n != 1 else "")
+
+
 def _train(args: argparse.Namespace, config: TrainConfig, data: Dataset) -> None:
     modes = tuple(MODES) if args.mode == "all" else (args.mode,)
     widths = " -> ".join(map(str, (data.features, *config.hidden, data.num_classes)))
+    device = (torch.cuda.get_device_name(config.device) if config.device == "cuda"
+              else f"cpu, {_threads(torch.get_num_threads())}")
     title = (f"{data.name}: MLP {widths}, batch {config.batch_size}, {config.optimizer}, "
-             f"{config.device}")
+             f"{device}")
     print(title, flush=True)
     results = train(data, config, modes, progress=not args.no_progress)
     from mpgemm.report import format_table, write_figure, write_json

@@ -119,6 +119,16 @@ def _find_idx(folder: Path, stem: str) -> Path:
 
 
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
+    # An .npz is a zip archive; numpy takes anything else for a pickle and says so,
+    # which names the wrong fault.
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e}") from None
+    if magic[:2] != b"PK":
+        raise DataError(f"{path}: not an .npz file (not a zip archive: starts with "
+                        f"{magic!r}); expected Keras's mnist.npz or a folder of IDX files")
     try:
         with np.load(path, allow_pickle=False) as npz:
             missing = [k for k in _IDX_FILES if k not in npz.files]

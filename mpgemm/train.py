@@ -220,7 +220,8 @@ def train_mode(
     losses = []
     warmup = min(config.warmup_steps, len(batches) - 1)
     start = time.perf_counter()
-    for i, index in enumerate(tqdm(batches, desc=f"{mode:>8}", disable=not progress,
+    # disable=None: tqdm draws no bar when stderr is not a terminal (a captured log).
+    for i, index in enumerate(tqdm(batches, desc=f"{mode:>8}", disable=None if progress else True,
                                    leave=False, unit="step")):
         if i == warmup:
             _synchronize(device)

@@ -87,3 +87,27 @@ def test_malformed_data_file_is_one_line(tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_cuda_without_a_gpu_is_one_line(capsys):
     assert "CUDA is not available" in _error_line(["train", "--device", "cuda"], capsys)
+
+
+def test_a_file_that_is_no_npz_says_so(tmp_path, capsys):
+    # numpy takes any non-zip file for a pickle ("contains pickled (object) data").
+    bad = tmp_path / "mnist.npz"
+    bad.write_text("hello, not a zip archive")
+    line = _error_line(["train", "--data", str(bad)], capsys)
+    assert "not an .npz file (not a zip archive" in line and "pickle" not in line
+
+
+def test_threads_sets_torchs_and_the_title_says_so(capsys):
+    before = torch.get_num_threads()
+    try:
+        assert main(["train", "--mode", "fp32", *TINY, "--device", "cpu", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "cpu, 1 thread\n" in capsys.readouterr().out
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys):
+    # Without --no-progress: a captured log gets no bar (tqdm's redraws flooded it).
+    assert main(["train", "--mode", "fp32", *[a for a in TINY if a != "--no-progress"]]) == 0
+    assert "step" not in capsys.readouterr().err
