@@ -48,7 +48,7 @@ from mpgemm.kernels.gemm_common import (
     tile_configs,
 )
 from mpgemm.kernels.launches import intercepting, launch
-from mpgemm.kernels.rounding import cast_rne
+from mpgemm.kernels.rounding import cast_rne, widen
 
 
 def _hopper_configs() -> list[triton.Config]:
@@ -217,18 +217,20 @@ def _gemm_kernel(
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if PROLOGUE != 0:
-            a = apply_prologue(a, tl.load(s_ptrs, mask=a_mask, other=0.0), PROLOGUE)
+            a = apply_prologue(a, tl.load(s_ptrs, mask=a_mask, other=0.0), PROLOGUE,
+                               INTERPRETED)
             s_ptrs += BLOCK_K * stride_sk
         if ROWSUM_A:
             # Only the first column of programs owns the row sums.
             if pid_n == 0:
-                rowsum += tl.sum(a.to(tl.float32), axis=1)
+                rowsum += tl.sum(widen(a, INTERPRETED), axis=1)
         a = cast_rne(a, compute_dtype, INTERPRETED)
         b = cast_rne(b, compute_dtype, INTERPRETED)
         if INTERPRETED:
             # The interpreter multiplies BF16 as raw 16-bit integers; widening the rounded
             # operands to FP32 is exact, so the numerics stay 16-bit-operand/FP32-accumulate.
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(widen(a, INTERPRETED), widen(b, INTERPRETED), acc,
+                         input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpgemm.kernels.rounding import cast_rne
+from mpgemm.kernels.rounding import cast_rne, widen
 
 # The interpreter runs the kernels on the CPU through numpy; it must be chosen before
 # triton is imported, so it is read once here.
@@ -97,7 +97,7 @@ def store_epilogue(
     mask = (offs_m < M)[:, None] & mask_n[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
+        acc += widen(bias, INTERPRETED)[None, :]
     if ACTIVATION == 1:
         # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
         acc = tl.where(acc < 0.0, 0.0, acc)
@@ -111,12 +111,12 @@ def store_epilogue(
 
 
 @triton.jit
-def apply_prologue(a, s, PROLOGUE: tl.constexpr):
+def apply_prologue(a, s, PROLOGUE: tl.constexpr, INTERPRETED: tl.constexpr):
     """A' = A * f(S): the ReLU mask by threshold_backward's rule (zero where the output
     is <= 0, so a NaN output passes its gradient on, as in torch), or a product."""
     if PROLOGUE == 1:
         # Compared in FP32: the interpreter compares a BF16 S as its raw bits.
-        a = tl.where(s.to(tl.float32) <= 0, 0.0, a.to(tl.float32))
+        a = tl.where(widen(s, INTERPRETED) <= 0, 0.0, widen(a, INTERPRETED))
     else:
-        a = a.to(tl.float32) * s.to(tl.float32)
+        a = widen(a, INTERPRETED) * widen(s, INTERPRETED)
     return a

@@ -39,7 +39,7 @@ from mpgemm.kernels.gemm_common import (
     tile_configs,
 )
 from mpgemm.kernels.launches import intercepting, launch
-from mpgemm.kernels.rounding import cast_rne
+from mpgemm.kernels.rounding import cast_rne, widen
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -177,17 +177,19 @@ def _gemm_tma_kernel(
             a = _load_tile(a_desc, off_m, off_k, A_T)
             b = _load_tile(b_desc, off_k, off_n, B_T)
             if PROLOGUE != 0:
-                a = apply_prologue(a, _load_tile(s_desc, off_m, off_k, A_T), PROLOGUE)
+                a = apply_prologue(a, _load_tile(s_desc, off_m, off_k, A_T), PROLOGUE,
+                                   INTERPRETED)
             if ROWSUM_A:
                 # Every tile sums its rows and the first column of tiles stores them:
                 # a branch here, in the loop that flatten fuses, fails Triton 3.6's
                 # compile (scf.if results in fuse-nested-loops).
-                rowsum += tl.sum(a.to(tl.float32), axis=1)
+                rowsum += tl.sum(widen(a, INTERPRETED), axis=1)
             if PROLOGUE != 0:
                 a = cast_rne(a, compute_dtype, INTERPRETED)
             if INTERPRETED:
                 # The interpreter multiplies BF16 as raw integers; widening is exact.
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(widen(a, INTERPRETED), widen(b, INTERPRETED), acc,
+                             input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
         offs_m = off_m + tl.arange(0, BLOCK_M)

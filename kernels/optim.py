@@ -28,7 +28,7 @@ import triton.language as tl
 
 from mpgemm.kernels.gemm_common import INTERPRET
 from mpgemm.kernels.launches import launch
-from mpgemm.kernels.rounding import cast_rne
+from mpgemm.kernels.rounding import cast_rne, widen
 from mpgemm.kernels.tensor_table import (
     BLOCK,
     TRITON_DTYPES,
@@ -48,11 +48,11 @@ def _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE: tl.constexpr,
     """The block's gradient in FP32, unscaled and rounded to its own dtype as
     ``GradScaler.unscale_`` would leave it (and left so in the gradient tensor, as
     torch's optimizers leave it after ``scaler.step``), negated to maximise."""
-    g = load_block(g_ptr, mask).to(tl.float32)
+    g = widen(load_block(g_ptr, mask), INTERPRETED)
     if HAS_INV_SCALE:
         g = cast_rne(g * tl.load(inv_scale_ptr), GRAD_DTYPE, INTERPRETED)
         tl.store(g_ptr, g, mask=mask)
-        g = g.to(tl.float32)
+        g = widen(g, INTERPRETED)
     if MAXIMIZE:
         g = -g
     return g
@@ -65,7 +65,7 @@ def _store_param(p_ptr, c_ptr, p, mask, PARAM_DTYPE: tl.constexpr, COPY_DTYPE: t
     p = cast_rne(p, PARAM_DTYPE, INTERPRETED)
     tl.store(p_ptr, p, mask=mask)
     if HAS_COPY:
-        tl.store(c_ptr, cast_rne(p.to(tl.float32), COPY_DTYPE, INTERPRETED), mask=mask)
+        tl.store(c_ptr, cast_rne(widen(p, INTERPRETED), COPY_DTYPE, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -75,13 +75,13 @@ def _sgd_block(
     HAS_COPY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr, HAS_INV_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    p = load_block(p_ptr, mask).to(tl.float32)
+    p = widen(load_block(p_ptr, mask), INTERPRETED)
     g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE,
                        INTERPRETED)
     if weight_decay != 0:
         g = g + weight_decay.to(tl.float32) * p
     if HAS_MOMENTUM:
-        buf = load_block(buf_ptr, mask).to(tl.float32) * momentum.to(tl.float32) + g
+        buf = widen(load_block(buf_ptr, mask), INTERPRETED) * momentum.to(tl.float32) + g
         tl.store(buf_ptr, cast_rne(buf, PARAM_DTYPE, INTERPRETED), mask=mask)
         if NESTEROV:
             g = g + momentum.to(tl.float32) * buf
@@ -138,7 +138,7 @@ def _adam_block(
     HAS_COPY: tl.constexpr, DECOUPLED_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_INV_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    p = load_block(p_ptr, mask).to(tl.float32)
+    p = widen(load_block(p_ptr, mask), INTERPRETED)
     g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE,
                        INTERPRETED)
     if weight_decay != 0:
@@ -146,8 +146,8 @@ def _adam_block(
             p = p * (1.0 - lr * weight_decay).to(tl.float32)
         else:
             g = g + weight_decay.to(tl.float32) * p
-    m = load_block(m_ptr, mask).to(tl.float32)
-    v = load_block(v_ptr, mask).to(tl.float32)
+    m = widen(load_block(m_ptr, mask), INTERPRETED)
+    v = widen(load_block(v_ptr, mask), INTERPRETED)
     # torch.lerp's two forms, each exact at its end of the weight range
     weight = (1.0 - beta1).to(tl.float32)
     if weight < 0.5:

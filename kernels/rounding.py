@@ -1,7 +1,10 @@
 """Float conversions that round to nearest even, compiled and interpreted alike.
 
 The interpreter converts FP32 to BF16 by truncation (numpy has no bfloat16), where the
-GPU rounds to nearest even; kernels that must match torch bit for bit convert here.
+GPU rounds to nearest even, and its conversions between BF16 and FP32 get subnormals
+wrong (1e-39 comes back as 5.9e-39); kernels that must match torch bit for bit convert
+here. A BF16 is the upper half of the FP32 of the same value, so when interpreted the
+conversions move bits; compiled, they are the plain conversions.
 """
 
 import triton
@@ -14,12 +17,27 @@ def round_to_bf16_rne(x):
     interpreter's own conversion truncates, so it gets its rounding done here."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    # NaN becomes the quiet NaN of its sign, whose upper half is a BF16 NaN too.
+    nan = (x.to(tl.uint32, bitcast=True) & 0x80000000) | 0x7FC00000
+    return tl.where(x != x, nan.to(tl.float32, bitcast=True), bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
 def cast_rne(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """``x.to(dtype)`` rounding to nearest even on the GPU and in the interpreter alike."""
     if INTERPRETED and dtype == tl.bfloat16:
-        x = round_to_bf16_rne(x.to(tl.float32))
-    return x.to(dtype)
+        bits = round_to_bf16_rne(widen(x, INTERPRETED)).to(tl.uint32, bitcast=True)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def widen(x, INTERPRETED: tl.constexpr):
+    """``x.to(tl.float32)``, exact for BF16 subnormals in the interpreter too."""
+    if INTERPRETED and x.dtype == tl.bfloat16:
+        y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.float32)
+    return y

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from mpgemm.kernels.gemm_common import INTERPRET
 from mpgemm.kernels.launches import launch
-from mpgemm.kernels.rounding import cast_rne
+from mpgemm.kernels.rounding import cast_rne, widen
 from mpgemm.kernels.tensor_table import (
     BLOCK,
     TRITON_DTYPES,
@@ -37,7 +37,7 @@ from mpgemm.kernels.tensor_table import (
 @triton.jit
 def _unscale_block(src, dst, mask, found_inf_ptr, inv_scale_ptr,
                    DST_DTYPE: tl.constexpr, WRITE: tl.constexpr, INTERPRETED: tl.constexpr):
-    x = load_block(src, mask).to(tl.float32)
+    x = widen(load_block(src, mask), INTERPRETED)
     non_finite = (x != x) | (tl.abs(x) == float("inf"))
     if tl.max(non_finite.to(tl.int32), axis=0) > 0:
         tl.store(found_inf_ptr, 1.0)

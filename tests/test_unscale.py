@@ -160,3 +160,13 @@ def test_a_tensor_subclass_never_reaches_the_kernels(device):
                                                                            device=device)))
     assert names == []
     assert found_inf.item() == 1.0 and grads[0][0].item() == 1.0
+
+
+def test_bf16_subnormals_unscale_bit_for_bit(device):
+    # BF16 subnormals (below 1.2e-38), in and out: the interpreter's own conversions
+    # between BF16 and FP32 got them wrong, so the kernels move bits instead there.
+    values = torch.tensor([1e-39, -3e-39, 2e-40, 1.1e-38, 5e-41, 0.0, -0.0, 3.0])
+    for inv_scale in (0.5, 2.0, 1e-3):
+        grads = [values.to(torch.bfloat16).to(device)]
+        expected = [grads[0].clone()]
+        _check_against_torch(grads, expected, inv_scale)
