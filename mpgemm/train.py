@@ -6,13 +6,15 @@
   ``mpgemm.LossScaleOptimizer`` around mpgemm's fused optimizer.
 
 Each run reports test accuracy, the final training loss, milliseconds per step after a
-warm-up (timed between two device synchronisations, so that nothing is added inside
-the steps), samples per second, peak GPU memory, skipped steps and the final loss scale.
+warm-up (the modes take turns, a window of steps each, each window timed between two
+device synchronisations, so that nothing is added inside the steps; the median over
+windows), samples per second, peak GPU memory, skipped steps and the final loss scale.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -197,67 +199,106 @@ def _evaluate(recipe: Recipe, x: torch.Tensor, y: torch.Tensor, batch: int = 409
     return total_loss / len(x), correct / len(x)
 
 
-def train_mode(
-    mode: str,
-    data: Dataset,
-    config: TrainConfig,
-    initial_state: dict,
-    batches: list[torch.Tensor],
-    *,
-    progress: bool = True,
-) -> ModeResult:
-    """Train a fresh MLP from ``initial_state`` in ``mode`` over ``batches``."""
-    from tqdm.auto import tqdm
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
-    device = torch.device(config.device)
-    model = build_mlp(data.features, config.hidden, data.num_classes)
-    model.load_state_dict(initial_state)
-    model.to(device)
-    recipe = Recipe(mode, model, config)
-    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    losses = []
-    warmup = min(config.warmup_steps, len(batches) - 1)
-    start = time.perf_counter()
-    # disable=None: tqdm draws no bar when stderr is not a terminal (a captured log).
-    for i, index in enumerate(tqdm(batches, desc=f"{mode:>8}", disable=None if progress else True,
-                                   leave=False, unit="step")):
-        if i == warmup:
-            _synchronize(device)
-            start = time.perf_counter()
-        index = index.to(device)
-        losses.append(recipe.step(x_train[index], y_train[index]))
-    _synchronize(device)
-    elapsed = time.perf_counter() - start
-    ms_per_step = elapsed * 1e3 / max(len(batches) - warmup, 1)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    final_loss, _ = _evaluate(recipe, x_train, y_train)
-    _, accuracy = _evaluate(recipe, data.x_test.to(device), data.y_test.to(device))
-    return ModeResult(
-        mode=mode,
-        test_accuracy=accuracy,
-        final_loss=final_loss,
-        ms_per_step=ms_per_step,
-        samples_per_s=config.batch_size / (ms_per_step * 1e-3),
-        peak_memory_mb=peak,
-        skipped_steps=recipe.skipped_steps(len(batches)),
-        final_loss_scale=recipe.loss_scale(),
-        steps=len(batches),
-        losses=torch.stack(losses).float().cpu().tolist(),
-    )
+
+class _Run:
+    """One mode's model, recipe and measurements, stepped a window of batches at a time
+    so that the modes can take turns (``train``)."""
+
+    def __init__(self, mode: str, data: Dataset, config: TrainConfig, initial_state: dict,
+                 x_train: torch.Tensor, y_train: torch.Tensor) -> None:
+        self.device = torch.device(config.device)
+        before = _allocated(self.device)
+        model = build_mlp(data.features, config.hidden, data.num_classes)
+        model.load_state_dict(initial_state)
+        model.to(self.device)
+        self.mode, self.config, self.data = mode, config, data
+        self.recipe = Recipe(mode, model, config)
+        self.x_train, self.y_train = x_train, y_train
+        self.losses: list[torch.Tensor] = []
+        self.ms_per_step: list[float] = []  # one per timed window
+        # Memory this run holds (the others' is not its own), and its peak.
+        self.held = _allocated(self.device) - before
+        self.peak = self.held
+
+    def run(self, window: list[torch.Tensor], timed: bool) -> None:
+        """Train on ``window``'s batches, timed between two device synchronisations."""
+        cuda = self.device.type == "cuda"
+        _synchronize(self.device)
+        before = _allocated(self.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        for index in window:
+            index = index.to(self.device)
+            self.losses.append(self.recipe.step(self.x_train[index], self.y_train[index]))
+        _synchronize(self.device)
+        if timed:
+            self.ms_per_step.append((time.perf_counter() - start) * 1e3 / len(window))
+        if cuda:  # the other runs are idle meanwhile: every change is this run's
+            self.peak = max(self.peak,
+                            self.held + torch.cuda.max_memory_allocated(self.device) - before)
+            self.held += _allocated(self.device) - before
+
+    def result(self) -> ModeResult:
+        recipe, data, steps = self.recipe, self.data, len(self.losses)
+        ms_per_step = statistics.median(self.ms_per_step)
+        final_loss, _ = _evaluate(recipe, self.x_train, self.y_train)
+        _, accuracy = _evaluate(recipe, data.x_test.to(self.device),
+                                data.y_test.to(self.device))
+        return ModeResult(
+            mode=self.mode,
+            test_accuracy=accuracy,
+            final_loss=final_loss,
+            ms_per_step=ms_per_step,
+            samples_per_s=self.config.batch_size / (ms_per_step * 1e-3),
+            peak_memory_mb=self.peak / 2**20 if self.device.type == "cuda" else None,
+            skipped_steps=recipe.skipped_steps(steps),
+            final_loss_scale=recipe.loss_scale(),
+            steps=steps,
+            losses=torch.stack(self.losses).float().cpu().tolist(),
+        )
+
+
+def _windows(steps: int, warmup: int) -> list[tuple[range, bool]]:
+    """(steps, timed) windows: the warm-up, then about 10 timed windows of equal size."""
+    warmup = min(warmup, steps - 1)
+    size = max(1, (steps - warmup) // 10)
+    windows = [(range(0, warmup), False)] if warmup > 0 else []
+    windows += [(range(i, min(i + size, steps)), True) for i in range(warmup, steps, size)]
+    return windows
 
 
 def train(
     data: Dataset, config: TrainConfig, modes: tuple[str, ...] = MODES, *, progress: bool = True
 ) -> list[ModeResult]:
-    """Train once per mode from the same initial weights on the same batches."""
+    """Train once per mode from the same initial weights on the same batches.
+
+    The modes take turns, a window of steps each (the first in turn rotating), so that
+    a change in the machine's load falls on all of them alike: a mode's time per step is
+    the median over its timed windows. Peak GPU memory counts only what each mode holds
+    (the others are idle during its windows)."""
+    from tqdm.auto import tqdm
+
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     torch.manual_seed(config.seed)
     initial = build_mlp(data.features, config.hidden, data.num_classes).state_dict()
     batches = _batches(data, config)
-    return [
-        train_mode(mode, data, config, initial, batches, progress=progress) for mode in modes
-    ]
+    device = torch.device(config.device)
+    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
+    runs = [_Run(mode, data, config, initial, x_train, y_train) for mode in modes]
+    windows = _windows(len(batches), config.warmup_steps)
+    # disable=None: tqdm draws no bar when stderr is not a terminal (a captured log).
+    with tqdm(total=len(batches) * len(runs), disable=None if progress else True,
+              leave=False, unit="step") as bar:
+        for turn, (steps, timed) in enumerate(windows):
+            for k in range(len(runs)):
+                run = runs[(turn + k) % len(runs)]
+                bar.set_description(f"{run.mode:>8}")
+                run.run([batches[i] for i in steps], timed)
+                bar.update(len(steps))
+    return [run.result() for run in runs]

@@ -111,3 +111,37 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(capsys):
     # Without --no-progress: a captured log gets no bar (tqdm's redraws flooded it).
     assert main(["train", "--mode", "fp32", *[a for a in TINY if a != "--no-progress"]]) == 0
     assert "step" not in capsys.readouterr().err
+
+
+def test_the_modes_take_turns_and_time_per_step_is_the_median(monkeypatch):
+    # The modes ran one after another, so a change of load between them reversed the
+    # comparison (FP32 56 ms/step against mpgemm's 8 at a load of 2): now they take
+    # turns, a window each, the first in turn rotating, and each reports the median.
+    from mpgemm import train as train_module
+    from mpgemm.data import load
+
+    turns = []
+    real_run = train_module._Run.run
+
+    def run(self, window, timed):
+        turns.append((self.mode, len(window), timed))
+        real_run(self, window, timed)
+
+    monkeypatch.setattr(train_module._Run, "run", run)
+    config = train_module.TrainConfig(hidden=(8,), batch_size=16, steps=12, warmup_steps=2)
+    results = train_module.train(load("digits"), config, progress=False)
+    modes = list(train_module.MODES)
+    assert turns[:3] == [(m, 2, False) for m in modes]  # the warm-up, untimed
+    timed = [t for t in turns if t[2]]
+    assert len(timed) == 10 * 3 and all(n == 1 for _, n, _ in timed)
+    # Window k starts with mode k mod 3.
+    assert [timed[3 * k][0] for k in range(3)] == modes[1:] + modes[:1]
+    assert all(r.steps == 12 and len(r.losses) == 12 for r in results)
+
+
+def test_windows_cover_every_step_once():
+    from mpgemm.train import _windows
+
+    for steps, warmup in ((12, 2), (200, 10), (5, 10), (1, 0), (37, 3)):
+        covered = [i for window, _ in _windows(steps, warmup) for i in window]
+        assert covered == list(range(steps)), (steps, warmup)
