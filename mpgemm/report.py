@@ -85,34 +85,56 @@ def write_json(path: Path, results: Sequence[ModeResult], config: TrainConfig,
     path.write_text(json.dumps(payload, indent=2))
 
 
+def _smoothed(losses: Sequence[float], window: int) -> torch.Tensor:
+    values = torch.tensor(losses)
+    return values.unfold(0, window, 1).mean(dim=1) if len(values) >= window else values
+
+
 def write_figure(path: Path, results: Sequence[ModeResult], title: str) -> None:
     """Left: training loss per step of every mode (a moving average over 1/50 of the
-    run, raw values faint behind it). Right: milliseconds per step per mode."""
+    run, raw values faint behind it). Middle: each mode's smoothed loss minus FP32's,
+    which the curves alone hide where they coincide (when FP32 was run). Right:
+    milliseconds per step per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (curves, bars) = plt.subplots(1, 2, figsize=(11, 4.2),
-                                       gridspec_kw={"width_ratios": [2, 1]})
+    fp32 = next((r for r in results if r.mode == "fp32"), None)
+    panels = 3 if fp32 is not None and len(results) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.4),
+                             gridspec_kw={"width_ratios": [2] * (panels - 1) + [1]})
+    curves, bars = axes[0], axes[-1]
     window = max(1, results[0].steps // 50)
+    steps = range(window - 1, window - 1 + len(_smoothed(results[0].losses, window)))
     # Curves that agree lie on top of each other: styles keep each one visible.
     styles = [("-", 3.0), ("--", 2.0), (":", 2.0)]
     for i, result in enumerate(results):
-        losses = torch.tensor(result.losses)
-        smooth = losses.unfold(0, window, 1).mean(dim=1) if len(losses) >= window else losses
         style, width = styles[i % len(styles)]
-        (line,) = curves.plot(range(window - 1, window - 1 + len(smooth)), smooth,
-                              style, linewidth=width, label=result.mode)
-        curves.plot(losses, color=line.get_color(), alpha=0.15, linewidth=0.8)
+        (line,) = curves.plot(steps, _smoothed(result.losses, window), style,
+                              linewidth=width, label=result.mode, color=f"C{i}")
+        curves.plot(result.losses, color=line.get_color(), alpha=0.15, linewidth=0.8)
     curves.set(xlabel="step", ylabel="training loss (batch)", yscale="log",
                title="Loss curves")
     curves.legend()
+    if panels == 3:
+        difference = axes[1]
+        reference = _smoothed(fp32.losses, window)
+        for i, result in enumerate(results):
+            if result is not fp32:
+                difference.plot(steps, _smoothed(result.losses, window) - reference,
+                                color=f"C{i}", label=result.mode)
+        difference.axhline(0.0, color="0.5", linewidth=0.8)
+        difference.set(xlabel="step", ylabel="smoothed loss minus FP32's",
+                       title="Difference from FP32")
+        difference.legend()
     names = [r.mode for r in results]
     times = [r.ms_per_step for r in results]
     drawn = bars.bar(names, times, color=[f"C{i}" for i in range(len(results))])
     bars.bar_label(drawn, fmt="%.3g")
-    bars.set(ylabel="ms per step (after warm-up)", title="Time per step")
+    # Room above the tallest bar for its label, which the axes clipped.
+    bars.set_ylim(0, max(times) * 1.15)
+    bars.set(ylabel="ms per step (median over windows)", title="Time per step")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -145,3 +145,20 @@ def test_windows_cover_every_step_once():
     for steps, warmup in ((12, 2), (200, 10), (5, 10), (1, 0), (37, 3)):
         covered = [i for window, _ in _windows(steps, warmup) for i in window]
         assert covered == list(range(steps)), (steps, warmup)
+
+
+def test_the_figure_adds_a_panel_of_differences_from_fp32(tmp_path):
+    # Coinciding loss curves hid any difference: with FP32 and another mode, a middle
+    # panel plots each mode's loss minus FP32's (5.5 inches a panel at 120 dpi).
+    import struct
+
+    from mpgemm.report import write_figure
+
+    config = TrainConfig(hidden=(8,), batch_size=16, steps=8, warmup_steps=2)
+    results = train(load_digits(), config, progress=False)
+    widths = []
+    for chosen in (results, results[:1]):
+        path = tmp_path / f"{len(chosen)}.png"
+        write_figure(path, chosen, "title")
+        widths.append(struct.unpack(">I", path.read_bytes()[16:20])[0])
+    assert widths == [3 * 660, 2 * 660]
