@@ -66,6 +66,16 @@ def is_plain(t: torch.Tensor) -> bool:
 
 
 def _gemm(device: torch.device, *tensors: torch.Tensor | None) -> Callable:
+    """The GEMM for these tensors: under ``torch.compile``, the custom op
+    (``mpgemm.ops``), which runs the same implementation opaquely."""
+    if torch.compiler.is_compiling():
+        from mpgemm.ops import gemm
+
+        return gemm
+    return _implementation(device, *tensors)
+
+
+def _implementation(device: torch.device, *tensors: torch.Tensor | None) -> Callable:
     plain = all(t is None or is_plain(t) for t in tensors)
     if backend(device) == "reference" or not plain:
         return gemm_ref
@@ -161,9 +171,8 @@ class LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1] and x.dtype == torch.float32:
             x2d = x2d.to(compute_dtype)
         w = weight if weight_copy is None else weight_copy
-        out = torch.empty((*x.shape[:-1], weight.shape[0]), device=x.device, dtype=out_dtype)
         save_gelu_derivative = activation == "gelu" and any(ctx.needs_input_grad[:3])
-        _, act_grad, _ = gemm(
+        out, act_grad, _ = gemm(
             x2d,
             w.t(),
             compute_dtype=compute_dtype,
@@ -171,8 +180,8 @@ class LinearFunction(torch.autograd.Function):
             bias=bias,
             activation=activation,
             store_act_grad=save_gelu_derivative,
-            out=_as_rows(out),
         )
+        out = out.view(*x.shape[:-1], weight.shape[0])
         # What the derivative prologue reads: ReLU's own output, GELU's stored act'(z).
         derivative_operand = {None: None, "relu": out, "gelu": act_grad}[activation]
         ctx.save_for_backward(x2d, w, derivative_operand)
@@ -202,15 +211,19 @@ class LinearFunction(torch.autograd.Function):
         if need_w or (need_b and ctx.has_bias):
             # A frozen weight still lets its GEMM sum the bias gradient: B gets no columns.
             x_operand = x2d if need_w else x2d[:, :0]
-            # Laid out like the weight (its copy is), in the weight's own dtype.
-            grad_w = torch.empty_like(weight, dtype=ctx.weight_dtype) if need_w else None
-            _, _, grad_b = gemm(
+            # Laid out like the weight (its copy is), in the weight's own dtype; under
+            # torch.compile the op returns it (an op writes no argument).
+            grad_w = None
+            if need_w and not torch.compiler.is_compiling():
+                grad_w = torch.empty_like(weight, dtype=ctx.weight_dtype)
+            product, _, grad_b = gemm(
                 dy.t(), x_operand,
                 compute_dtype=ctx.compute_dtype, out_dtype=ctx.weight_dtype,
                 prologue=prologue, prologue_operand=None if s is None else s.t(),
                 rowsum_a=need_b and ctx.has_bias,
                 out=grad_w,
             )
+            grad_w = product if need_w else None
         return grad_x, grad_w, grad_b, None, None, None, None
 
 

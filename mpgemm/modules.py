@@ -62,7 +62,12 @@ class Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self._weight_copy.dtype != self.compute_dtype:  # compute_dtype was reassigned
             self._weight_copy = ComputeCopy(self.compute_dtype)
-        copy = self._weight_copy.of(self.weight) if self.weight.dtype == torch.float32 else None
+        copy = None
+        if self.weight.dtype == torch.float32:
+            # The copy is a cache keyed by the weight's storage and version, for eager
+            # code; a compiled graph casts in the graph, which is the same rounding.
+            copy = (self.weight.to(self.compute_dtype) if torch.compiler.is_compiling()
+                    else self._weight_copy.of(self.weight))
         return _linear(
             input,
             self.weight,
