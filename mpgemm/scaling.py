@@ -12,6 +12,7 @@ gradients and states) are worked on through their local shards. ``found_inf`` an
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -69,18 +70,33 @@ def _dispatch(
         )
         groups[(kernel_ok, *(lst[index].dtype for lst in lists))].append(index)
     for (kernel_ok, *_), indices in groups.items():
-        impl = _kernel(name) if kernel_ok else getattr(scaling_ref, f"{name}_ref_")
+        impl = kernels()[name] if kernel_ok else REFERENCES[name]
         call(impl, [[lst[i] for i in indices] for lst in lists])
 
 
-def _kernel(name: str) -> Callable:
-    if name == "unscale":
-        from mpgemm.kernels.unscale import triton_unscale_
+# Each op's two implementations, by the op's name: the reference (torch ops, any
+# device) and the Triton kernel launcher.
+REFERENCES: dict[str, Callable] = {
+    "unscale": scaling_ref.unscale_ref_,
+    "update_scale": scaling_ref.update_scale_ref_,
+    "sgd_step": scaling_ref.sgd_step_ref_,
+    "adam_step": scaling_ref.adam_step_ref_,
+}
 
-        return triton_unscale_
-    from mpgemm.kernels import optim
 
-    return getattr(optim, f"triton_{name}_")
+@functools.cache
+def kernels() -> dict[str, Callable]:
+    """The kernel launchers, by op (imported on first use: they import triton)."""
+    from mpgemm.kernels.optim import triton_adam_step_, triton_sgd_step_
+    from mpgemm.kernels.scale_update import triton_update_scale_
+    from mpgemm.kernels.unscale import triton_unscale_
+
+    return {
+        "unscale": triton_unscale_,
+        "update_scale": triton_update_scale_,
+        "sgd_step": triton_sgd_step_,
+        "adam_step": triton_adam_step_,
+    }
 
 
 def unscale_(
@@ -166,10 +182,8 @@ def update_scale_(
 ) -> None:
     """Back the ``scale`` off when ``found_inf`` is nonzero, grow it after
     ``growth_interval`` clean steps (``torch._amp_update_scale_``), on the device."""
-    if backend(scale.device) == "triton":
-        from mpgemm.kernels.scale_update import triton_update_scale_ as impl
-    else:
-        impl = scaling_ref.update_scale_ref_
+    use_kernel = backend(scale.device) == "triton"
+    impl = kernels()["update_scale"] if use_kernel else REFERENCES["update_scale"]
     impl(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
 
 

@@ -129,3 +129,19 @@ def test_unscale_checks_its_lists(device):
         unscale_([None], flag, inv)
     with pytest.raises(ValueError, match="dst"):
         unscale_([torch.ones(5, device=device)], flag, inv, dst=[torch.ones(4, device=device)])
+
+
+def test_each_op_names_its_kernel_and_reference_in_one_table():
+    # An explicit table, not names built from strings: each op's two implementations
+    # take the same parameters, so either serves a call.
+    import inspect
+
+    pytest.importorskip("triton")
+    from mpgemm import scaling
+
+    assert set(scaling.kernels()) == set(scaling.REFERENCES) == {
+        "unscale", "update_scale", "sgd_step", "adam_step"}
+    for op, reference in scaling.REFERENCES.items():
+        kernel = scaling.kernels()[op]
+        assert (list(inspect.signature(kernel).parameters)
+                == list(inspect.signature(reference).parameters)), op
