@@ -1,4 +1,5 @@
 """Triton kernels and their launchers, installed as ``mpgemm.kernels``.
 
-Importing this package imports triton, so the ``mpgemm`` API imports it lazily.
+Each module here imports triton (the package itself does not), so the ``mpgemm`` API
+imports them lazily, where a tensor takes the kernel path.
 """

@@ -11,7 +11,8 @@ for T tensors in each of L parallel lists (for example params, grads and moments
 P blocks of BLOCK elements. Program ``p`` handles block ``p``: elements
 ``(p - first_block[t]) * BLOCK + arange(BLOCK)`` of tensor ``t = block_tensor[p]`` in
 every list. The tensors of a list share one dtype; a tensor is taken as its flat
-storage, so parallel tensors must have equal strides and be dense (``is_flat``).
+storage, so parallel tensors must have equal strides and be dense
+(``mpgemm.scaling.is_flat``).
 
 Building a table costs a host-to-device copy; tables are cached by address, and the
 caching allocator hands a model's gradients the same addresses step after step.
@@ -34,18 +35,6 @@ TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfl
 BLOCK = 4096
 _CACHE_SIZE = 16
 _cache: OrderedDict[tuple, object] = OrderedDict()
-
-
-def is_flat(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill its storage span exactly once (dense, no
-    overlap), in any dimension order, so it can be walked as a flat array."""
-    dims = sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def tensor_table(

@@ -83,9 +83,9 @@ def triton_unscale_(
     """Check ``src`` for inf/NaN into ``found_inf`` and write ``src * inv_scale`` to
     ``dst`` (in place when ``dst`` is ``src``; nothing when ``inv_scale`` is None).
 
-    ``src``: tensors of one dtype and device, each flat (``is_flat``); ``dst``: tensors
-    of one dtype with ``src``'s shapes and strides. ``found_inf``, ``inv_scale``: FP32,
-    one element, same device."""
+    ``src``: tensors of one dtype and device, each flat (``mpgemm.scaling.is_flat``);
+    ``dst``: tensors of one dtype with ``src``'s shapes and strides. ``found_inf``,
+    ``inv_scale``: FP32, one element, same device."""
     if not src:
         return
     write = inv_scale is not None

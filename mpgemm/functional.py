@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -38,7 +39,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# What makes mpgemm.kernels.launches intercept from its import on (see there).
+_INTERCEPT_ENV = ("MPGEMM_RECORD_LAUNCHES", "MPGEMM_PRECOMPILE")
+
+
 def _intercepting() -> bool:
+    # Only launches.py intercepts: until it is imported (or its environment asks for
+    # it), nothing is, and the reference path imports no triton module to learn that.
+    if "mpgemm.kernels.launches" not in sys.modules and not any(
+            os.environ.get(name) for name in _INTERCEPT_ENV):
+        return False
     try:
         from mpgemm.kernels.launches import intercepting
     except ImportError:

@@ -41,10 +41,16 @@ def _is_dtensor(t: object) -> bool:
     return isinstance(t, DTensor)
 
 
-def _is_flat(t: torch.Tensor) -> bool:
-    from mpgemm.kernels.tensor_table import is_flat
-
-    return is_flat(t)
+def is_flat(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its storage span exactly once (dense, no
+    overlap), in any dimension order, so a kernel can walk it as a flat array."""
+    dims = sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _dispatch(
@@ -64,7 +70,7 @@ def _dispatch(
     for index in range(len(lists[0])):
         tensors = [lst[index] for lst in lists[:strided]]
         kernel_ok = use_kernels and all(
-            is_plain(t) and t.dtype in KERNEL_DTYPES and _is_flat(t)
+            is_plain(t) and t.dtype in KERNEL_DTYPES and is_flat(t)
             and t.stride() == tensors[0].stride()
             for t in tensors
         )

@@ -170,3 +170,21 @@ def test_bf16_subnormals_unscale_bit_for_bit(device):
         grads = [values.to(torch.bfloat16).to(device)]
         expected = [grads[0].clone()]
         _check_against_torch(grads, expected, inv_scale)
+
+
+def test_the_reference_path_imports_no_kernel_module():
+    # is_flat is torch-only: deciding which tensors a kernel may walk imports no
+    # triton module (it imported kernels/tensor_table before).
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from mpgemm import scaling\n"
+        "scaling.unscale_([torch.ones(3)], torch.zeros(()), torch.tensor(0.5))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('mpgemm.kernels')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0"}, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
