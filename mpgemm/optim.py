@@ -76,12 +76,12 @@ class _ScaledStep:
     def _params_with_grad(group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(what the kernels step: FP32/FP16/BF16 parameters and gradients; the rest,
         FP64 or complex, which torch's own implementation steps)."""
-        params = [p for p in group["params"] if p.grad is not None]
-        for p in params:
+        fused, rest = [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
             if p.grad.is_sparse:
                 raise ValueError(f"sparse gradients are not supported (shape {tuple(p.shape)})")
-        fused, rest = [], []
-        for p in params:
             kernel_ok = p.dtype in KERNEL_DTYPES and p.grad.dtype in KERNEL_DTYPES
             (fused if kernel_ok else rest).append(p)
         return fused, rest

@@ -34,11 +34,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_dtensor(t: object) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    # Looked up once: every tensor of every step is asked.
     if not torch.distributed.is_available():
-        return False
+        return None
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+    return DTensor
 
 
 def is_flat(tensor: torch.Tensor) -> bool:

@@ -208,15 +208,16 @@ class _Run:
     so that the modes can take turns (``train``)."""
 
     def __init__(self, mode: str, data: Dataset, config: TrainConfig, initial_state: dict,
-                 x_train: torch.Tensor, y_train: torch.Tensor) -> None:
+                 on_device: tuple[torch.Tensor, ...]) -> None:
         self.device = torch.device(config.device)
         before = _allocated(self.device)
         model = build_mlp(data.features, config.hidden, data.num_classes)
         model.load_state_dict(initial_state)
         model.to(self.device)
-        self.mode, self.config, self.data = mode, config, data
+        self.mode, self.config = mode, config
         self.recipe = Recipe(mode, model, config)
-        self.x_train, self.y_train = x_train, y_train
+        # The data on the device, shared by the runs: x_train, y_train, x_test, y_test.
+        self.x_train, self.y_train, self.x_test, self.y_test = on_device
         self.losses: list[torch.Tensor] = []
         self.ms_per_step: list[float] = []  # one per timed window
         # Memory this run holds (the others' is not its own), and its peak.
@@ -243,11 +244,10 @@ class _Run:
             self.held += _allocated(self.device) - before
 
     def result(self) -> ModeResult:
-        recipe, data, steps = self.recipe, self.data, len(self.losses)
+        recipe, steps = self.recipe, len(self.losses)
         ms_per_step = statistics.median(self.ms_per_step)
         final_loss, _ = _evaluate(recipe, self.x_train, self.y_train)
-        _, accuracy = _evaluate(recipe, data.x_test.to(self.device),
-                                data.y_test.to(self.device))
+        _, accuracy = _evaluate(recipe, self.x_test, self.y_test)
         return ModeResult(
             mode=self.mode,
             test_accuracy=accuracy,
@@ -289,8 +289,9 @@ def train(
     initial = build_mlp(data.features, config.hidden, data.num_classes).state_dict()
     batches = _batches(data, config)
     device = torch.device(config.device)
-    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
-    runs = [_Run(mode, data, config, initial, x_train, y_train) for mode in modes]
+    on_device = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test,
+                                               data.y_test))
+    runs = [_Run(mode, data, config, initial, on_device) for mode in modes]
     windows = _windows(len(batches), config.warmup_steps)
     # disable=None: tqdm draws no bar when stderr is not a terminal (a captured log).
     with tqdm(total=len(batches) * len(runs), disable=None if progress else True,
