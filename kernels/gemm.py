@@ -40,6 +40,7 @@ from mpgemm.kernels.gemm_common import (
     PROLOGUES,
     SINGLE_CONFIG,
     apply_prologue,
+    dot_rounded,
     grouped_tile,
     multiprocessors,
     size_bucket,
@@ -224,15 +225,7 @@ def _gemm_kernel(
             # Only the first column of programs owns the row sums.
             if pid_n == 0:
                 rowsum += tl.sum(widen(a, INTERPRETED), axis=1)
-        a = cast_rne(a, compute_dtype, INTERPRETED)
-        b = cast_rne(b, compute_dtype, INTERPRETED)
-        if INTERPRETED:
-            # The interpreter multiplies BF16 as raw 16-bit integers; widening the rounded
-            # operands to FP32 is exact, so the numerics stay 16-bit-operand/FP32-accumulate.
-            acc = tl.dot(widen(a, INTERPRETED), widen(b, INTERPRETED), acc,
-                         input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 

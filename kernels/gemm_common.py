@@ -111,6 +111,21 @@ def store_epilogue(
 
 
 @triton.jit
+def dot_rounded(a, b, acc, compute_dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``acc + round(a) @ round(b)``: the operands rounded to the compute dtype (nothing
+    to do for one already in it), the product accumulated in FP32 on the Tensor Cores."""
+    a = cast_rne(a, compute_dtype, INTERPRETED)
+    b = cast_rne(b, compute_dtype, INTERPRETED)
+    if INTERPRETED:
+        # The interpreter multiplies BF16 as raw 16-bit integers; widening the rounded
+        # operands to FP32 is exact, so the numerics stay 16-bit-operand/FP32-accumulate.
+        acc = tl.dot(widen(a, INTERPRETED), widen(b, INTERPRETED), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def apply_prologue(a, s, PROLOGUE: tl.constexpr, INTERPRETED: tl.constexpr):
     """A' = A * f(S): the ReLU mask by threshold_backward's rule (zero where the output
     is <= 0, so a NaN output passes its gradient on, as in torch), or a product."""

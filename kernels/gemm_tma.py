@@ -17,7 +17,7 @@ A descriptor needs a unit stride in its last dimension and 16-byte-aligned base 
 other strides. An operand whose unit stride runs down its columns (the weight
 gradient's dY.T, the forward's W.T) is described as the transpose it views and
 transposed back in shared memory, which wgmma reads either way for 16-bit types:
-``A_T``, ``B_T``. ``tma_eligible`` says which launches qualify; the others take the
+``A_T``, ``B_T``. ``tma_layout`` says which launches qualify; the others take the
 pointer kernel.
 """
 
@@ -32,6 +32,7 @@ from mpgemm.kernels.gemm_common import (
     INTERPRET,
     SINGLE_CONFIG,
     apply_prologue,
+    dot_rounded,
     grouped_tile,
     size_bucket,
     store_epilogue,
@@ -39,7 +40,7 @@ from mpgemm.kernels.gemm_common import (
     tile_configs,
 )
 from mpgemm.kernels.launches import intercepting, launch
-from mpgemm.kernels.rounding import cast_rne, widen
+from mpgemm.kernels.rounding import widen
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -184,14 +185,7 @@ def _gemm_tma_kernel(
                 # a branch here, in the loop that flatten fuses, fails Triton 3.6's
                 # compile (scf.if results in fuse-nested-loops).
                 rowsum += tl.sum(widen(a, INTERPRETED), axis=1)
-            if PROLOGUE != 0:
-                a = cast_rne(a, compute_dtype, INTERPRETED)
-            if INTERPRETED:
-                # The interpreter multiplies BF16 as raw integers; widening is exact.
-                acc = tl.dot(widen(a, INTERPRETED), widen(b, INTERPRETED), acc,
-                             input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         store_epilogue(acc, offs_m, offs_n, M, N, c_ptr, bias_ptr, g_ptr,
