@@ -8,6 +8,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+SLEEP_CYCLES = 100_000_000  # about 50 ms of GPU time, whatever the host does
 
 
 def _harness():
@@ -19,16 +20,23 @@ def _harness():
 
 
 def test_device_clock_times_a_round_like_cuda_events():
+    def by_events():
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
     clock = _harness().DeviceClock(torch.device("cuda"))
+    # _sleep counts cycles, and an idle GPU clocks up while it runs: warm the clock up,
+    # then compare with events timing the same sleep just before and just after.
+    by_events()
+    before = by_events()
     start = clock()
-    torch.cuda._sleep(100_000_000)  # about 50 ms of GPU time, whatever the host does
+    torch.cuda._sleep(SLEEP_CYCLES)
     measured = clock() - start
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    torch.cuda._sleep(100_000_000)
-    end.record()
-    end.synchronize()
-    reference = begin.elapsed_time(end) / 1e3
-    assert 0.8 < measured / reference < 1.25, (measured, reference)
+    reference = (before + by_events()) / 2
+    assert 0.8 < measured / reference < 1.25, (measured, before, reference)
     # The next round starts where the last one ended: the flush is not counted.
     assert clock() == pytest.approx(start + measured)

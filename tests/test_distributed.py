@@ -115,17 +115,21 @@ def _fsdp_train(model, rank, world, case):
 def _fsdp_worker(rank, port, out_dir, path):
     # The reference path (torch ops) or the kernels through the interpreter.
     os.environ["TRITON_INTERPRET"] = "1" if path == "interpreter" else "0"
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard  # FSDP2 (torch >= 2.6)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A CPU mesh: on a machine with a GPU, fully_shard's default mesh would move the
+    # parameters to it, away from the CPU batches.
+    mesh = init_device_mesh("cpu", (WORLD,))
     results = {}
     for case in ("loss_scale_optimizer", "grad_scaler"):
         model = _mlp()
         for layer in model:
             if isinstance(layer, mpgemm.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         results[case] = _fsdp_train(model, rank, WORLD, case)
     torch.save(results, os.path.join(out_dir, f"{path}{rank}.pt"))
     dist.destroy_process_group()
@@ -144,4 +148,5 @@ def test_fsdp2_matches_one_process_on_the_whole_batch(tmp_path, path):
             got_scale, params = rank[case]
             assert got_scale == scale, case
             for got, want in zip(params, expected, strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=case)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, case=case: f"{case}: {m}")

@@ -30,6 +30,18 @@ def _gradients(dtype, device, *, poison=None):
     return [g.to(device) for g in grads]
 
 
+def _torch_unscale_(t, found, inv) -> None:
+    """torch's op on one tensor. Its CUDA kernel has no BF16 variant, so BF16 goes
+    through its CPU kernel, which computes the same (t * inv in FP32, rounded once)."""
+    if t.is_cuda and t.dtype == torch.bfloat16:
+        t_cpu, found_cpu = t.cpu(), found.cpu()
+        torch._amp_foreach_non_finite_check_and_unscale_([t_cpu], found_cpu, inv.cpu())
+        t.copy_(t_cpu)
+        found.copy_(found_cpu)
+    else:
+        torch._amp_foreach_non_finite_check_and_unscale_([t], found, inv)
+
+
 def _check_against_torch(grads, expected, inv_scale, *, dst=None) -> float:
     """Run ``unscale_`` on ``grads`` (into ``dst`` if given) and torch's op on
     ``expected`` (one call per tensor, so dtypes may mix); the flags and every result
@@ -39,7 +51,7 @@ def _check_against_torch(grads, expected, inv_scale, *, dst=None) -> float:
     found, found_ref = (torch.zeros((), device=device) for _ in range(2))
     unscale_(grads, found, inv, dst=dst)
     for e in expected:
-        torch._amp_foreach_non_finite_check_and_unscale_([e], found_ref, inv)
+        _torch_unscale_(e, found_ref, inv)
     assert found.item() == found_ref.item()
     for i, (out, e) in enumerate(zip(grads if dst is None else dst, expected, strict=True)):
         assert_same_bits(out, e, f"{out.dtype} result {i}")
