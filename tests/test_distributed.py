@@ -135,7 +135,22 @@ def _fsdp_worker(rank, port, out_dir, path):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("path", ["reference", "interpreter"])
+def _interpreter_runs_the_gemms() -> bool:
+    # Triton 3.6's interpreter fails on the GEMM kernels' loops over ranges that start
+    # at a program id ("only 0-dimensional arrays can be converted to Python scalars");
+    # 3.9's runs them.
+    try:
+        import triton
+    except ImportError:
+        return False
+    return tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
+
+
+@pytest.mark.parametrize("path", [
+    "reference",
+    pytest.param("interpreter", marks=pytest.mark.skipif(
+        not _interpreter_runs_the_gemms(), reason="this Triton's interpreter cannot run them")),
+])
 def test_fsdp2_matches_one_process_on_the_whole_batch(tmp_path, path):
     mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path), path), nprocs=WORLD,
              join=True)
