@@ -335,18 +335,37 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _tma_layout(a, b, s, compute_dtype, splits) -> tuple[bool, bool] | None:
+def _tma_layout(a, b, compute_dtype, splits) -> tuple[bool, bool] | None:
     """The TMA kernel's (A_T, B_T) for this launch, or None for the pointer kernel."""
     if _kernel == "pointer":
         return None
     layout = None
     if splits == 1 and _has_tma(a.device):
-        layout = gemm_tma.tma_layout(a, b, s, compute_dtype)
+        layout = gemm_tma.tma_layout(a, b, compute_dtype)
     if layout is None and _kernel == "tma":
         raise ValueError(
             "the TMA GEMM needs A and B in the compute dtype, 16-byte-aligned, each with a "
             "unit stride and no split of K; this launch does not qualify")
     return layout
+
+
+def _prologue_and_rowsum(a: torch.Tensor, prologue: str | None, s: torch.Tensor | None,
+                         compute_dtype: torch.dtype, r: torch.Tensor | None) -> torch.Tensor:
+    """For the TMA kernel, which fuses neither: A' = A * f(S) in the compute dtype (the
+    pointer kernel's prologue: the ReLU mask by threshold_backward's rule, or the product
+    in FP32 rounded once, as its dot rounds it) and R = the FP32 row sums of A' before
+    that rounding, written into ``r``. Torch ops, each a pass over A in A's layout."""
+    if prologue == "relu_mask":
+        a = torch.where(s <= 0, 0.0, a)  # exact: a masked 16-bit value stays one
+        exact = a
+    elif prologue == "mul":
+        exact = torch.mul(a if s.dtype == torch.float32 else a.float(), s)  # FP32
+        a = exact.to(compute_dtype)
+    else:
+        exact = a
+    if r is not None:
+        torch.sum(exact, dim=1, dtype=torch.float32, out=r)
+    return a
 
 
 def triton_gemm(
@@ -392,16 +411,17 @@ def triton_gemm(
     flags = dict(
         COMPUTE_BF16=compute_dtype == torch.bfloat16,
         INTERPRETED=INTERPRET,
-        PROLOGUE=PROLOGUES[prologue],
         HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATIONS[activation],
         STORE_ACT_GRAD=store_act_grad,
-        ROWSUM_A=rowsum_a,
     )
-    layout = _tma_layout(a, b, prologue_operand, compute_dtype, splits)
+    layout = _tma_layout(a, b, compute_dtype, splits)
     if layout is not None:
-        gemm_tma.launch_tma_gemm(a, b, c, bias=bias, s=prologue_operand, g=g, r=r,
-                                 layout=layout, sms=multiprocessors(a.device), flags=flags)
+        if prologue is not None or rowsum_a:
+            a = _prologue_and_rowsum(a, prologue, prologue_operand, compute_dtype, r)
+            layout = gemm_tma.tma_layout(a, b, compute_dtype)
+        gemm_tma.launch_tma_gemm(a, b, c, bias=bias, g=g, layout=layout,
+                                 sms=multiprocessors(a.device), flags=flags)
         return c, g, r
 
     grid = lambda meta: (  # noqa: E731
@@ -410,7 +430,8 @@ def triton_gemm(
     operands = [t for t in (a, b, c, bias, s, g, r) if t is not None]
     strides = [*a.stride(), *b.stride(), *c.stride()[-2:], *s.stride(),
                *(g.stride() if g is not None else ())]
-    flags.update(ALIGNED=operands_aligned(operands, strides), SPLIT_K=splits)
+    flags.update(PROLOGUE=PROLOGUES[prologue], ROWSUM_A=rowsum_a,
+                 ALIGNED=operands_aligned(operands, strides), SPLIT_K=splits)
     launch(
         gemm_kernel, grid,
         a, b, c,

@@ -1,12 +1,15 @@
 """TMA persistent GEMM for Hopper: the math of ``mpgemm.kernels.gemm`` for 16-bit
 operands, read by the Tensor Memory Accelerator.
 
-    A'  = A * f(S)                     prologue (backward only), as in the pointer kernel
-    C   = act(A' @ B + bias)           A, B already in the compute dtype, FP32 accumulation
-    G   = act'(A' @ B + bias)          (optional, GELU only)
-    R   = sum_k A'[:, k]               (optional, FP32: the bias gradient)
+    C   = act(A @ B + bias)            A, B already in the compute dtype, FP32 accumulation
+    G   = act'(A @ B + bias)           (optional, GELU only)
 
-A, B and S are read through tensor descriptors: each tile is one bulk copy
+The backward's derivative prologue and the bias gradient's row sums are not fused here:
+``triton_gemm`` applies them to A beforehand (on an H100, pulling each A tile through
+registers for them made these launches 2.7x to 8x slower than cuBLAS, where the plain
+launches matched it: bench/results/h100-2026-11-22/profile).
+
+A and B are read through tensor descriptors: each tile is one bulk copy
 (``cp.async.bulk.tensor``) into shared memory, out-of-bounds elements arrive as zeros
 (no masks in the main loop), and no register holds an address. The grid is one program
 per SM, each walking tiles in grouped order (``tl.range(..., flatten=True)`` asks the
@@ -23,6 +26,8 @@ pointer kernel.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +36,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mpgemm.kernels.gemm_common import (
     INTERPRET,
     SINGLE_CONFIG,
-    apply_prologue,
     dot_rounded,
     grouped_tile,
     size_bucket,
@@ -40,7 +44,6 @@ from mpgemm.kernels.gemm_common import (
     tile_configs,
 )
 from mpgemm.kernels.launches import intercepting, launch
-from mpgemm.kernels.rounding import widen
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -49,19 +52,16 @@ def _set_block_shapes(nargs: dict) -> None:
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     a_block = [bk, bm] if nargs["A_T"] else [bm, bk]
     nargs["a_desc"].block_shape = a_block
-    nargs["s_desc"].block_shape = list(a_block)
     nargs["b_desc"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
 
 
 def _hopper_configs() -> list[triton.Config]:
     """Tiles for an H100, BLOCK_K 64 (one 128-byte swizzled row of 16-bit operands per
-    bulk copy); ``fits`` says which each launch may use. 128x128 comes with 3 stages
-    too, for launches whose prologue operand or FP32 output leaves no room for 4."""
+    bulk copy); ``fits`` says which each launch may use."""
     tiles = [
         # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
         (128, 256, 64, 3, 8),
         (128, 128, 64, 4, 8),
-        (128, 128, 64, 3, 8),
         (64, 256, 64, 4, 4),
         (128, 64, 64, 4, 4),
         (64, 128, 64, 4, 4),
@@ -84,20 +84,19 @@ def _interpreter_configs() -> list[triton.Config]:
 SMEM_BYTES = 232448
 
 
-def smem_estimate(config: triton.Config, *, s_bytes: int, c_bytes: int,
-                  store_act_grad: bool) -> int:
+def smem_estimate(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> int:
     """An upper bound on the shared memory ``config`` takes: each stage holds a tile of
-    A, B (16-bit) and S (a prologue's, else 0 bytes), and the epilogue converts the
+    A and B (16-bit), and the epilogue converts the
     accumulator's layout through at most BLOCK_M x BLOCK_N elements of its widest
     output; 1 KB for the barriers. Checked against the compiled binaries by
     ``python -m mpgemm.kernels.aot`` (a binary over SMEM_BYTES is a defect there)."""
     bm, bn, bk, _ = tile(config)
-    stage = bm * bk * (2 + s_bytes) + bk * bn * 2
+    stage = (bm + bn) * bk * 2
     widest = max(c_bytes, 4 if store_act_grad else 0)
     return config.num_stages * stage + bm * bn * widest + 1024
 
 
-def fits(config: triton.Config, *, s_bytes: int, c_bytes: int, store_act_grad: bool) -> bool:
+def fits(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> bool:
     """Whether ``config`` compiles for such a launch on Hopper within the shared memory
     and without register spills: storing GELU's derivative beside the output needs an
     accumulator of fewer than 128 registers per thread (measured with
@@ -105,13 +104,12 @@ def fits(config: triton.Config, *, s_bytes: int, c_bytes: int, store_act_grad: b
     bm, bn, _, warps = tile(config)
     if store_act_grad and bm * bn // (32 * warps) >= 128:
         return False
-    return smem_estimate(config, s_bytes=s_bytes, c_bytes=c_bytes,
-                         store_act_grad=store_act_grad) <= SMEM_BYTES
+    return smem_estimate(config, c_bytes=c_bytes, store_act_grad=store_act_grad) <= SMEM_BYTES
 
 
 def _prune_configs(configs, named_args, **kwargs):
     return [config for config in configs if fits(
-        config, s_bytes=named_args["S_BYTES"], c_bytes=named_args["c_ptr"].element_size(),
+        config, c_bytes=named_args["c_ptr"].element_size(),
         store_act_grad=kwargs["STORE_ACT_GRAD"])]
 
 
@@ -130,28 +128,25 @@ def _load_tile(desc, off_rows, off_cols, TRANSPOSED: tl.constexpr):
     return block
 
 
-@triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET", "S_BYTES"])
+@triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET"])
 def _gemm_tma_kernel(
     # operands (descriptors) and outputs (pointers)
-    a_desc, b_desc, s_desc,
-    c_ptr, bias_ptr, g_ptr, r_ptr,
+    a_desc, b_desc,
+    c_ptr, bias_ptr, g_ptr,
     # problem size: A is (M, K), B is (K, N), C is (M, N)
     M, N, K,
-    # the autotune key's sizes (size_bucket), and S's element size (0: no prologue),
-    # which pruning reads
-    M_BUCKET, N_BUCKET, K_BUCKET, S_BYTES,
+    # the autotune key's sizes (size_bucket)
+    M_BUCKET, N_BUCKET, K_BUCKET,
     stride_cm, stride_cn,
     stride_gm, stride_gn,
     stride_bias,
     # what to compute, as in the pointer kernel
     COMPUTE_BF16: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     STORE_ACT_GRAD: tl.constexpr,
-    ROWSUM_A: tl.constexpr,
-    # a_desc (and s_desc) describe A.T; b_desc describes B.T
+    # a_desc describes A.T; b_desc describes B.T
     A_T: tl.constexpr,
     B_T: tl.constexpr,
     # programs in the grid: one per SM
@@ -172,34 +167,21 @@ def _gemm_tma_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        rowsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for kt in range(k_tiles):
             off_k = kt * BLOCK_K
             a = _load_tile(a_desc, off_m, off_k, A_T)
             b = _load_tile(b_desc, off_k, off_n, B_T)
-            if PROLOGUE != 0:
-                a = apply_prologue(a, _load_tile(s_desc, off_m, off_k, A_T), PROLOGUE,
-                                   INTERPRETED)
-            if ROWSUM_A:
-                # Every tile sums its rows and the first column of tiles stores them:
-                # a branch here, in the loop that flatten fuses, fails Triton 3.6's
-                # compile (scf.if results in fuse-nested-loops).
-                rowsum += tl.sum(widen(a, INTERPRETED), axis=1)
             acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         store_epilogue(acc, offs_m, offs_n, M, N, c_ptr, bias_ptr, g_ptr,
                        stride_cm, stride_cn, stride_gm, stride_gn, stride_bias,
                        HAS_BIAS, ACTIVATION, STORE_ACT_GRAD, INTERPRETED)
-        if ROWSUM_A:
-            rows_owned = tl.where(pid_n == 0, M, 0)  # the first column's tiles store
-            tl.store(r_ptr + offs_m.to(tl.int64), rowsum, mask=offs_m < rows_owned)
 
 
 _AUTOTUNE_KEY = [
-    "M_BUCKET", "N_BUCKET", "K_BUCKET", "S_BYTES",
-    "COMPUTE_BF16", "PROLOGUE", "HAS_BIAS", "ACTIVATION", "STORE_ACT_GRAD", "ROWSUM_A",
-    "A_T", "B_T",
+    "M_BUCKET", "N_BUCKET", "K_BUCKET",
+    "COMPUTE_BF16", "HAS_BIAS", "ACTIVATION", "STORE_ACT_GRAD", "A_T", "B_T",
 ]
 # (triton adds C's dtype, which pruning reads, to the key itself.)
 gemm_tma_kernel = triton.autotune(
@@ -216,19 +198,32 @@ def _describable(t: torch.Tensor, transposed: bool) -> bool:
             and t.numel() > 0)
 
 
-def tma_layout(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor | None,
+def tma_layout(a: torch.Tensor, b: torch.Tensor,
                compute_dtype: torch.dtype) -> tuple[bool, bool] | None:
     """(A_T, B_T) for a launch the TMA kernel can run, else None: A and B already in
     the compute dtype (the TMA kernel converts nothing), each describable as itself or
-    as its transpose, S in A's orientation."""
+    as its transpose."""
     if a.dtype != compute_dtype or b.dtype != compute_dtype:
         return None
     a_t, b_t = a.stride(1) != 1, b.stride(1) != 1
     if not (_describable(a, a_t) and _describable(b, b_t)):
         return None
-    if s is not None and not _describable(s, a_t):
-        return None
     return a_t, b_t
+
+
+_bound = threading.local()
+
+
+def _bind_context(device: torch.device) -> None:
+    """Bind the device's primary CUDA context to this thread, once per thread. Triton
+    encodes the descriptors with the driver before its launcher binds a context: on an
+    H100, a first backward whose first GEMM was this kernel's failed in autograd's
+    device thread with "Failed to create tensor map descriptor: invalid device context"
+    (bench/results/h100-2026-11-22; not reproduced in a fresh process since). Torch's
+    inductor calls set_device before its Triton launches for the same reason."""
+    if getattr(_bound, "device", None) != device:
+        torch.cuda.set_device(device)
+        _bound.device = device
 
 
 def _descriptor(t: torch.Tensor, transposed: bool) -> TensorDescriptor:
@@ -239,17 +234,17 @@ def _descriptor(t: torch.Tensor, transposed: bool) -> TensorDescriptor:
 
 def launch_tma_gemm(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *,
-    bias: torch.Tensor | None, s: torch.Tensor | None, g: torch.Tensor | None,
-    r: torch.Tensor | None, layout: tuple[bool, bool], sms: int, flags: dict,
+    bias: torch.Tensor | None, g: torch.Tensor | None, layout: tuple[bool, bool], sms: int,
+    flags: dict,
 ) -> None:
     """Launch the TMA kernel (``triton_gemm`` has allocated the outputs and checked
-    ``tma_layout``, which gave ``layout``); ``flags`` are the pointer kernel's."""
+    ``tma_layout``, which gave ``layout``); ``flags``: the epilogue's constexprs."""
     M, K = a.shape
     N = b.shape[1]
     a_t, b_t = layout
-    a_desc = _descriptor(a, a_t)
+    if a.is_cuda:
+        _bind_context(a.device)
     flags = {**flags, "A_T": a_t, "B_T": b_t, "NUM_SMS": sms}
-    s_bytes = 0 if s is None else s.element_size()
 
     def grid(meta):
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
@@ -257,17 +252,16 @@ def launch_tma_gemm(
 
     launch(
         gemm_tma_kernel, grid,
-        a_desc, _descriptor(b, b_t), a_desc if s is None else _descriptor(s, a_t),
+        _descriptor(a, a_t), _descriptor(b, b_t),
         c,
         bias if bias is not None else c,
         g if g is not None else c,
-        r if r is not None else c,
         M, N, K,
-        size_bucket(M), size_bucket(N), size_bucket(K), s_bytes,
+        size_bucket(M), size_bucket(N), size_bucket(K),
         c.stride(0), c.stride(1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
-        gpu_configs=(_prune_configs(GPU_CONFIGS, {"S_BYTES": s_bytes, "c_ptr": c}, **flags)
+        gpu_configs=(_prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags)
                      if intercepting() else ()),
         **flags,
     )

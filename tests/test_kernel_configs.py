@@ -57,23 +57,19 @@ def test_operands_aligned(pointers, strides, expected):
     assert gemm.operands_aligned([Pointer(p) for p in pointers], strides) is expected
 
 
-@pytest.mark.parametrize("s_bytes", [0, 2, 4])  # no prologue, ReLU's output, GELU's G
 @pytest.mark.parametrize("c_bytes", [2, 4])
 @pytest.mark.parametrize("store_act_grad", [False, True])
-def test_every_tma_launch_keeps_a_config_within_shared_memory(s_bytes, c_bytes,
-                                                               store_act_grad):
+def test_every_tma_launch_keeps_a_config_within_shared_memory(c_bytes, store_act_grad):
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
-    kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), {"S_BYTES": s_bytes, "c_ptr": c},
+    kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), {"c_ptr": c},
                                    STORE_ACT_GRAD=store_act_grad)
     assert kept and all(
-        gemm_tma.smem_estimate(k, s_bytes=s_bytes, c_bytes=c_bytes,
-                               store_act_grad=store_act_grad) <= gemm_tma.SMEM_BYTES
-        for k in kept)
-    assert len(gemm_tma._prune_configs(gemm_tma._single_config(),
-                                       {"S_BYTES": s_bytes, "c_ptr": c},
+        gemm_tma.smem_estimate(k, c_bytes=c_bytes, store_act_grad=store_act_grad)
+        <= gemm_tma.SMEM_BYTES for k in kept)
+    assert len(gemm_tma._prune_configs(gemm_tma._single_config(), {"c_ptr": c},
                                        STORE_ACT_GRAD=store_act_grad)) == 1
 
 
 def test_what_tma_pruning_reads_is_in_its_autotune_key():
-    # S's element size is an argument of its own; C's dtype triton adds to the key.
-    assert {"S_BYTES", "STORE_ACT_GRAD"} <= set(gemm_tma.gemm_tma_kernel.keys)
+    # C's dtype triton adds to the key.
+    assert "STORE_ACT_GRAD" in gemm_tma.gemm_tma_kernel.keys

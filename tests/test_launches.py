@@ -122,4 +122,4 @@ def test_a_recorded_tma_launch_names_its_descriptors_by_dtype(tmp_path):
     assert record["specialization"]["a_desc"] == ["descriptor", "torch.float16"]
     c = torch.empty(64, 32, dtype=torch.float16)
     assert record["configs"] == len(gemm_tma._prune_configs(
-        gemm_tma.GPU_CONFIGS, {"S_BYTES": 0, "c_ptr": c}, STORE_ACT_GRAD=False))
+        gemm_tma.GPU_CONFIGS, {"c_ptr": c}, STORE_ACT_GRAD=False))
