@@ -301,3 +301,37 @@ def test_add_param_group_gives_new_16_bit_params_masters(device):
     for p, m, b in zip(second.parameters(), masters, before, strict=True):
         assert not torch.equal(m, b), "the master was stepped"
         assert_same_bits(p.detach(), m.detach().bfloat16(), "param = round(master)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
+@pytest.mark.parametrize("recipe", ["loss_scale_optimizer", "grad_scaler"])
+def test_a_step_never_waits_for_the_gpu(recipe):
+    # Skips and scale updates stay on the device, so no step reads a flag on the host
+    # (torch.cuda.set_sync_debug_mode raises at any synchronising call).
+    model = mpgemm.convert(_mlp("cuda"))
+    if recipe == "loss_scale_optimizer":
+        optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=1e-3))
+        scaler = None
+    else:
+        optimizer = mpgemm.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        scaler = mpgemm.GradScaler("cuda")
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        optimizer.zero_grad()
+        (scaler.scale(loss) if scaler else optimizer.scale_loss(loss)).backward()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+
+    batches = list(_batches(4, "cuda"))
+    for _, x, y in batches[:3]:  # compile, tune, allocate
+        step(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(*batches[3][1:])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
