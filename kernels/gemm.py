@@ -40,6 +40,7 @@ from mpgemm.kernels.gemm_common import (
     PROLOGUES,
     SINGLE_CONFIG,
     apply_prologue,
+    cdiv,
     dot_rounded,
     grouped_tile,
     multiprocessors,
@@ -294,7 +295,7 @@ def split_k_for(M: int, N: int, K: int, device: torch.device) -> int:
     would still fill at most half the SMs and each split keeps 1024 of K (at most 8).
     The head's weight gradient of a 10-class MLP (10 x 4096 over a batch of 8192: 32
     tiles) gets 4, a 4096-wide layer's GEMMs 1."""
-    tiles = triton.cdiv(M, 128) * max(triton.cdiv(N, 128), 1)
+    tiles = cdiv(M, 128) * max(cdiv(N, 128), 1)
     sms = multiprocessors(device)
     splits = 1
     while splits < 8 and 2 * tiles * splits <= sms and K // (2 * splits) >= _MIN_SPLIT_K:
@@ -425,7 +426,7 @@ def triton_gemm(
         return c, g, r
 
     grid = lambda meta: (  # noqa: E731
-        triton.cdiv(M, meta["BLOCK_M"]) * max(triton.cdiv(N, meta["BLOCK_N"]), 1), splits,
+        cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1), splits,
     )
     operands = [t for t in (a, b, c, bias, s, g, r) if t is not None]
     strides = [*a.stride(), *b.stride(), *c.stride()[-2:], *s.stride(),
@@ -454,7 +455,7 @@ def triton_gemm(
         block = 32 if INTERPRET else 64
         launch(
             _split_k_reduce_kernel,
-            (triton.cdiv(M, block), max(triton.cdiv(N, block), 1)),
+            (cdiv(M, block), max(cdiv(N, block), 1)),
             c, result, r if r is not None else c, row_sums if row_sums is not None else c,
             M, N, result.stride(0), result.stride(1),
             SPLIT_K=splits, ROWSUM_A=rowsum_a, INTERPRETED=INTERPRET,

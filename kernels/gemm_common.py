@@ -34,11 +34,17 @@ def multiprocessors(device: torch.device) -> int:
     return _HOPPER_SMS
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host (triton.cdiv is a constexpr function, slow to call)."""
+    return -(-a // b)
+
+
 def size_bucket(n: int) -> int:
     """A dimension's size as the autotune key sees it: the next power of two, so that a
     ragged last batch or a new batch size reuses a tuned config instead of timing every
     config again."""
-    return triton.next_power_of_2(max(n, 1))
+    # Plain Python: triton's helpers are constexpr functions, several us a call.
+    return 1 << (max(n, 1) - 1).bit_length()
 
 
 def tile_configs(tiles, pre_hook=None) -> list[triton.Config]:

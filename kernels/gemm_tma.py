@@ -36,6 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mpgemm.kernels.gemm_common import (
     INTERPRET,
     SINGLE_CONFIG,
+    cdiv,
     dot_rounded,
     grouped_tile,
     size_bucket,
@@ -247,7 +248,7 @@ def launch_tma_gemm(
     flags = {**flags, "A_T": a_t, "B_T": b_t, "NUM_SMS": sms}
 
     def grid(meta):
-        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
         return (min(sms, tiles),)
 
     launch(
