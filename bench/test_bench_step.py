@@ -1,7 +1,8 @@
 """step: a whole training step of an MLP (forward, loss, backward, unscale, optimizer
 step, scale update), as ``mpgemm train`` runs it: mpgemm (convert +
-LossScaleOptimizer(mpgemm.optim.Adam)) against autocast + GradScaler with Adam
-(foreach, and fused=True) and FP32 Adam. Work: 6 x batch x (sum of in x out) flops.
+LossScaleOptimizer(mpgemm.optim.Adam)), eager and replayed as a CUDA graph
+(``mpgemm_cuda_graph``, GPU only), against autocast + GradScaler with Adam (foreach,
+and fused=True) and FP32 Adam. Work: 6 x batch x (sum of in x out) flops.
 On a GPU, ``host_syncs`` counts the synchronising CUDA calls of one step
 (``torch.cuda.set_sync_debug_mode``)."""
 
@@ -22,11 +23,13 @@ MODELS = (
     if GPU_SCALE else [("tiny", 32, (64,)), ("tiny batch128", 128, (64, 64))]
 )
 FEATURES, CLASSES = (784, 10) if GPU_SCALE else (48, 10)
+# impl -> (mode, torch optimizer fused, mpgemm step as a CUDA graph)
 IMPLS = {
-    "mpgemm": ("mpgemm", False),
-    "autocast_foreach": ("autocast", False),
-    "autocast_fused": ("autocast", True),
-    "fp32": ("fp32", False),
+    "mpgemm": ("mpgemm", False, False),
+    "mpgemm_cuda_graph": ("mpgemm", False, True),
+    "autocast_foreach": ("autocast", False, False),
+    "autocast_fused": ("autocast", True, False),
+    "fp32": ("fp32", False, False),
 }
 
 
@@ -47,8 +50,11 @@ def _host_syncs(step) -> int:
 @pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
 def test_training_step(run_case, device, model, impl):
     name, batch, hidden = model
-    mode, fused = IMPLS[impl]
-    config = TrainConfig(hidden=hidden, batch_size=batch, device=str(device))
+    mode, fused, cuda_graph = IMPLS[impl]
+    if cuda_graph and not ON_GPU:
+        pytest.skip("CUDA graphs need a GPU")
+    config = TrainConfig(hidden=hidden, batch_size=batch, device=str(device),
+                         cuda_graph=cuda_graph)
     torch.manual_seed(0)
     net = build_mlp(FEATURES, hidden, CLASSES).to(device)
     recipe = Recipe(mode, net, config, fused_torch_optimizer=fused)
@@ -58,7 +64,7 @@ def test_training_step(run_case, device, model, impl):
     flops = 6 * batch * sum(a * b for a, b in zip(widths, widths[1:], strict=False))
     host_syncs = None
     if ON_GPU:
-        for _ in range(3):  # compile and autotune before counting syncs
+        for _ in range(5):  # compile, autotune (and capture) before counting syncs
             recipe.step(x, y)
         host_syncs = _host_syncs(lambda: recipe.step(x, y))
     run_case(lambda: recipe.step(x, y), case=name, impl=impl, flops=flops, wall_clock=True,

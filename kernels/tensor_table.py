@@ -53,7 +53,7 @@ def tensor_table(
         first_blocks, block_tensor = [], []
         for index, numel in enumerate(numels):
             first_blocks.append(len(block_tensor))
-            block_tensor += [index] * triton.cdiv(numel, block)
+            block_tensor += [index] * -(-numel // block)  # blocks, rounded up
         rows = [t.data_ptr() for lst in lists for t in lst]
         rows += numels + first_blocks + block_tensor
         table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
@@ -88,10 +88,18 @@ def _cached(key: tuple, build):
     return _cache[key]
 
 
+# Host copies of the tables built while a CUDA graph was captured: each replay copies
+# from them again, so they must outlive the graph (a few KB each; never freed).
+_captured_sources: list[torch.Tensor] = []
+
+
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         # Pinned memory lets the copy run asynchronously: no wait for the GPU.
-        return host.pin_memory().to(device, non_blocking=True)
+        pinned = host.pin_memory()
+        if torch.cuda.is_current_stream_capturing():
+            _captured_sources.append(pinned)
+        return pinned.to(device, non_blocking=True)
     return host.to(device)
 
 

@@ -2,7 +2,8 @@
 
     mpgemm train [--mode fp32|autocast|mpgemm|all] [--hidden 256,256] [--data PATH]
                  [--batch-size 64] [--epochs 20 | --steps N] [--lr 1e-3]
-                 [--optimizer adam|sgd] [--seed 0] [--device cpu|cuda] [--out DIR]
+                 [--optimizer adam|sgd] [--seed 0] [--device cpu|cuda] [--cuda-graph]
+                 [--out DIR]
 
 Bad input ends with one line on stderr naming the problem and exit status 2.
 """
@@ -77,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"default: {default_device}")
     t.add_argument("--warmup-steps", type=int, default=10,
                    help="steps left out of the timing (default 10)")
+    t.add_argument("--cuda-graph", action="store_true",
+                   help="capture the mpgemm mode's step as a CUDA graph and replay it "
+                   "(the other modes stay eager)")
     t.add_argument("--out", type=Path, help="write results.json and results.png here")
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none when stderr is not a terminal)")
@@ -91,7 +95,7 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, Dataset]:
     config = TrainConfig(
         hidden=args.hidden, batch_size=args.batch_size, epochs=args.epochs,
         steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
-        device=args.device, warmup_steps=args.warmup_steps,
+        device=args.device, warmup_steps=args.warmup_steps, cuda_graph=args.cuda_graph,
     )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -110,6 +114,8 @@ def _train(args: argparse.Namespace, config: TrainConfig, data: Dataset) -> None
     widths = " -> ".join(map(str, (data.features, *config.hidden, data.num_classes)))
     device = (torch.cuda.get_device_name(config.device) if config.device == "cuda"
               else f"cpu, {_threads(torch.get_num_threads())}")
+    if config.cuda_graph:
+        device += ", mpgemm step as a CUDA graph"
     title = (f"{data.name}: MLP {widths}, batch {config.batch_size}, {config.optimizer}, "
              f"{device}")
     print(title, flush=True)

@@ -23,6 +23,7 @@ from torch import nn
 
 import mpgemm
 from mpgemm.data import Dataset
+from mpgemm.graphs import GraphedStep
 
 __all__ = ["MODES", "ModeResult", "Recipe", "TrainConfig", "build_mlp", "train"]
 
@@ -33,7 +34,9 @@ OPTIMIZERS = ("adam", "sgd")
 @dataclass(frozen=True)
 class TrainConfig:
     """What to train and how. ``steps``, when given, replaces ``epochs``; the first
-    ``warmup_steps`` steps (compilation, autotuning, allocator growth) are not timed."""
+    ``warmup_steps`` steps (compilation, autotuning, allocator growth) are not timed.
+    ``cuda_graph``: the mpgemm mode's step is captured as a CUDA graph after 3 eager
+    steps and replayed (``mpgemm.graphs.GraphedStep``); the other modes stay eager."""
 
     hidden: tuple[int, ...] = (256, 256)
     batch_size: int = 64
@@ -44,6 +47,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     warmup_steps: int = 10
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         if not self.hidden or any(not isinstance(w, int) or w < 1 for w in self.hidden):
@@ -65,6 +69,8 @@ class TrainConfig:
             raise ValueError("--device cuda: CUDA is not available on this machine")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.cuda_graph and device.type != "cuda":
+            raise ValueError("--cuda-graph replays CUDA graphs: it needs --device cuda")
 
 
 @dataclass
@@ -131,11 +137,18 @@ class Recipe:
         self.device = torch.device(config.device)
         self.scaler = None
         self.optimizer_steps = 0
+        self._step = self._eager_step
+        # Gradients zeroed in place under a graph: tensors that outlive the capture keep
+        # their addresses, so the kernels' tensor tables are the ones built in warm-up.
+        self._grads_to_none = True
         if mode == "mpgemm":
             mpgemm.convert(model)
             self.optimizer = mpgemm.LossScaleOptimizer(
                 _optimizer(mpgemm.optim, config, model.parameters())
             )
+            if config.cuda_graph:
+                self._step = GraphedStep(self._eager_step)
+                self._grads_to_none = False
             return
         options = {"fused": True} if fused_torch_optimizer else {}
         self.optimizer = _optimizer(torch.optim, config, model.parameters(), **options)
@@ -160,7 +173,11 @@ class Recipe:
         return nn.functional.cross_entropy(self.logits(x), y)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
+        """One training step on the batch (x, y); returns the loss."""
+        return self._step(x, y)
+
+    def _eager_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=self._grads_to_none)
         loss = self.loss(x, y)
         if self.mode == "mpgemm":
             self.optimizer.scale_loss(loss).backward()
