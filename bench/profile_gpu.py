@@ -1,0 +1,218 @@
+"""Where a step's time goes on a GPU (issue 11's profiles): for the guide and small MLP
+steps (mpgemm and autocast + fused Adam), the unscale of 200 tensors and a 512^3 FP16
+product, prints the host time to enqueue one call, the wall time of a synchronised
+call, torch.profiler's kernel table, and cProfile's top host functions.
+
+    python3 bench/profile_gpu.py [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+import mpgemm
+from mpgemm.kernels.gemm import use_kernel
+from mpgemm.scaling import unscale_
+from mpgemm.train import Recipe, TrainConfig, build_mlp
+
+DEVICE = torch.device("cuda")
+
+
+def _times(fn, calls: int = 20) -> tuple[float, float]:
+    """(host ms to enqueue a call, wall ms of a synchronised call), medians."""
+    host, wall = [], []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        wall.append(t2 - t0)
+    host.sort()
+    wall.sort()
+    return host[calls // 2] * 1e3, wall[calls // 2] * 1e3
+
+
+def report(name: str, fn, out: Path) -> None:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    host, wall = _times(fn)
+    text = [f"## {name}\nhost enqueue {host:.3f} ms, wall {wall:.3f} ms (medians of 20)\n"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    text.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                          max_name_column_width=70))
+    trace = out / f"{name.replace(' ', '_')}.trace.json"
+    prof.export_chrome_trace(str(trace))
+    text.append(_last_call_kernels(trace, calls=5))
+    if not name.startswith("guide"):  # the files that come back are few
+        trace.unlink()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    stream = io.StringIO()
+    pstats.Stats(pr, stream=stream).sort_stats("tottime").print_stats(30)
+    text.append(stream.getvalue())
+    body = "\n".join(text)
+    print(body, flush=True)
+    with open(out / "profile.md", "a") as f:
+        f.write(body + "\n")
+
+
+def _last_call_kernels(trace: Path, calls: int) -> str:
+    """The kernels of the last of ``calls`` profiled calls: start (us from the first),
+    duration (us), name, grid, shared memory."""
+    events = sorted((e for e in json.loads(trace.read_text())["traceEvents"]
+                     if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    last = events[-(len(events) // calls):]
+    t0 = last[0]["ts"]
+    rows = [f"{e['ts'] - t0:9.1f} {e['dur']:8.1f}  {e['name'][:70]:70s} "
+            f"grid={e['args'].get('grid')} smem={e['args'].get('shared memory')}"
+            for e in last]
+    busy = sum(e["dur"] for e in last)
+    span = last[-1]["ts"] + last[-1]["dur"] - t0
+    return "\n".join([f"kernels of one call: {len(last)}, busy {busy:.0f} us, span {span:.0f} us",
+                      *rows])
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+def launch_costs(out: Path) -> None:
+    """Host microseconds per call, 300 calls queued without a sync between them."""
+    x = torch.zeros(16, device=DEVICE)
+    a = torch.randn(512, 512, device=DEVICE).half()
+    b = torch.randn(512, 512, device=DEVICE).half()
+
+    def pointer():
+        with use_kernel("pointer"):
+            mpgemm.matmul(a, b)
+
+    cases = {
+        "triton empty kernel": lambda: _empty_kernel[(1,)](x),
+        "torch add_": lambda: x.add_(1),
+        "torch.matmul fp16 512": lambda: torch.matmul(a, b),
+        "mpgemm.matmul 512 (tma)": lambda: mpgemm.matmul(a, b),
+        "mpgemm.matmul 512 (pointer)": pointer,
+    }
+    lines = ["## launch costs (host us per call, 300 queued calls, median of 5 runs)"]
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        runs = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(300):
+                fn()
+            runs.append((time.perf_counter() - t0) / 300 * 1e6)
+            torch.cuda.synchronize()
+        lines.append(f"{name}: {sorted(runs)[2]:.1f} us")
+    body = "\n".join(lines)
+    print(body, flush=True)
+    with open(out / "profile.md", "a") as f:
+        f.write(body + "\n\n")
+
+
+def sync_sites(out: Path) -> None:
+    """Where a step synchronises with the GPU: the Python stack of each synchronising
+    CUDA call of one step after warm-up (torch.cuda.set_sync_debug_mode)."""
+    lines = ["## host synchronisations per step, with where they happen"]
+    for name, build in {"guide mpgemm": lambda: step_case("mpgemm", 8192, (4096, 4096), False),
+                        "small mpgemm": lambda: step_case("mpgemm", 128, (128,), False)}.items():
+        step = build()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        stacks = []
+        shown = warnings.showwarning
+
+        def record(message, *args, stacks=stacks, **kwargs):
+            if "synchroniz" in str(message):
+                stacks.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-1]))
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                torch.cuda.set_sync_debug_mode("warn")
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+        lines.append(f"### {name}: {len(stacks)}")
+        lines += stacks
+    body = "\n".join(lines)
+    print(body, flush=True)
+    with open(out / "profile.md", "a") as f:
+        f.write(body + "\n\n")
+
+
+def step_case(mode: str, batch: int, hidden: tuple[int, ...], fused: bool):
+    torch.manual_seed(0)
+    config = TrainConfig(hidden=hidden, batch_size=batch, device="cuda")
+    net = build_mlp(784, hidden, 10).to(DEVICE)
+    recipe = Recipe(mode, net, config, fused_torch_optimizer=fused)
+    x = torch.randn(batch, 784, device=DEVICE)
+    y = torch.randint(0, 10, (batch,), device=DEVICE)
+    return lambda: recipe.step(x, y)
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    out.mkdir(parents=True, exist_ok=True)
+    only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
+    cases = {
+        "guide mpgemm": lambda: step_case("mpgemm", 8192, (4096, 4096), False),
+        "guide autocast_fused": lambda: step_case("autocast", 8192, (4096, 4096), True),
+        "small mpgemm": lambda: step_case("mpgemm", 128, (128,), False),
+        "small fp32": lambda: step_case("fp32", 128, (128,), False),
+        "unscale 200": lambda: _unscale(),
+        "matmul 512": lambda: _matmul(512),
+        "matmul 4096": lambda: _matmul(4096),
+    }
+    if only is None or "launch" in only:
+        launch_costs(out)
+    if only is None or "syncs" in only:
+        sync_sites(out)
+    for name, build in cases.items():
+        if only is None or name in only:
+            report(name, build(), out)
+
+
+def _unscale():
+    grads = [torch.randn(500_000, device=DEVICE) for _ in range(200)]
+    found, inv = torch.zeros((), device=DEVICE), torch.ones((), device=DEVICE)
+    return lambda: unscale_(grads, found, inv)
+
+
+def _matmul(s: int):
+    a = torch.randn(s, s, device=DEVICE).half()
+    b = torch.randn(s, s, device=DEVICE).half()
+    return lambda: mpgemm.matmul(a, b)
+
+
+if __name__ == "__main__":
+    main()
