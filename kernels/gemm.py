@@ -336,13 +336,21 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def takes_tma(a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype,
+              splits: int = 1) -> bool:
+    """Whether ``triton_gemm`` runs the TMA kernel for these operands."""
+    return _tma_eligible(a, b, compute_dtype, splits) is not None
+
+
+def _tma_eligible(a, b, compute_dtype, splits) -> tuple[bool, bool] | None:
+    if _kernel == "pointer" or splits != 1 or not _has_tma(a.device):
+        return None
+    return gemm_tma.tma_layout(a, b, compute_dtype)
+
+
 def _tma_layout(a, b, compute_dtype, splits) -> tuple[bool, bool] | None:
     """The TMA kernel's (A_T, B_T) for this launch, or None for the pointer kernel."""
-    if _kernel == "pointer":
-        return None
-    layout = None
-    if splits == 1 and _has_tma(a.device):
-        layout = gemm_tma.tma_layout(a, b, compute_dtype)
+    layout = _tma_eligible(a, b, compute_dtype, splits)
     if layout is None and _kernel == "tma":
         raise ValueError(
             "the TMA GEMM needs A and B in the compute dtype, 16-byte-aligned, each with a "
@@ -350,14 +358,16 @@ def _tma_layout(a, b, compute_dtype, splits) -> tuple[bool, bool] | None:
     return layout
 
 
-def _prologue_and_rowsum(a: torch.Tensor, prologue: str | None, s: torch.Tensor | None,
-                         compute_dtype: torch.dtype, r: torch.Tensor | None) -> torch.Tensor:
-    """For the TMA kernel, which fuses neither: A' = A * f(S) in the compute dtype (the
-    pointer kernel's prologue: the ReLU mask by threshold_backward's rule, or the product
-    in FP32 rounded once, as its dot rounds it) and R = the FP32 row sums of A' before
-    that rounding, written into ``r``. Torch ops, each a pass over A in A's layout."""
+def prologue_and_rowsum(a: torch.Tensor, prologue: str | None, s: torch.Tensor | None,
+                        compute_dtype: torch.dtype, r: torch.Tensor | None) -> torch.Tensor:
+    """What the TMA kernel does not fuse, by torch ops, each a pass over A in A's layout:
+    A' = A * f(S) in the compute dtype (the pointer kernel's prologue: the ReLU mask by
+    threshold_backward's rule, or the product in FP32 rounded once, as its dot rounds it)
+    and R = the FP32 row sums of A' before that rounding, written into ``r``."""
     if prologue == "relu_mask":
-        a = torch.where(s <= 0, 0.0, a)  # exact: a masked 16-bit value stays one
+        # Exact: a masked 16-bit value stays one. threshold_backward is one pass.
+        a = (torch.ops.aten.threshold_backward(a, s, 0) if s.dtype == a.dtype
+             else torch.where(s <= 0, 0.0, a))
         exact = a
     elif prologue == "mul":
         exact = torch.mul(a if s.dtype == torch.float32 else a.float(), s)  # FP32
@@ -419,7 +429,7 @@ def triton_gemm(
     layout = _tma_layout(a, b, compute_dtype, splits)
     if layout is not None:
         if prologue is not None or rowsum_a:
-            a = _prologue_and_rowsum(a, prologue, prologue_operand, compute_dtype, r)
+            a = prologue_and_rowsum(a, prologue, prologue_operand, compute_dtype, r)
             layout = gemm_tma.tma_layout(a, b, compute_dtype)
         gemm_tma.launch_tma_gemm(a, b, c, bias=bias, g=g, layout=layout,
                                  sms=multiprocessors(a.device), flags=flags)

@@ -171,7 +171,8 @@ class LinearFunction(torch.autograd.Function):
     Backward: dZ = dY * act'(z) is applied as the GEMMs load dY, then
     dx = dZ @ W (in x's dtype) and dW = dZ.T @ x (in W's dtype, FP32 for master weights,
     laid out like W), with the bias gradient, the FP32 column sum of dZ, computed by
-    the dW GEMM as it reads dZ.
+    the dW GEMM as it reads dZ. Where the TMA kernel runs the GEMMs (it fuses neither),
+    dZ and the bias gradient are computed once beforehand, with the same math.
     """
 
     @staticmethod
@@ -209,8 +210,14 @@ class LinearFunction(torch.autograd.Function):
         dy = _as_rows(grad_out)
         s = None if derivative_operand is None else _as_rows(derivative_operand)
         prologue = _DERIVATIVE_PROLOGUE[ctx.activation]
+        grad_b = None
+        if prologue is not None and _derivative_first(gemm, dy, weight, ctx.compute_dtype):
+            # dZ (and the bias gradient, its FP32 column sums) once for both GEMMs.
+            dz_t, grad_b = _derivative_before_gemms(dy, s, prologue, ctx.compute_dtype,
+                                                     need_b and ctx.has_bias)
+            dy, s, prologue = dz_t.t(), None, None
 
-        grad_x = grad_w = grad_b = None
+        grad_x = grad_w = None
         if need_x:
             grad_x, _, _ = gemm(
                 dy, weight,
@@ -218,7 +225,7 @@ class LinearFunction(torch.autograd.Function):
                 prologue=prologue, prologue_operand=s,
             )
             grad_x = grad_x.view(ctx.x_shape)
-        if need_w or (need_b and ctx.has_bias):
+        if need_w or (need_b and ctx.has_bias and grad_b is None):
             # A frozen weight still lets its GEMM sum the bias gradient: B gets no columns.
             x_operand = x2d if need_w else x2d[:, :0]
             # Laid out like the weight (its copy is), in the weight's own dtype; under
@@ -226,15 +233,37 @@ class LinearFunction(torch.autograd.Function):
             grad_w = None
             if need_w and not torch.compiler.is_compiling():
                 grad_w = torch.empty_like(weight, dtype=ctx.weight_dtype)
-            product, _, grad_b = gemm(
+            product, _, row_sums = gemm(
                 dy.t(), x_operand,
                 compute_dtype=ctx.compute_dtype, out_dtype=ctx.weight_dtype,
                 prologue=prologue, prologue_operand=None if s is None else s.t(),
-                rowsum_a=need_b and ctx.has_bias,
+                rowsum_a=need_b and ctx.has_bias and grad_b is None,
                 out=grad_w,
             )
             grad_w = product if need_w else None
+            grad_b = row_sums if grad_b is None else grad_b
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _derivative_first(gemm: Callable, dy: torch.Tensor, weight: torch.Tensor,
+                      compute_dtype: torch.dtype) -> bool:
+    """Whether the backward applies act' to dY before its GEMMs: where the TMA kernel
+    runs them, which fuses no prologue (the pointer kernel and the reference do)."""
+    if gemm is gemm_ref or torch.compiler.is_compiling():
+        return False
+    from mpgemm.kernels.gemm import takes_tma
+
+    return takes_tma(dy, weight, compute_dtype)
+
+
+def _derivative_before_gemms(dy, s, prologue, compute_dtype, bias_grad):
+    """(dZ.T, bias gradient or None): dZ = dY * act'(z) in the compute dtype and the
+    FP32 column sums of dZ before its rounding, the math of the GEMMs' prologue and row
+    sums, laid out as dY.T for the weight gradient's A."""
+    from mpgemm.kernels.gemm import prologue_and_rowsum
+
+    r = torch.empty(dy.shape[1], device=dy.device, dtype=torch.float32) if bias_grad else None
+    return prologue_and_rowsum(dy.t(), prologue, s.t(), compute_dtype, r), r
 
 
 # ---------------------------------------------------------------------------------------

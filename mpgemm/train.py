@@ -256,8 +256,11 @@ class _Run:
         if timed:
             self.ms_per_step.append((time.perf_counter() - start) * 1e3 / len(window))
         if cuda:  # the other runs are idle meanwhile: every change is this run's
-            self.peak = max(self.peak,
-                            self.held + torch.cuda.max_memory_allocated(self.device) - before)
+            # The peak of the timed windows (steady training): the warm-up's include
+            # Triton's autotuning, whose benchmarks allocate a 256 MB L2-flush buffer.
+            if timed:
+                self.peak = max(
+                    self.peak, self.held + torch.cuda.max_memory_allocated(self.device) - before)
             self.held += _allocated(self.device) - before
 
     def result(self) -> ModeResult:

@@ -128,3 +128,39 @@ def test_the_default_takes_the_tma_kernel_where_it_can(case, expected, device, m
 def test_use_kernel_names_the_choices():
     with pytest.raises(ValueError, match="pointer"), gemm.use_kernel("cublas"):
         pass
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_a_layer_backward_applies_the_derivative_once_before_the_tma_gemms(activation,
+                                                                           device,
+                                                                           monkeypatch):
+    # 16-bit, aligned: the backward's GEMMs are the TMA kernel's, which fuses no
+    # prologue, so dZ and the bias gradient come first (torch ops, once for both GEMMs)
+    # with the pointer kernel's fused math: the gradients must agree with that path's.
+    import mpgemm
+
+    calls = []
+    unfused = gemm.prologue_and_rowsum
+    monkeypatch.setattr(gemm, "prologue_and_rowsum",
+                        lambda *args: calls.append(args[1]) or unfused(*args))
+
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device=device).half()
+    w = (torch.randn(N, K, device=device) / K**0.5).half()
+    bias = torch.randn(N, device=device)
+    grad = torch.randn(M, N, device=device).half()
+
+    def gradients():
+        leaves = [t.clone().requires_grad_() for t in (x, w, bias)]
+        y = mpgemm.linear(*leaves, activation=activation)
+        y.backward(grad)
+        return [t.grad for t in leaves]
+
+    names, tma = launched_kernels(gradients)
+    assert names == ["_gemm_tma_kernel"] * 3  # forward, dX, dW
+    assert calls == [{"relu": "relu_mask", "gelu": "mul"}[activation]]
+    with gemm.use_kernel("pointer"):
+        fused = gradients()
+    for name, got, want in zip(("x", "weight", "bias"), tma, fused, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-5,
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")
