@@ -1,6 +1,6 @@
 """mpgemm.Linear's 16-bit weight copy: never stale, written by mpgemm's fused optimizers
 in their step; and a converted MLP's training step runs 16-bit operands into every
-GEMM with no activation or weight-cast kernels around them."""
+GEMM with no weight-cast kernels, its activations fused into the forward GEMMs."""
 
 import pytest
 import torch
@@ -54,8 +54,30 @@ def _data_assignment(layer):
     layer.weight.data = torch.randn_like(layer.weight)
 
 
+def _rewrite_without_a_version_bump(layer):
+    # As FSDP2 refreshes an unsharded weight: all-gathered into the same storage under
+    # _unsafe_preserve_version_counter.
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(layer.weight):
+        layer.weight.mul_(-2.0)
+
+
+def _fsdp_step(layer):
+    # The new values come from an optimizer step on the shards, other tensors.
+    _rewrite_without_a_version_bump(layer)
+    shard = nn.Parameter(torch.zeros(3, device=layer.weight.device))
+    shard.grad = torch.ones_like(shard)
+    torch.optim.SGD([shard], lr=0.1).step()
+
+
+def _fsdp_load_state_dict(layer):
+    # Or from a state dict loaded into the shards: the layer writes nothing itself.
+    _rewrite_without_a_version_bump(layer)
+    layer.load_state_dict({}, strict=False)
+
+
 @pytest.mark.parametrize("edit", [_edit_in_place, _load_state_dict, _torch_optimizer_step,
-                                  _new_parameter, _to_and_back, _data_assignment])
+                                  _new_parameter, _to_and_back, _data_assignment,
+                                  _fsdp_step, _fsdp_load_state_dict])
 def test_the_copy_is_never_stale(device, edit):
     layer = _layer(device, activation="relu")
     _assert_forward_uses_the_current_weight(layer, device)
@@ -136,7 +158,7 @@ class _OpLog(TorchDispatchMode):
         return found
 
 
-def test_a_training_step_feeds_16_bit_operands_and_runs_no_activation_kernels(device):
+def test_a_training_step_feeds_16_bit_operands_and_fuses_the_forward_activation(device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                           nn.Linear(64, 10)).to(device)
@@ -176,8 +198,11 @@ def test_a_training_step_feeds_16_bit_operands_and_runs_no_activation_kernels(de
     fp32_a = [(name, a) for name, a, _ in launches if a != half]
     assert fp32_a == [("_gemm_kernel", torch.float32)] * 2, launches
     assert [name for name, a, _ in launches if a == half] == ["_gemm_tma_kernel"] * 6
+    # ReLU is fused into the forward GEMMs' epilogue. Its derivative is one pass per
+    # hidden layer, before the TMA kernel's backward GEMMs (which fuse no prologue).
     names = log.names()
-    assert not any(n.startswith(("relu", "threshold_backward")) for n in names), names
+    assert not any(n.startswith("relu") for n in names), names
+    assert sum(n.startswith("threshold_backward") for n in names) == 2, names
     for layer in model:
         if isinstance(layer, mpgemm.Linear):
             assert not log.casts_of(layer.weight), layer
