@@ -9,15 +9,33 @@ change through torch: ``load_state_dict``, ``torch.optim`` optimizers, ``mul_``,
 mpgemm's fused optimizers write the copy in the same kernel pass that updates the
 master (``copy_of``): a kernel's writes leave the version counter alone, so the copy
 stays current and no cast runs in the next forward.
+
+Some writers change a weight without a version bump: FSDP2 all-gathers each unsharded
+weight into the same storage under ``_unsafe_preserve_version_counter``, often at the
+same address. Its new values come from an optimizer step on the shards (or a loaded
+state dict), so a copy is also stale once any optimizer has stepped since it was made,
+unless that step's optimizer wrote it (torch's global step pre-hook counts the steps);
+``mpgemm.Linear`` drops its copy when it loads a state dict.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 # weight -> its ComputeCopy, for the optimizers; weak, so a dropped weight is forgotten.
 _copies = WeakIdKeyDictionary()
+# Optimizer steps begun so far, by any torch optimizer (mpgemm's included).
+_steps = 0
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _steps
+    _steps += 1
+
+
+register_optimizer_step_pre_hook(_count_step)
 
 
 def _storage(weight: torch.Tensor) -> tuple:
@@ -36,23 +54,32 @@ class ComputeCopy:
         # as a new address). It is the weight's own storage, so it costs nothing unless
         # the weight moved (.to(), .data =), and then only until the next forward.
         self._source: torch.Tensor | None = None
+        # _steps when the copy was made, or last handed to an optimizer to write.
+        self._current_at = -1
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` in ``dtype``, laid out like it; cast now only if the copy is stale."""
         identity = (*_storage(weight), weight._version)
-        if self._tensor is None or self._made_from != identity:
+        if self._tensor is None or self._made_from != identity or self._current_at != _steps:
             with torch.no_grad():
                 copy = torch.empty_like(weight, dtype=self.dtype)
                 copy.copy_(weight)
             self._tensor, self._made_from, self._source = copy, identity, weight.detach()
+            self._current_at = _steps
         _copies[weight] = self
         return self._tensor
 
+    def drop(self) -> None:
+        """Forget the copy: the next ``of`` casts."""
+        self._tensor = self._made_from = self._source = None
+
     def tensor_for(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The copy's tensor when it was made from ``weight``'s storage (current or not:
-        an optimizer overwrites all of it), else None."""
+        an optimizer overwrites all of it), else None. Asked by an optimizer's step,
+        which then writes it: the copy is current after this step."""
         if self._tensor is None or self._made_from[:-1] != _storage(weight):
             return None
+        self._current_at = _steps
         return self._tensor
 
 

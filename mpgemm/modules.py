@@ -78,6 +78,11 @@ class Linear(nn.Linear):
             weight_copy=copy,
         )
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        # A sharded (FSDP2) weight reaches its unsharded storage with no version bump.
+        self._weight_copy.drop()
+        super()._load_from_state_dict(*args, **kwargs)
+
     def _apply(self, fn, recurse=True):
         # .to(dtype), .half(), .bfloat16(): parameters cast to a 16-bit dtype make it
         # the compute dtype too, as a module of that dtype computes in it in torch
