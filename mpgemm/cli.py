@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -21,7 +22,7 @@ from mpgemm.train import MODES, OPTIMIZERS, TrainConfig, train
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage block
+    def error(self, message: str) -> NoReturn:  # one line, no usage block
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -128,10 +128,14 @@ _OPTIONAL = ("bias",)
 def _check_tensors(op: str, **tensors: torch.Tensor | None) -> None:
     """Each tensor must be a dense float32/float16/bfloat16 tensor, all on one device;
     only a bias may be None."""
-    given = {name: t for name, t in tensors.items() if t is not None or name not in _OPTIONAL}
-    for name, t in given.items():
+    given: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if t is None and name in _OPTIONAL:
+            continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        given[name] = t
+    for name, t in given.items():
         if t.layout != torch.strided:
             raise TypeError(
                 f"{op}: {name} is a {t.layout} tensor; only dense (torch.strided) tensors are "

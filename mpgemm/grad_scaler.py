@@ -252,16 +252,18 @@ class GradScaler:
                 )
             found_inf = self._found_inf(optimizer)
             previous = getattr(optimizer, "grad_scale", None)
+            # The attributes torch's scale-aware optimizers read (as torch's scaler sets).
             if state["stage"] is OptState.UNSCALED:
-                optimizer.grad_scale = previous
+                optimizer.grad_scale = previous  # type: ignore[attr-defined]
             else:
-                optimizer.grad_scale = scale if previous is None else scale * previous
-            optimizer.found_inf = found_inf
+                optimizer.grad_scale = (  # type: ignore[attr-defined]
+                    scale if previous is None else scale * previous)
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
             try:
                 result = optimizer.step(*args, **kwargs)
             finally:
-                del optimizer.grad_scale
-                del optimizer.found_inf
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
             state["stage"] = OptState.STEPPED
             return result
 
@@ -284,14 +286,15 @@ class GradScaler:
         scale's device (zero when none was recorded)."""
         scale = self._require_scale("step")
         flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-        total = self._sum_flags(flags)
+        total = self._sum_flags(flags, scale.device)
         return torch.zeros((), device=scale.device) if total is None else total
 
-    def _sum_flags(self, flags: Iterable[torch.Tensor]) -> torch.Tensor | None:
-        """The sum of inf/NaN flags on the scale's device; None when there are none."""
+    @staticmethod
+    def _sum_flags(flags: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+        """The sum of inf/NaN flags on ``device``; None when there are none."""
         total = None
         for flag in flags:
-            flag = flag.to(self._scale.device, non_blocking=True)
+            flag = flag.to(device, non_blocking=True)
             total = flag if total is None else total + flag
         return total
 
@@ -312,14 +315,17 @@ class GradScaler:
                 scale.copy_(new_scale)
         else:
             combined = self._sum_flags(
-                found_inf
-                for state in self._per_optimizer_states.values()
-                for found_inf in state["found_inf_per_device"].values()
+                (found_inf
+                 for state in self._per_optimizer_states.values()
+                 for found_inf in state["found_inf_per_device"].values()),
+                scale.device,
             )
             if combined is None:
                 raise RuntimeError("No inf checks were recorded prior to update().")
+            tracker = self._growth_tracker
+            assert tracker is not None, "made with the scale (_lazy_init)"
             update_scale_(
-                scale, self._growth_tracker, combined,
+                scale, tracker, combined,
                 self._growth_factor, self._backoff_factor, self._growth_interval,
             )
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)

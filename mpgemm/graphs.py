@@ -40,26 +40,32 @@ class GraphedStep:
             raise ValueError(f"warmup_steps must be at least 1, got {warmup_steps}")
         self.fn, self.warmup_steps = fn, warmup_steps
         self.calls = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
         self._inputs: list[torch.Tensor] = []
-        self._output: torch.Tensor | None = None
+        # The graph and its static output, once captured.
+        self._captured: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
         # The warm-up runs on a side stream, as torch's capture recipe asks (lazy
         # initialisation must not land on the capturing stream).
-        self._side = None
+        self._side: torch.cuda.Stream | None = None
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured graph (None before the capture)."""
+        return None if self._captured is None else self._captured[0]
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         self._check(inputs)
         self.calls += 1
-        if self.graph is None and self.calls <= self.warmup_steps:
+        if self._captured is None and self.calls <= self.warmup_steps:
             return self._warmup(inputs)
-        if self.graph is None:
-            self._capture(inputs)
+        if self._captured is None:
+            self._captured = self._capture(inputs)
         elif not self._matches(inputs):
             return self.fn(*inputs)
+        graph, output = self._captured
         for static, x in zip(self._inputs, inputs, strict=True):
             static.copy_(x)
-        self.graph.replay()
-        return self._output.clone()
+        graph.replay()
+        return output.clone()
 
     def _check(self, inputs) -> None:
         bad = [type(x).__name__ if not torch.is_tensor(x) else str(x.device)
@@ -71,18 +77,20 @@ class GraphedStep:
     def _warmup(self, inputs) -> torch.Tensor:
         if self._side is None:
             self._side = torch.cuda.Stream(inputs[0].device)
-        self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side):
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
             out = self.fn(*inputs)
-        torch.cuda.current_stream().wait_stream(self._side)
+        torch.cuda.current_stream().wait_stream(side)
         return out
 
-    def _capture(self, inputs) -> None:
+    def _capture(self, inputs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._inputs = [x.clone() for x in inputs]
         torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._output = self.fn(*self._inputs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self.fn(*self._inputs)
+        return graph, output
 
     def _matches(self, inputs) -> bool:
         return all(x.shape == s.shape and x.dtype == s.dtype and x.device == s.device

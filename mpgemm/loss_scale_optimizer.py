@@ -92,13 +92,25 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
     @property
     def state(self) -> Any:
         return self.optimizer.state
 
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
     @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -155,7 +167,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return state is not None and state["stage"] is not OptState.READY
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Unscale and check the gradients, step the wrapped optimizer unless one is
         inf/NaN (then count a skipped step), update the scale, and rewrite 16-bit
         parameters from their masters."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -198,7 +199,7 @@ def convert(
 
     def replacement(name: str, activation: str | None = None) -> Linear:
         return Linear.from_linear(
-            module.get_submodule(name),
+            cast(nn.Linear, module.get_submodule(name)),  # chosen among the nn.Linears
             compute_dtype=compute_dtype,
             out_dtype=torch.float32 if name == fp32_name else None,
             activation=activation,

@@ -55,8 +55,10 @@ def _check_implementation(foreach: bool | None, fused: bool | None, differentiab
     _check_supported(foreach=foreach, differentiable=differentiable)
 
 
-class _ScaledStep:
-    """The shared part of ``step``: read the scaler's tensors, group the parameters."""
+class _ScaledStep(torch.optim.Optimizer):
+    """The shared part of ``step``: read the scaler's tensors, group the parameters.
+    Comes before a torch optimizer class in its subclasses' bases, whose ``__init__``
+    and ``step`` its ``super()`` calls reach."""
 
     _step_supports_amp_scaling = True
 
@@ -76,7 +78,8 @@ class _ScaledStep:
     def _params_with_grad(group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(what the kernels step: FP32/FP16/BF16 parameters and gradients; the rest,
         FP64 or complex, which torch's own implementation steps)."""
-        fused, rest = [], []
+        fused: list[torch.Tensor] = []
+        rest: list[torch.Tensor] = []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -112,12 +115,14 @@ class _ScaledStep:
             return
         if inv_scale is not None:
             with torch.no_grad():
-                for p in (p for rest in others for p in rest):
-                    p.grad.mul_(inv_scale.to(p.grad.device))
+                for grad in (p.grad for rest in others for p in rest):
+                    if grad is not None:  # (the params with a gradient)
+                        grad.mul_(inv_scale.to(grad.device))
         # torch's unfused implementations refuse a scaler's tensors: hide them, and show
         # torch's step only these parameters; the state and hyperparameters are shared.
-        scaling = {name: self.__dict__.pop(name) for name in ("grad_scale", "found_inf")
-                   if name in self.__dict__}
+        scaling: dict[str, Any] = {name: self.__dict__.pop(name)
+                                   for name in ("grad_scale", "found_inf")
+                                   if name in self.__dict__}
         params = [group["params"] for group in self.param_groups]
         try:
             for group, rest in zip(self.param_groups, others, strict=True):
@@ -185,7 +190,8 @@ class _FusedAdamStep(_ScaledStep):
         # torch.optim.Adam's or AdamW's, next in the MRO. The step counts live on the
         # parameters' device whatever ``capturable`` says (the step never reads them on
         # the host); it is kept as given, so that torch's optimizer loads the state dict.
-        super().__init__(
+        # (Adam's signature, not Optimizer's: mypy sees only _ScaledStep's base.)
+        super().__init__(  # type: ignore[call-arg]
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             maximize=maximize, capturable=capturable, **extra,
         )

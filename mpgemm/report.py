@@ -60,8 +60,8 @@ def format_table(results: Sequence[ModeResult]) -> str:
 def environment(device: str | torch.device) -> dict:
     """The device and the versions that a measurement depends on."""
     device = torch.device(device)
-    info = {"device": str(device), "torch": torch.__version__,
-            "python": platform.python_version()}
+    info: dict[str, str | None] = {"device": str(device), "torch": torch.__version__,
+                                   "python": platform.python_version()}
     if device.type == "cuda":
         info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     try:
@@ -117,7 +117,7 @@ def write_figure(path: Path, results: Sequence[ModeResult], title: str) -> None:
     curves.set(xlabel="step", ylabel="training loss (batch)", yscale="log",
                title="Loss curves")
     curves.legend()
-    if panels == 3:
+    if fp32 is not None and panels == 3:
         difference = axes[1]
         reference = _smoothed(fp32.losses, window)
         for i, result in enumerate(results):

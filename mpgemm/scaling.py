@@ -15,11 +15,15 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
 from mpgemm import scaling_ref
 from mpgemm.functional import backend, is_plain
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # What the kernels take; other dtypes (FP64) go to the reference implementation.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -33,7 +37,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _is_dtensor(t: object) -> bool:
+def _is_dtensor(t: object) -> TypeGuard[DTensor]:
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
 
@@ -76,7 +80,8 @@ def _dispatch(
     groups: dict[tuple, list[int]] = defaultdict(list)
     for index, tensors in enumerate(zip(*lists, strict=True)):
         kernel_ok = use_kernels and _kernel_takes(tensors[:strided])
-        groups[(kernel_ok, *(t.dtype for t in tensors))].append(index)
+        key = (kernel_ok, *(t.dtype for t in tensors))
+        groups[key].append(index)
     for (kernel_ok, *_), indices in groups.items():
         impl = kernels()[name] if kernel_ok else REFERENCES[name]
         call(impl, [[lst[i] for i in indices] for lst in lists])

@@ -108,7 +108,7 @@ def sgd_step_ref_(
     Buffers start as zeros, which gives torch's first step (buf = g). Each
     ``compute_copies`` tensor gets its parameter's new value in its own dtype. Nothing
     changes where ``found_inf`` is nonzero."""
-    copies = compute_copies or [None] * len(params)
+    copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
         g = _unscaled_fp32(grad, inv_scale, found_inf)
         g = -g if maximize else g
@@ -116,6 +116,7 @@ def sgd_step_ref_(
         if weight_decay != 0:
             g = g + weight_decay * p32
         if momentum != 0:
+            assert momentum_buffers is not None, "momentum needs buffers"
             buf = momentum_buffers[i].float() * momentum + g
             g = g + momentum * buf if nesterov else buf
             _store_unless_skipped(momentum_buffers[i], buf, found_inf)
@@ -149,7 +150,7 @@ def adam_step_ref_(
 
     Each ``compute_copies`` tensor gets its parameter's new value in its own dtype.
     Nothing changes where ``found_inf`` is nonzero."""
-    copies = compute_copies or [None] * len(params)
+    copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     for p, grad, m, v, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies,
                                          strict=True):
         g = _unscaled_fp32(grad, inv_scale, found_inf)

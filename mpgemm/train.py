@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -106,7 +107,7 @@ def _batches(data: Dataset, config: TrainConfig) -> list[torch.Tensor]:
     n = len(data.x_train)
     per_epoch = math.ceil(n / config.batch_size)
     total = config.steps or config.epochs * per_epoch
-    batches = []
+    batches: list[torch.Tensor] = []
     while len(batches) < total:
         batches += list(torch.randperm(n, generator=g).split(config.batch_size))
     return batches[:total]
@@ -137,7 +138,7 @@ class Recipe:
         self.device = torch.device(config.device)
         self.scaler = None
         self.optimizer_steps = 0
-        self._step = self._eager_step
+        self._step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._eager_step
         # Gradients zeroed in place under a graph: tensors that outlive the capture keep
         # their addresses, so the kernels' tensor tables are the ones built in warm-up.
         self._grads_to_none = True
@@ -212,7 +213,7 @@ def _evaluate(recipe: Recipe, x: torch.Tensor, y: torch.Tensor, batch: int = 409
         xb, yb = x[start : start + batch], y[start : start + batch]
         logits = recipe.logits(xb).float()
         total_loss += nn.functional.cross_entropy(logits, yb, reduction="sum").item()
-        correct += (logits.argmax(dim=1) == yb).sum().item()
+        correct += int((logits.argmax(dim=1) == yb).sum())
     return total_loss / len(x), correct / len(x)
 
 
