@@ -23,8 +23,8 @@ import torch
 from harness import DEVICE, ON_GPU, ROUNDS, WARMUP_CALLS, DeviceClock, peak_memory_mb, synchronize
 from report import add_derived_metrics
 
+from mpgemm.app.report import environment
 from mpgemm.kernels.launches import intercepting
-from mpgemm.report import environment
 
 
 @pytest.fixture

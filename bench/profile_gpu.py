@@ -23,9 +23,9 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
+from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels.gemm import use_kernel
 from mpgemm.scaling import unscale_
-from mpgemm.train import Recipe, TrainConfig, build_mlp
 
 DEVICE = torch.device("cuda")
 

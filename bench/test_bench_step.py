@@ -12,7 +12,7 @@ import pytest
 import torch
 from harness import GPU_SCALE, ON_GPU
 
-from mpgemm.train import Recipe, TrainConfig, build_mlp
+from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 
 pytestmark = pytest.mark.benchmark(group="step")
 

@@ -1,5 +1,5 @@
 import sys
 
-from mpgemm.cli import main
+from mpgemm.app.cli import main
 
 sys.exit(main())

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpgemm.data import DataError, load, load_digits, load_mnist, synthetic
+from mpgemm.app.data import DataError, load, load_digits, load_mnist, synthetic
 
 
 def _images(n, seed):

@@ -5,9 +5,9 @@ updates included; what cannot be replayed is refused with a clear error (any mac
 import pytest
 import torch
 
-from mpgemm.cli import main
+from mpgemm.app.cli import main
+from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.graphs import GraphedStep
-from mpgemm.train import Recipe, TrainConfig, build_mlp
 
 
 def test_inputs_must_be_cuda_tensors():

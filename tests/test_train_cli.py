@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from mpgemm.cli import main
-from mpgemm.data import load_digits
-from mpgemm.train import TrainConfig, train
+from mpgemm.app.cli import main
+from mpgemm.app.data import load_digits
+from mpgemm.app.train import TrainConfig, train
 
 TINY = ["--hidden", "24,16", "--steps", "6", "--warmup-steps", "2", "--batch-size", "32",
         "--no-progress"]
@@ -117,8 +117,8 @@ def test_the_modes_take_turns_and_time_per_step_is_the_median(monkeypatch):
     # The modes ran one after another, so a change of load between them reversed the
     # comparison (FP32 56 ms/step against mpgemm's 8 at a load of 2): now they take
     # turns, a window each, the first in turn rotating, and each reports the median.
-    from mpgemm import train as train_module
-    from mpgemm.data import load
+    from mpgemm.app import train as train_module
+    from mpgemm.app.data import load
 
     turns = []
     real_run = train_module._Run.run
@@ -140,7 +140,7 @@ def test_the_modes_take_turns_and_time_per_step_is_the_median(monkeypatch):
 
 
 def test_windows_cover_every_step_once():
-    from mpgemm.train import _windows
+    from mpgemm.app.train import _windows
 
     for steps, warmup in ((12, 2), (200, 10), (5, 10), (1, 0), (37, 3)):
         covered = [i for window, _ in _windows(steps, warmup) for i in window]
@@ -152,7 +152,7 @@ def test_the_figure_adds_a_panel_of_differences_from_fp32(tmp_path):
     # panel plots each mode's loss minus FP32's (5.5 inches a panel at 120 dpi).
     import struct
 
-    from mpgemm.report import write_figure
+    from mpgemm.app.report import write_figure
 
     config = TrainConfig(hidden=(8,), batch_size=16, steps=8, warmup_steps=2)
     results = train(load_digits(), config, progress=False)
@@ -162,3 +162,49 @@ def test_the_figure_adds_a_panel_of_differences_from_fp32(tmp_path):
         write_figure(path, chosen, "title")
         widths.append(struct.unpack(">I", path.read_bytes()[16:20])[0])
     assert widths == [3 * 660, 2 * 660]
+
+
+_WITHOUT_THE_TRAIN_EXTRA = """
+import importlib.abc, importlib.machinery, sys
+class Absent(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # Importing these fails as if they were not installed.
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("sklearn", "tqdm", "matplotlib"):
+            return importlib.machinery.ModuleSpec(name, self)
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r}", name=spec.name)
+    def exec_module(self, module):
+        pass
+sys.meta_path.insert(0, Absent())
+"""
+
+
+def _run_without_the_train_extra(code: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _WITHOUT_THE_TRAIN_EXTRA + code],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_library_needs_none_of_the_train_extra():
+    # pip install mpgemm (no extras): import mpgemm and train a step with it.
+    run = _run_without_the_train_extra(
+        "import torch, mpgemm\n"
+        "layer = mpgemm.Linear(8, 4)\n"
+        "opt = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(layer.parameters()))\n"
+        "opt.scale_loss(layer(torch.randn(2, 8)).float().sum()).backward()\n"
+        "opt.step()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('sklearn', 'tqdm', 'matplotlib')))\n")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
+
+
+def test_the_command_says_to_install_the_train_extra():
+    run = _run_without_the_train_extra(
+        "from mpgemm.app.cli import main\nsys.exit(main(['train', '--steps', '2']))\n")
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines() == [
+        "mpgemm train: error: needs scikit-learn, tqdm, matplotlib (the train extra): "
+        "pip install 'mpgemm[train]'"]

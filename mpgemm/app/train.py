@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import mpgemm
-from mpgemm.data import Dataset
+from mpgemm.app.data import Dataset
 from mpgemm.graphs import GraphedStep
 
 __all__ = ["MODES", "ModeResult", "Recipe", "TrainConfig", "build_mlp", "train"]

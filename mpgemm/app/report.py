@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from mpgemm.data import Dataset
-from mpgemm.train import ModeResult, TrainConfig
+from mpgemm.app.data import Dataset
+from mpgemm.app.train import ModeResult, TrainConfig
 
 __all__ = ["format_table", "write_figure", "write_json"]
 

@@ -11,14 +11,15 @@ Bad input ends with one line on stderr naming the problem and exit status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 
-from mpgemm.data import Dataset, load
-from mpgemm.train import MODES, OPTIMIZERS, TrainConfig, train
+from mpgemm.app.data import Dataset, load
+from mpgemm.app.train import MODES, OPTIMIZERS, TrainConfig, train
 
 
 class _Parser(argparse.ArgumentParser):
@@ -121,7 +122,7 @@ def _train(args: argparse.Namespace, config: TrainConfig, data: Dataset) -> None
              f"{device}")
     print(title, flush=True)
     results = train(data, config, modes, progress=not args.no_progress)
-    from mpgemm.report import format_table, write_figure, write_json
+    from mpgemm.app.report import format_table, write_figure, write_json
 
     print(format_table(results))
     if args.out is not None:
@@ -130,9 +131,28 @@ def _train(args: argparse.Namespace, config: TrainConfig, data: Dataset) -> None
         print(f"wrote {args.out / 'results.json'} and {args.out / 'results.png'}")
 
 
+# The train extra, by module: the pip names to install.
+_EXTRA = {"sklearn": "scikit-learn", "tqdm": "tqdm", "matplotlib": "matplotlib"}
+
+
+def _missing_extra() -> list[str]:
+    missing = []
+    for module, name in _EXTRA.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    missing = _missing_extra()
+    if missing:
+        print(f"mpgemm {args.command}: error: needs {', '.join(missing)} (the train extra): "
+              "pip install 'mpgemm[train]'", file=sys.stderr)
+        return 2
     try:
         config, data = _prepare(args)
     except (ValueError, OSError) as e:  # DataError is a ValueError
