@@ -6,12 +6,19 @@ with the same numerics (or the Triton kernels themselves under ``TRITON_INTERPRE
 which must be set before ``triton`` is first imported).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from mpgemm import optim
 from mpgemm.functional import backend, linear, matmul
 from mpgemm.grad_scaler import GradScaler
 from mpgemm.loss_scale_optimizer import LossScaleOptimizer
 from mpgemm.modules import Linear, convert
 from mpgemm.reference import linear_ref, matmul_ref
+
+try:
+    __version__ = version("mpgemm")  # pyproject.toml's, as installed
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "GradScaler",

@@ -208,3 +208,11 @@ def test_the_command_says_to_install_the_train_extra():
     assert run.stderr.strip().splitlines() == [
         "mpgemm train: error: needs scikit-learn, tqdm, matplotlib (the train extra): "
         "pip install 'mpgemm[train]'"]
+
+
+def test_the_package_has_its_installed_version():
+    import importlib.metadata
+
+    import mpgemm
+
+    assert mpgemm.__version__ == importlib.metadata.version("mpgemm")
