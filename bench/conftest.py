@@ -41,8 +41,17 @@ def run_case(benchmark):
     While launches are intercepted (recorded by ``gpu_check.sh plan``), mpgemm's cases call
     ``fn`` once and the baselines, which compile nothing of ours, are skipped."""
 
-    def run(fn, *, case: str, impl: str, flops: float = 0, bytes: float = 0, setup=None,
-            wall_clock: bool = False, **extra):
+    def run(
+        fn,
+        *,
+        case: str,
+        impl: str,
+        flops: float = 0,
+        bytes: float = 0,
+        setup=None,
+        wall_clock: bool = False,
+        **extra,
+    ):
         if intercepting():
             if not impl.startswith("mpgemm"):
                 pytest.skip("recording launches: baselines compile no mpgemm kernel")
@@ -52,9 +61,13 @@ def run_case(benchmark):
             fn(*(setup()[0] if setup else ()))
         device_time = ON_GPU and not wall_clock
         benchmark.extra_info.update(
-            case=case, impl=impl, flops=flops, bytes=bytes,
+            case=case,
+            impl=impl,
+            flops=flops,
+            bytes=bytes,
             peak_memory_mb=peak_memory_mb(fn, setup),
-            timing="cuda events, L2 flushed" if device_time else "wall clock", **extra,
+            timing="cuda events, L2 flushed" if device_time else "wall clock",
+            **extra,
         )
 
         def timed(*args):
@@ -65,8 +78,13 @@ def run_case(benchmark):
             # pytest-benchmark reads its clock around each round (no public option
             # sets a clock per test).
             benchmark._timer = DeviceClock(DEVICE)
-        benchmark.pedantic(fn if device_time else timed, setup=setup, rounds=ROUNDS,
-                           iterations=1, warmup_rounds=0 if setup else 1)
+        benchmark.pedantic(
+            fn if device_time else timed,
+            setup=setup,
+            rounds=ROUNDS,
+            iterations=1,
+            warmup_rounds=0 if setup else 1,
+        )
         if benchmark.stats is not None:  # a line per case in the log as the suite runs
             print(f"\n{case} {impl}: median {benchmark.stats.stats.median * 1e3:.3f} ms")
 

@@ -86,16 +86,26 @@ def _bench_commands(out: Path, dry: bool) -> list[Command]:
     # -s: each case prints its median as it finishes, so a cut-short run still says
     # what it measured.
     return [
-        Command(_pytest("bench", "--benchmark-only", "-s", "-rfE",
-                        f"--benchmark-json={out / 'bench.json'}"), "bench.log"),
-        Command([PYTHON, "bench/report.py", str(out / "bench.json"), "--out", str(out)],
-                "bench.log"),
+        Command(
+            _pytest(
+                "bench", "--benchmark-only", "-s", "-rfE", f"--benchmark-json={out / 'bench.json'}"
+            ),
+            "bench.log",
+        ),
+        Command(
+            [PYTHON, "bench/report.py", str(out / "bench.json"), "--out", str(out)], "bench.log"
+        ),
     ]
 
 
 def _bench_workloads() -> list[Command]:
-    return [Command(_pytest("bench", "--benchmark-disable", "-q"), "bench.log",
-                    {"MPGEMM_BENCH_SCALE": "gpu"})]
+    return [
+        Command(
+            _pytest("bench", "--benchmark-disable", "-q"),
+            "bench.log",
+            {"MPGEMM_BENCH_SCALE": "gpu"},
+        )
+    ]
 
 
 # -- train ------------------------------------------------------------------------------
@@ -103,13 +113,51 @@ def _bench_workloads() -> list[Command]:
 # The TensorFlow mixed-precision guide's MLP (784 -> 4096 -> 4096 -> 10, batch 8192) and
 # the small MLP that mixed precision is known to slow down (784 -> 128 -> 10, batch 128).
 TRAIN_RUNS = {
-    "train_guide_mlp": ["--data", "synthetic", "--features", "784", "--samples", "65536",
-                        "--hidden", "4096,4096", "--batch-size", "8192", "--steps", "200"],
-    "train_small_mlp": ["--data", "synthetic", "--features", "784", "--samples", "60000",
-                        "--hidden", "128", "--batch-size", "128", "--steps", "1000"],
+    "train_guide_mlp": [
+        "--data",
+        "synthetic",
+        "--features",
+        "784",
+        "--samples",
+        "65536",
+        "--hidden",
+        "4096,4096",
+        "--batch-size",
+        "8192",
+        "--steps",
+        "200",
+    ],
+    "train_small_mlp": [
+        "--data",
+        "synthetic",
+        "--features",
+        "784",
+        "--samples",
+        "60000",
+        "--hidden",
+        "128",
+        "--batch-size",
+        "128",
+        "--steps",
+        "1000",
+    ],
 }
-_TRAIN_TOY = ["--data", "synthetic", "--features", "32", "--samples", "512", "--hidden", "16",
-              "--batch-size", "64", "--steps", "12", "--device", "cpu"]
+_TRAIN_TOY = [
+    "--data",
+    "synthetic",
+    "--features",
+    "32",
+    "--samples",
+    "512",
+    "--hidden",
+    "16",
+    "--batch-size",
+    "64",
+    "--steps",
+    "12",
+    "--device",
+    "cpu",
+]
 
 
 def _train(args: list[str], *options: str) -> list[str]:
@@ -117,23 +165,28 @@ def _train(args: list[str], *options: str) -> list[str]:
 
 
 def _train_commands(out: Path, dry: bool) -> list[Command]:
-    return [Command(_train(_TRAIN_TOY if dry else args, "--mode", "all", "--out", str(out / run)),
-                    f"{run}/train.log")
-            for run, args in TRAIN_RUNS.items()]
+    return [
+        Command(
+            _train(_TRAIN_TOY if dry else args, "--mode", "all", "--out", str(out / run)),
+            f"{run}/train.log",
+        )
+        for run, args in TRAIN_RUNS.items()
+    ]
 
 
 def _train_workloads() -> list[Command]:
     # mpgemm's mode alone launches mpgemm kernels; on the CPU, with launches recorded.
-    return [Command(_train(args, "--mode", "mpgemm", "--device", "cpu"), f"{run}/train.log")
-            for run, args in TRAIN_RUNS.items()]
+    return [
+        Command(_train(args, "--mode", "mpgemm", "--device", "cpu"), f"{run}/train.log")
+        for run, args in TRAIN_RUNS.items()
+    ]
 
 
 # -- tests ------------------------------------------------------------------------------
 
 # Not on the GPU: the compile check runs the GPU compiler anyway, and this runbook's own
 # tests are about the CPU.
-_NOT_ON_GPU = ["--ignore", "tests/test_hopper_compile.py",
-               "--ignore", "tests/test_gpu_check.py"]
+_NOT_ON_GPU = ["--ignore", "tests/test_hopper_compile.py", "--ignore", "tests/test_gpu_check.py"]
 _TESTS_TOY = ["tests/test_errors.py"]
 # One autotune config per launch: each kernel compiles once, not once per config.
 _SINGLE_CONFIG = {"MPGEMM_SINGLE_CONFIG": "1"}
@@ -142,10 +195,24 @@ _SINGLE_CONFIG = {"MPGEMM_SINGLE_CONFIG": "1"}
 def _tests_commands(out: Path, dry: bool) -> list[Command]:
     workers = "2" if dry else str(TEST_WORKERS)
     # loadfile: a file's tests share a worker, and so mostly its kernels' compiles.
-    return [Command(_pytest(*(_TESTS_TOY if dry else _NOT_ON_GPU), "-n", workers,
-                            "--dist", "loadfile", "--timeout", "180", "-v", "-rfE",
-                            f"--junitxml={out / 'junit.xml'}"),
-                    "tests.log", _SINGLE_CONFIG)]
+    return [
+        Command(
+            _pytest(
+                *(_TESTS_TOY if dry else _NOT_ON_GPU),
+                "-n",
+                workers,
+                "--dist",
+                "loadfile",
+                "--timeout",
+                "180",
+                "-v",
+                "-rfE",
+                f"--junitxml={out / 'junit.xml'}",
+            ),
+            "tests.log",
+            _SINGLE_CONFIG,
+        )
+    ]
 
 
 def _tests_workloads() -> list[Command]:
@@ -155,14 +222,35 @@ def _tests_workloads() -> list[Command]:
 STAGES = {
     stage.name: stage
     for stage in (
-        Stage("bench", ["env.txt", "bench.log", "bench.json", "report.md", "speedup.png"],
-              _bench_commands, _bench_workloads, precompile=True, run_s=90),
-        Stage("train", ["env.txt"] + [f"{run}/{name}" for run in TRAIN_RUNS
-                                      for name in ("train.log", "results.json",
-                                                   "results.png")],
-              _train_commands, _train_workloads, precompile=True, run_s=60),
-        Stage("tests", ["env.txt", "tests.log", "junit.xml"],
-              _tests_commands, _tests_workloads, precompile=False, run_s=90),
+        Stage(
+            "bench",
+            ["env.txt", "bench.log", "bench.json", "report.md", "speedup.png"],
+            _bench_commands,
+            _bench_workloads,
+            precompile=True,
+            run_s=90,
+        ),
+        Stage(
+            "train",
+            ["env.txt"]
+            + [
+                f"{run}/{name}"
+                for run in TRAIN_RUNS
+                for name in ("train.log", "results.json", "results.png")
+            ],
+            _train_commands,
+            _train_workloads,
+            precompile=True,
+            run_s=60,
+        ),
+        Stage(
+            "tests",
+            ["env.txt", "tests.log", "junit.xml"],
+            _tests_commands,
+            _tests_workloads,
+            precompile=False,
+            run_s=90,
+        ),
     )
 }
 
@@ -178,9 +266,16 @@ def _run(command: Command, out: Path, deadline: float, env: dict[str, str]) -> i
     print(f"$ {' '.join(command.argv)}", flush=True)
     with open(log, "a") as sink:
         sink.write(f"$ {' '.join(command.argv)}\n")
-        proc = subprocess.Popen(command.argv, cwd=ROOT, env={**env, **command.env},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            command.argv,
+            cwd=ROOT,
+            env={**env, **command.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         stopper = _Stopper(proc, deadline)
         for line in proc.stdout:
             sys.stdout.write(line)
@@ -225,21 +320,51 @@ def _environment(dry: bool) -> dict[str, str]:
     return env
 
 
-_VERSIONS = ("import torch, triton, mpgemm; print('torch', torch.__version__, 'triton', "
-             "triton.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() "
-             "and torch.cuda.get_device_name())")
+_VERSIONS = (
+    "import torch, triton, mpgemm; print('torch', torch.__version__, 'triton', "
+    "triton.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() "
+    "and torch.cuda.get_device_name())"
+)
 
 
 def _set_up(out: Path, dry: bool, env: dict[str, str]) -> bool:
     """Install, check the GPU, write env.txt; False when a step failed."""
-    steps = [] if dry else [
-        Command([PYTHON, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-                 "-e", "."], "env.txt"),
-        Command(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,"
-                 "memory.total", "--format=csv"], "env.txt"),
-        Command([PYTHON, "-c", "import torch; assert torch.cuda.is_available(), "
-                 "'torch sees no GPU'"], "env.txt"),
-    ]
+    steps = (
+        []
+        if dry
+        else [
+            Command(
+                [
+                    PYTHON,
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--no-build-isolation",
+                    "--no-deps",
+                    "-e",
+                    ".",
+                ],
+                "env.txt",
+            ),
+            Command(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total",
+                    "--format=csv",
+                ],
+                "env.txt",
+            ),
+            Command(
+                [
+                    PYTHON,
+                    "-c",
+                    "import torch; assert torch.cuda.is_available(), 'torch sees no GPU'",
+                ],
+                "env.txt",
+            ),
+        ]
+    )
     steps.append(Command([PYTHON, "-c", _VERSIONS], "env.txt"))
     deadline = time.monotonic() + STAGE_SECONDS
     for step in steps:
@@ -269,8 +394,11 @@ def run_stage(stage: Stage, out: Path, dry: bool) -> int:
     failed = 0
     for command in stage.commands(out, dry):
         failed += _run(command, out, deadline, env) != 0
-    print(f"gpu_check: stage {stage.name} took {time.monotonic() - start:.0f} s, "
-          f"{failed} command(s) failed", flush=True)
+    print(
+        f"gpu_check: stage {stage.name} took {time.monotonic() - start:.0f} s, "
+        f"{failed} command(s) failed",
+        flush=True,
+    )
     return 1 if failed else 0
 
 
@@ -283,8 +411,13 @@ def plan_stage(stage: Stage) -> tuple[int, int]:
         env = _environment(dry=True)
         env["MPGEMM_RECORD_LAUNCHES"] = str(records_path)
         for workload in stage.workloads():
-            subprocess.run(workload.argv, cwd=ROOT, env={**env, **workload.env},
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                workload.argv,
+                cwd=ROOT,
+                env={**env, **workload.env},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         text = records_path.read_text() if records_path.exists() else ""
     records = [json.loads(line) for line in text.splitlines()]
     tuned = {json.dumps(r["tune_key"]): r["configs"] for r in records if r["tune_key"]}
@@ -297,8 +430,11 @@ def plan() -> int:
         compiles, tuned = plan_stage(stage)
         estimate = stage.estimate(compiles, tuned)
         over += estimate > STAGE_SECONDS
-        print(f"stage {stage.name}: {compiles} compiles, {len(stage.files)} files, "
-              f"estimate {estimate:.0f} s", flush=True)
+        print(
+            f"stage {stage.name}: {compiles} compiles, {len(stage.files)} files, "
+            f"estimate {estimate:.0f} s",
+            flush=True,
+        )
     return 1 if over else 0
 
 

@@ -57,8 +57,9 @@ def report(name: str, fn, out: Path) -> None:
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
-    text.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
-                                          max_name_column_width=70))
+    text.append(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    )
     trace = out / f"{name.replace(' ', '_')}.trace.json"
     prof.export_chrome_trace(str(trace))
     text.append(_last_call_kernels(trace, calls=5))
@@ -82,17 +83,22 @@ def report(name: str, fn, out: Path) -> None:
 def _last_call_kernels(trace: Path, calls: int) -> str:
     """The kernels of the last of ``calls`` profiled calls: start (us from the first),
     duration (us), name, grid, shared memory."""
-    events = sorted((e for e in json.loads(trace.read_text())["traceEvents"]
-                     if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    last = events[-(len(events) // calls):]
+    events = sorted(
+        (e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"),
+        key=lambda e: e["ts"],
+    )
+    last = events[-(len(events) // calls) :]
     t0 = last[0]["ts"]
-    rows = [f"{e['ts'] - t0:9.1f} {e['dur']:8.1f}  {e['name'][:70]:70s} "
-            f"grid={e['args'].get('grid')} smem={e['args'].get('shared memory')}"
-            for e in last]
+    rows = [
+        f"{e['ts'] - t0:9.1f} {e['dur']:8.1f}  {e['name'][:70]:70s} "
+        f"grid={e['args'].get('grid')} smem={e['args'].get('shared memory')}"
+        for e in last
+    ]
     busy = sum(e["dur"] for e in last)
     span = last[-1]["ts"] + last[-1]["dur"] - t0
-    return "\n".join([f"kernels of one call: {len(last)}, busy {busy:.0f} us, span {span:.0f} us",
-                      *rows])
+    return "\n".join(
+        [f"kernels of one call: {len(last)}, busy {busy:.0f} us, span {span:.0f} us", *rows]
+    )
 
 
 @triton.jit
@@ -140,8 +146,10 @@ def sync_sites(out: Path) -> None:
     """Where a step synchronises with the GPU: the Python stack of each synchronising
     CUDA call of one step after warm-up (torch.cuda.set_sync_debug_mode)."""
     lines = ["## host synchronisations per step, with where they happen"]
-    for name, build in {"guide mpgemm": lambda: step_case("mpgemm", 8192, (4096, 4096), False),
-                        "small mpgemm": lambda: step_case("mpgemm", 128, (128,), False)}.items():
+    for name, build in {
+        "guide mpgemm": lambda: step_case("mpgemm", 8192, (4096, 4096), False),
+        "small mpgemm": lambda: step_case("mpgemm", 128, (128,), False),
+    }.items():
         step = build()
         for _ in range(3):
             step()

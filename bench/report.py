@@ -41,7 +41,8 @@ def add_derived_metrics(benchmarks: list[dict]) -> None:
             if _is_ours(name):
                 ours["extra_info"]["ratio_to"] = {
                     impl: bench["stats"]["median"] / ours["stats"]["median"]
-                    for impl, bench in impls.items() if not _is_ours(impl)
+                    for impl, bench in impls.items()
+                    if not _is_ours(impl)
                 }
 
 
@@ -65,10 +66,16 @@ def markdown(data: dict) -> str:
     for group, rows in _rows(data["benchmarks"]).items():
         baselines = sorted({b for r in rows for b in r["extra_info"].get("ratio_to", {})})
         rate = "TFLOP/s" if any("tflops" in r["extra_info"] for r in rows) else "GB/s"
-        lines += [f"### {group}", "",
-                  "| case | impl | ms | " + rate + " | peak MiB | " +
-                  " | ".join(f"x {b}" for b in baselines) + " |",
-                  "|---" * (5 + len(baselines)) + "|"]
+        lines += [
+            f"### {group}",
+            "",
+            "| case | impl | ms | "
+            + rate
+            + " | peak MiB | "
+            + " | ".join(f"x {b}" for b in baselines)
+            + " |",
+            "|---" * (5 + len(baselines)) + "|",
+        ]
         for row in rows:
             info = row["extra_info"]
             value = info.get("tflops", info.get("gb_per_s"))
@@ -76,9 +83,12 @@ def markdown(data: dict) -> str:
             peak = info.get("peak_memory_mb")
             lines.append(
                 f"| {info['case']} | {info['impl']} | {row['stats']['median'] * 1e3:.3f} | "
-                + ("-" if value is None else f"{value:.3g}") + " | "
-                + ("-" if peak is None else f"{peak:.0f}") + " | "
-                + " | ".join("-" if r is None else f"{r:.2f}" for r in ratios) + " |"
+                + ("-" if value is None else f"{value:.3g}")
+                + " | "
+                + ("-" if peak is None else f"{peak:.0f}")
+                + " | "
+                + " | ".join("-" if r is None else f"{r:.2f}" for r in ratios)
+                + " |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -96,16 +106,16 @@ def figure(data: dict, path: Path) -> None:
         names = [r["extra_info"]["case"] for r in rows]
         baselines = sorted({b for r in rows for b in r["extra_info"].get("ratio_to", {})})
         for baseline in baselines:
-            ratios = [r["extra_info"].get("ratio_to", {}).get(baseline, float("nan"))
-                      for r in rows]
+            ratios = [r["extra_info"].get("ratio_to", {}).get(baseline, float("nan")) for r in rows]
             ax.plot(names, ratios, "o-", label=f"vs {baseline}")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set(title=group, ylabel="mpgemm speedup")
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         ax.legend(fontsize=8)
     env = data["machine_info"].get("mpgemm", {})
-    fig.suptitle(f"{env.get('gpu', env.get('device', '?'))}: speedup of mpgemm "
-                 "(baseline time / mpgemm time)")
+    fig.suptitle(
+        f"{env.get('gpu', env.get('device', '?'))}: speedup of mpgemm (baseline time / mpgemm time)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -13,9 +13,15 @@ pytestmark = pytest.mark.benchmark(group="linear")
 
 # (tokens, in, out): the guide's MLP layers, the small MLP, a transformer's MLP.
 SHAPES = (
-    [(8192, 784, 4096), (8192, 4096, 4096), (128, 784, 128), (8192, 4096, 11008),
-     (8192, 11008, 4096)]
-    if GPU_SCALE else [(64, 48, 32), (128, 96, 64)]
+    [
+        (8192, 784, 4096),
+        (8192, 4096, 4096),
+        (128, 784, 128),
+        (8192, 4096, 11008),
+        (8192, 11008, 4096),
+    ]
+    if GPU_SCALE
+    else [(64, 48, 32), (128, 96, 64)]
 )
 PHASES = {"forward": 2, "backward": 4, "forward_backward": 6}
 
@@ -50,7 +56,12 @@ def test_linear(run_case, device, shape, phase, impl):
     if phase == "forward":
         run_case(forward, case=case, impl=impl, flops=flops)
     elif phase == "backward":
-        run_case(lambda y: y.backward(grad), setup=lambda: ((forward(),), {}),
-                 case=case, impl=impl, flops=flops)
+        run_case(
+            lambda y: y.backward(grad),
+            setup=lambda: ((forward(),), {}),
+            case=case,
+            impl=impl,
+            flops=flops,
+        )
     else:
         run_case(lambda: forward().backward(grad), case=case, impl=impl, flops=flops)

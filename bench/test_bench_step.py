@@ -20,7 +20,8 @@ pytestmark = pytest.mark.benchmark(group="step")
 MODELS = (
     [("guide", 8192, (4096, 4096)), ("small", 128, (128,))]
     + [(f"width4096 batch{b}", b, (4096, 4096)) for b in (256, 1024, 4096, 16384)]
-    if GPU_SCALE else [("tiny", 32, (64,)), ("tiny batch128", 128, (64, 64))]
+    if GPU_SCALE
+    else [("tiny", 32, (64,)), ("tiny batch128", 128, (64, 64))]
 )
 FEATURES, CLASSES = (784, 10) if GPU_SCALE else (48, 10)
 # impl -> (mode, torch optimizer fused, mpgemm step as a CUDA graph)
@@ -53,8 +54,7 @@ def test_training_step(run_case, device, model, impl):
     mode, fused, cuda_graph = IMPLS[impl]
     if cuda_graph and not ON_GPU:
         pytest.skip("CUDA graphs need a GPU")
-    config = TrainConfig(hidden=hidden, batch_size=batch, device=str(device),
-                         cuda_graph=cuda_graph)
+    config = TrainConfig(hidden=hidden, batch_size=batch, device=str(device), cuda_graph=cuda_graph)
     torch.manual_seed(0)
     net = build_mlp(FEATURES, hidden, CLASSES).to(device)
     recipe = Recipe(mode, net, config, fused_torch_optimizer=fused)
@@ -67,5 +67,12 @@ def test_training_step(run_case, device, model, impl):
         for _ in range(5):  # compile, autotune (and capture) before counting syncs
             recipe.step(x, y)
         host_syncs = _host_syncs(lambda: recipe.step(x, y))
-    run_case(lambda: recipe.step(x, y), case=name, impl=impl, flops=flops, wall_clock=True,
-             batch=batch, host_syncs=host_syncs)
+    run_case(
+        lambda: recipe.step(x, y),
+        case=name,
+        impl=impl,
+        flops=flops,
+        wall_clock=True,
+        batch=batch,
+        host_syncs=host_syncs,
+    )

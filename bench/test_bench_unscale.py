@@ -19,8 +19,11 @@ SETS = [f"mlp_{WIDTH}x{LAYERS}_fp32", f"{COUNT}x{MANY}_fp32", f"{COUNT}x{MANY}_f
 
 def _gradients(name, device):
     if name.startswith("mlp"):
-        return [t for _ in range(LAYERS) for t in (
-            torch.randn(WIDTH, WIDTH, device=device), torch.randn(WIDTH, device=device))]
+        return [
+            t
+            for _ in range(LAYERS)
+            for t in (torch.randn(WIDTH, WIDTH, device=device), torch.randn(WIDTH, device=device))
+        ]
     dtype = torch.float16 if name.endswith("fp16") else torch.float32
     return [torch.randn(MANY, device=device, dtype=dtype) for _ in range(COUNT)]
 

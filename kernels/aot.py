@@ -105,8 +105,9 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     def module(x_dtype, *, activation, out_dtype=None, grad_x=True, shape=(m, k, n)):
         # A training step's layer: FP32 master weights, whose 16-bit copy the GEMMs read.
         rows, fan_in, fan_out = shape
-        layer = Linear(fan_in, fan_out, activation=activation, compute_dtype=half,
-                       out_dtype=out_dtype)
+        layer = Linear(
+            fan_in, fan_out, activation=activation, compute_dtype=half, out_dtype=out_dtype
+        )
         x = _tensor((rows, fan_in), x_dtype, aligned).requires_grad_(grad_x)
         return lambda: layer(x)
 
@@ -128,15 +129,16 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     if aligned:
         # The guide MLP's head: its weight gradient (10 x 4096 over a batch of 8192)
         # fills 32 tiles, so K is split (split_k_for) and a reduction adds the parts.
-        yield "step: head, batch 8192", module(half, activation=None, out_dtype=f32,
-                                                shape=(8192, 4096, 10))
+        yield (
+            "step: head, batch 8192",
+            module(half, activation=None, out_dtype=f32, shape=(8192, 4096, 10)),
+        )
     if half == torch.bfloat16:
         # BF16 changes only the MMA's input type: its step and plain product suffice.
         return
     # mpgemm.linear and matmul on what they are given: FP32 operands rounded in the kernel.
     yield "functional fp32 weight", functional(half, f32, bias=True, activation="relu")
-    yield "functional fp32 operands", functional(f32, f32, bias=True, activation=None,
-                                                 grad=False)
+    yield "functional fp32 operands", functional(f32, f32, bias=True, activation=None, grad=False)
     yield "matmul 16-bit", functional(half, half, bias=False, activation=None)
 
 
@@ -154,33 +156,70 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
         return [_tensor((5000,), dtype, aligned) for _ in range(2)]
 
     for src, dst in ((f32, f32), (f16, f16), (bf16, bf16), (f16, f32), (bf16, f32)):
-        yield f"unscale {src} -> {dst}", lambda s=src, d=dst: triton_unscale_(
-            tensors(s), torch.zeros(()), one, dst=tensors(d))
+        yield (
+            f"unscale {src} -> {dst}",
+            lambda s=src, d=dst: triton_unscale_(tensors(s), torch.zeros(()), one, dst=tensors(d)),
+        )
     for dtype in (f32, f16, bf16):
         yield f"check {dtype}", lambda d=dtype: triton_unscale_(tensors(d), torch.zeros(()), None)
     if aligned:
-        yield "scale update", lambda: triton_update_scale_(
-            torch.ones(()), torch.zeros((), dtype=torch.int32), torch.zeros(()), 2.0, 0.5, 2000)
+        yield (
+            "scale update",
+            lambda: triton_update_scale_(
+                torch.ones(()), torch.zeros((), dtype=torch.int32), torch.zeros(()), 2.0, 0.5, 2000
+            ),
+        )
     # (parameter, gradient, compute copy): FP32 masters of mpgemm.Linear layers get
     # their 16-bit copy written in the step; None: no copy.
-    for param, grad, copy in ((f32, f32, None), (f32, f16, None), (f32, bf16, None),
-                              (bf16, bf16, None), (f32, f32, f16), (f32, f32, bf16)):
+    for param, grad, copy in (
+        (f32, f32, None),
+        (f32, f16, None),
+        (f32, bf16, None),
+        (bf16, bf16, None),
+        (f32, f32, f16),
+        (f32, f32, bf16),
+    ):
         scaled = dict(inv_scale=one, found_inf=torch.zeros(()))
         name = f"{param} <- {grad}" + (f", copy {copy}" if copy else "")
 
         def copies(c=copy):
             return None if c is None else tensors(c)
 
-        yield f"sgd {name}", lambda p=param, g=grad, s=scaled, c=copies: triton_sgd_step_(
-            tensors(p), tensors(g), tensors(p), lr=0.1, momentum=0.9, weight_decay=0.0,
-            nesterov=False, maximize=False, compute_copies=c(), **s)
+        yield (
+            f"sgd {name}",
+            lambda p=param, g=grad, s=scaled, c=copies: triton_sgd_step_(
+                tensors(p),
+                tensors(g),
+                tensors(p),
+                lr=0.1,
+                momentum=0.9,
+                weight_decay=0.0,
+                nesterov=False,
+                maximize=False,
+                compute_copies=c(),
+                **s,
+            ),
+        )
         for decoupled in (False, True):
-            yield (f"adam{'w' if decoupled else ''} {name}",
-                   lambda p=param, g=grad, d=decoupled, s=scaled, c=copies: triton_adam_step_(
-                       tensors(p), tensors(g), tensors(p), tensors(p),
-                       [torch.ones(()) for _ in range(2)], lr=1e-3, beta1=0.9, beta2=0.999,
-                       eps=1e-8, weight_decay=0.01, decoupled_weight_decay=d, maximize=False,
-                       compute_copies=c(), **s))
+            yield (
+                f"adam{'w' if decoupled else ''} {name}",
+                lambda p=param, g=grad, d=decoupled, s=scaled, c=copies: triton_adam_step_(
+                    tensors(p),
+                    tensors(g),
+                    tensors(p),
+                    tensors(p),
+                    [torch.ones(()) for _ in range(2)],
+                    lr=1e-3,
+                    beta1=0.9,
+                    beta2=0.999,
+                    eps=1e-8,
+                    weight_decay=0.01,
+                    decoupled_weight_decay=d,
+                    maximize=False,
+                    compute_copies=c(),
+                    **s,
+                ),
+            )
 
 
 @dataclass(frozen=True)
@@ -267,7 +306,9 @@ def ptxas_report(ptx: str) -> dict:
             f.write(ptx)
         log = subprocess.run(
             [_ptxas_path(), "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.o")],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stderr
     registers = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -279,8 +320,10 @@ def ptxas_report(ptx: str) -> dict:
 
 # FP32 operations that round differently from torch's: approximate division, square
 # root, reciprocal, or flushing denormals to zero.
-_APPROX_FP32 = re.compile(r"\b(div\.(approx|full)|sqrt\.approx|rcp\.approx)[.\w]*\.f32\b"
-                          r"|\b(add|sub|mul|fma)\.\w*ftz\w*\.f32\b")
+_APPROX_FP32 = re.compile(
+    r"\b(div\.(approx|full)|sqrt\.approx|rcp\.approx)[.\w]*\.f32\b"
+    r"|\b(add|sub|mul|fma)\.\w*ftz\w*\.f32\b"
+)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -320,11 +363,14 @@ def compile_job(job: Job) -> dict:
         **ptxas_report(ptx),
     }
     if name in _GEMMS:
-        report.update(a_dtype=_DTYPE_NAMES[_operand(named, "a").dtype],
-                      b_dtype=_DTYPE_NAMES[_operand(named, "b").dtype],
-                      flags={k: v for k, v in kwargs.items() if k.isupper()})
-        report["ok"] = (report["wgmma"] and report["spill_bytes"] == 0
-                        and report["smem_bytes"] <= SMEM_BYTES)
+        report.update(
+            a_dtype=_DTYPE_NAMES[_operand(named, "a").dtype],
+            b_dtype=_DTYPE_NAMES[_operand(named, "b").dtype],
+            flags={k: v for k, v in kwargs.items() if k.isupper()},
+        )
+        report["ok"] = (
+            report["wgmma"] and report["spill_bytes"] == 0 and report["smem_bytes"] <= SMEM_BYTES
+        )
     else:
         # The loss-scaling kernels walk whole aligned blocks: their loads must be 16
         # bytes wide (the scale update and split-K's reduction have no such blocks).
@@ -347,9 +393,11 @@ def main() -> int:
     for report in reports:
         print(json.dumps(report))
     defects = sum(not report["ok"] for report in reports)
-    print(f"{len(reports)} kernels compiled for sm_90a, {defects} with a defect (GEMM: no "
-          "wgmma, spills or too much shared memory; loss scaling: spills, approximate FP32 "
-          "math, scalar loads)")
+    print(
+        f"{len(reports)} kernels compiled for sm_90a, {defects} with a defect (GEMM: no "
+        "wgmma, spills or too much shared memory; loss scaling: spills, approximate FP32 "
+        "math, scalar loads)"
+    )
     return 1 if defects else 0
 
 

@@ -80,8 +80,11 @@ def _hopper_configs() -> list[triton.Config]:
 def _single_config() -> list[triton.Config]:
     # One tile for every aligned launch kind and one for every unaligned one
     # (``fits_registers``): pruning leaves each launch one, so none is timed.
-    return [config for config in _hopper_configs() if tile(config) in
-            {(128, 128, 32, 8), (64, 128, 32, 8)}]
+    return [
+        config
+        for config in _hopper_configs()
+        if tile(config) in {(128, 128, 32, 8), (64, 128, 32, 8)}
+    ]
 
 
 def _interpreter_configs() -> list[triton.Config]:
@@ -100,7 +103,11 @@ _UNALIGNED_TILES = {(128, 64, 32, 8), (64, 128, 32, 8)}
 
 
 def fits_registers(
-    config: triton.Config, *, prologue: int, store_act_grad: bool, rowsum_a: bool,
+    config: triton.Config,
+    *,
+    prologue: int,
+    store_act_grad: bool,
+    rowsum_a: bool,
     aligned: bool,
 ) -> bool:
     """Whether ``config`` compiles without register spills for such a launch on Hopper.
@@ -125,7 +132,8 @@ def operands_aligned(tensors, strides) -> bool:
     multiple of 16: the specialisation that vectorises loads and pipelines the loop
     (``ALIGNED``)."""
     return all(t.data_ptr() % 16 == 0 for t in tensors) and all(
-        s == 1 or s % 16 == 0 for s in strides)
+        s == 1 or s % 16 == 0 for s in strides
+    )
 
 
 # The launch flags fits_registers decides by, as the kernel names them.
@@ -147,17 +155,32 @@ CONFIGS = _interpreter_configs() if INTERPRET else GPU_CONFIGS
 @triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET"])
 def _gemm_kernel(
     # operands and outputs
-    a_ptr, b_ptr, c_ptr, bias_ptr, s_ptr, g_ptr, r_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    s_ptr,
+    g_ptr,
+    r_ptr,
     # problem size: A is (M, K), B is (K, N), C is (M, N)
-    M, N, K,
+    M,
+    N,
+    K,
     # the autotune key's sizes (size_bucket)
-    M_BUCKET, N_BUCKET, K_BUCKET,
+    M_BUCKET,
+    N_BUCKET,
+    K_BUCKET,
     # strides, in elements
-    stride_am, stride_ak,
-    stride_bk, stride_bn,
-    stride_cm, stride_cn,
-    stride_sm, stride_sk,
-    stride_gm, stride_gn,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_sm,
+    stride_sk,
+    stride_gm,
+    stride_gn,
     stride_bias,
     # what to compute
     COMPUTE_BF16: tl.constexpr,
@@ -180,8 +203,9 @@ def _gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     # N == 0 still gets one column of programs when the row sums are wanted.
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M),
-                                tl.maximum(tl.cdiv(N, BLOCK_N), 1), GROUP_M)
+    pid_m, pid_n = grouped_tile(
+        tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.maximum(tl.cdiv(N, BLOCK_N), 1), GROUP_M
+    )
 
     if SPLIT_K == 1:
         k_lo = 0
@@ -219,8 +243,7 @@ def _gemm_kernel(
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if PROLOGUE != 0:
-            a = apply_prologue(a, tl.load(s_ptrs, mask=a_mask, other=0.0), PROLOGUE,
-                               INTERPRETED)
+            a = apply_prologue(a, tl.load(s_ptrs, mask=a_mask, other=0.0), PROLOGUE, INTERPRETED)
             s_ptrs += BLOCK_K * stride_sk
         if ROWSUM_A:
             # Only the first column of programs owns the row sums.
@@ -230,9 +253,25 @@ def _gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    store_epilogue(acc, offs_m, offs_n, M, N, c_ptr, bias_ptr, g_ptr,
-                   stride_cm, stride_cn, stride_gm, stride_gn, stride_bias,
-                   HAS_BIAS, ACTIVATION, STORE_ACT_GRAD, INTERPRETED)
+    store_epilogue(
+        acc,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        c_ptr,
+        bias_ptr,
+        g_ptr,
+        stride_cm,
+        stride_cn,
+        stride_gm,
+        stride_gn,
+        stride_bias,
+        HAS_BIAS,
+        ACTIVATION,
+        STORE_ACT_GRAD,
+        INTERPRETED,
+    )
     if ROWSUM_A:
         if pid_n == 0:
             tl.store(r_ptr + rows, rowsum, mask=mask_m)
@@ -240,9 +279,14 @@ def _gemm_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(
-    partial_ptr, c_ptr, partial_rowsum_ptr, r_ptr,
-    M, N,
-    stride_cm, stride_cn,
+    partial_ptr,
+    c_ptr,
+    partial_rowsum_ptr,
+    r_ptr,
+    M,
+    N,
+    stride_cm,
+    stride_cn,
     SPLIT_K: tl.constexpr,
     ROWSUM_A: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -259,29 +303,39 @@ def _split_k_reduce_kernel(
     plane = M.to(tl.int64) * N  # one split's partial C
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
-        acc += tl.load(partial_ptr + split * plane + rows[:, None] * N + cols[None, :],
-                       mask=mask, other=0.0)
+        acc += tl.load(
+            partial_ptr + split * plane + rows[:, None] * N + cols[None, :], mask=mask, other=0.0
+        )
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=mask)
     if ROWSUM_A:
         if pid_n == 0:
             rowsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):
-                rowsum += tl.load(partial_rowsum_ptr + split * M + rows, mask=rows < M,
-                                  other=0.0)
+                rowsum += tl.load(partial_rowsum_ptr + split * M + rows, mask=rows < M, other=0.0)
             tl.store(r_ptr + rows, rowsum, mask=rows < M)
 
 
 # Every flag that changes the code or the pruned config list is part of the key
 # (triton adds the tensors' dtypes itself).
 _AUTOTUNE_KEY = [
-    "M_BUCKET", "N_BUCKET", "K_BUCKET",
-    "COMPUTE_BF16", "PROLOGUE", "HAS_BIAS", "ACTIVATION", "STORE_ACT_GRAD", "ROWSUM_A",
-    "ALIGNED", "SPLIT_K",
+    "M_BUCKET",
+    "N_BUCKET",
+    "K_BUCKET",
+    "COMPUTE_BF16",
+    "PROLOGUE",
+    "HAS_BIAS",
+    "ACTIVATION",
+    "STORE_ACT_GRAD",
+    "ROWSUM_A",
+    "ALIGNED",
+    "SPLIT_K",
 ]
 # Tuned configs are kept on disk too (triton's cache): a new process reuses them.
 gemm_kernel = triton.autotune(
-    configs=CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs},
+    configs=CONFIGS,
+    key=_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": _prune_configs},
     cache_results=True,
 )(_gemm_kernel)
 
@@ -336,8 +390,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def takes_tma(a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype,
-              splits: int = 1) -> bool:
+def takes_tma(
+    a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype, splits: int = 1
+) -> bool:
     """Whether ``triton_gemm`` runs the TMA kernel for these operands."""
     return _tma_eligible(a, b, compute_dtype, splits) is not None
 
@@ -354,20 +409,29 @@ def _tma_layout(a, b, compute_dtype, splits) -> tuple[bool, bool] | None:
     if layout is None and _kernel == "tma":
         raise ValueError(
             "the TMA GEMM needs A and B in the compute dtype, 16-byte-aligned, each with a "
-            "unit stride and no split of K; this launch does not qualify")
+            "unit stride and no split of K; this launch does not qualify"
+        )
     return layout
 
 
-def prologue_and_rowsum(a: torch.Tensor, prologue: str | None, s: torch.Tensor | None,
-                        compute_dtype: torch.dtype, r: torch.Tensor | None) -> torch.Tensor:
+def prologue_and_rowsum(
+    a: torch.Tensor,
+    prologue: str | None,
+    s: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+    r: torch.Tensor | None,
+) -> torch.Tensor:
     """What the TMA kernel does not fuse, by torch ops, each a pass over A in A's layout:
     A' = A * f(S) in the compute dtype (the pointer kernel's prologue: the ReLU mask by
     threshold_backward's rule, or the product in FP32 rounded once, as its dot rounds it)
     and R = the FP32 row sums of A' before that rounding, written into ``r``."""
     if prologue == "relu_mask":
         # Exact: a masked 16-bit value stays one. threshold_backward is one pass.
-        a = (torch.ops.aten.threshold_backward(a, s, 0) if s.dtype == a.dtype
-             else torch.where(s <= 0, 0.0, a))
+        a = (
+            torch.ops.aten.threshold_backward(a, s, 0)
+            if s.dtype == a.dtype
+            else torch.where(s <= 0, 0.0, a)
+        )
         exact = a
     elif prologue == "mul":
         exact = torch.mul(a if s.dtype == torch.float32 else a.float(), s)  # FP32
@@ -431,31 +495,53 @@ def triton_gemm(
         if prologue is not None or rowsum_a:
             a = prologue_and_rowsum(a, prologue, prologue_operand, compute_dtype, r)
             layout = gemm_tma.tma_layout(a, b, compute_dtype)
-        gemm_tma.launch_tma_gemm(a, b, c, bias=bias, g=g, layout=layout,
-                                 sms=multiprocessors(a.device), flags=flags)
+        gemm_tma.launch_tma_gemm(
+            a, b, c, bias=bias, g=g, layout=layout, sms=multiprocessors(a.device), flags=flags
+        )
         return c, g, r
 
     grid = lambda meta: (  # noqa: E731
-        cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1), splits,
+        cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1),
+        splits,
     )
     operands = [t for t in (a, b, c, bias, s, g, r) if t is not None]
-    strides = [*a.stride(), *b.stride(), *c.stride()[-2:], *s.stride(),
-               *(g.stride() if g is not None else ())]
-    flags.update(PROLOGUE=PROLOGUES[prologue], ROWSUM_A=rowsum_a,
-                 ALIGNED=operands_aligned(operands, strides), SPLIT_K=splits)
+    strides = [
+        *a.stride(),
+        *b.stride(),
+        *c.stride()[-2:],
+        *s.stride(),
+        *(g.stride() if g is not None else ()),
+    ]
+    flags.update(
+        PROLOGUE=PROLOGUES[prologue],
+        ROWSUM_A=rowsum_a,
+        ALIGNED=operands_aligned(operands, strides),
+        SPLIT_K=splits,
+    )
     launch(
-        gemm_kernel, grid,
-        a, b, c,
+        gemm_kernel,
+        grid,
+        a,
+        b,
+        c,
         bias if bias is not None else c,
         s,
         g if g is not None else c,
         r if r is not None else c,
-        M, N, K,
-        size_bucket(M), size_bucket(N), size_bucket(K),
-        a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1),
-        c.stride(-2), c.stride(-1),
-        s.stride(0), s.stride(1),
+        M,
+        N,
+        K,
+        size_bucket(M),
+        size_bucket(N),
+        size_bucket(K),
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(-2),
+        c.stride(-1),
+        s.stride(0),
+        s.stride(1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
         gpu_configs=_prune_configs(GPU_CONFIGS, {}, **flags) if intercepting() else (),
@@ -466,9 +552,19 @@ def triton_gemm(
         launch(
             _split_k_reduce_kernel,
             (cdiv(M, block), max(cdiv(N, block), 1)),
-            c, result, r if r is not None else c, row_sums if row_sums is not None else c,
-            M, N, result.stride(0), result.stride(1),
-            SPLIT_K=splits, ROWSUM_A=rowsum_a, INTERPRETED=INTERPRET,
-            BLOCK_M=block, BLOCK_N=block, num_warps=4,
+            c,
+            result,
+            r if r is not None else c,
+            row_sums if row_sums is not None else c,
+            M,
+            N,
+            result.stride(0),
+            result.stride(1),
+            SPLIT_K=splits,
+            ROWSUM_A=rowsum_a,
+            INTERPRETED=INTERPRET,
+            BLOCK_M=block,
+            BLOCK_N=block,
+            num_warps=4,
         )
     return result, g, row_sums

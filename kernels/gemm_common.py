@@ -53,7 +53,9 @@ def tile_configs(tiles, pre_hook=None) -> list[triton.Config]:
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-            num_stages=stages, num_warps=warps, pre_hook=pre_hook,
+            num_stages=stages,
+            num_warps=warps,
+            pre_hook=pre_hook,
         )
         for bm, bn, bk, stages, warps in tiles
     ]
@@ -88,10 +90,22 @@ def gelu_and_derivative(z):
 
 @triton.jit
 def store_epilogue(
-    acc, offs_m, offs_n, M, N,
-    c_ptr, bias_ptr, g_ptr,
-    stride_cm, stride_cn, stride_gm, stride_gn, stride_bias,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_ACT_GRAD: tl.constexpr,
+    acc,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    c_ptr,
+    bias_ptr,
+    g_ptr,
+    stride_cm,
+    stride_cn,
+    stride_gm,
+    stride_gn,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_ACT_GRAD: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """C[offs_m, offs_n] = act(acc + bias), rounded once to C's dtype, and G = act'(.)

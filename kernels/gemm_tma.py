@@ -77,8 +77,11 @@ def _single_config() -> list[triton.Config]:
 
 
 def _interpreter_configs() -> list[triton.Config]:
-    return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4},
-                          pre_hook=_set_block_shapes)]
+    return [
+        triton.Config(
+            {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, pre_hook=_set_block_shapes
+        )
+    ]
 
 
 # Shared memory a block may have on an H100 (227 KB).
@@ -109,9 +112,15 @@ def fits(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> bool:
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    return [config for config in configs if fits(
-        config, c_bytes=named_args["c_ptr"].element_size(),
-        store_act_grad=kwargs["STORE_ACT_GRAD"])]
+    return [
+        config
+        for config in configs
+        if fits(
+            config,
+            c_bytes=named_args["c_ptr"].element_size(),
+            store_act_grad=kwargs["STORE_ACT_GRAD"],
+        )
+    ]
 
 
 GPU_CONFIGS = _single_config() if SINGLE_CONFIG else _hopper_configs()
@@ -132,14 +141,23 @@ def _load_tile(desc, off_rows, off_cols, TRANSPOSED: tl.constexpr):
 @triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET"])
 def _gemm_tma_kernel(
     # operands (descriptors) and outputs (pointers)
-    a_desc, b_desc,
-    c_ptr, bias_ptr, g_ptr,
+    a_desc,
+    b_desc,
+    c_ptr,
+    bias_ptr,
+    g_ptr,
     # problem size: A is (M, K), B is (K, N), C is (M, N)
-    M, N, K,
+    M,
+    N,
+    K,
     # the autotune key's sizes (size_bucket)
-    M_BUCKET, N_BUCKET, K_BUCKET,
-    stride_cm, stride_cn,
-    stride_gm, stride_gn,
+    M_BUCKET,
+    N_BUCKET,
+    K_BUCKET,
+    stride_cm,
+    stride_cn,
+    stride_gm,
+    stride_gn,
     stride_bias,
     # what to compute, as in the pointer kernel
     COMPUTE_BF16: tl.constexpr,
@@ -175,18 +193,43 @@ def _gemm_tma_kernel(
             acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        store_epilogue(acc, offs_m, offs_n, M, N, c_ptr, bias_ptr, g_ptr,
-                       stride_cm, stride_cn, stride_gm, stride_gn, stride_bias,
-                       HAS_BIAS, ACTIVATION, STORE_ACT_GRAD, INTERPRETED)
+        store_epilogue(
+            acc,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            c_ptr,
+            bias_ptr,
+            g_ptr,
+            stride_cm,
+            stride_cn,
+            stride_gm,
+            stride_gn,
+            stride_bias,
+            HAS_BIAS,
+            ACTIVATION,
+            STORE_ACT_GRAD,
+            INTERPRETED,
+        )
 
 
 _AUTOTUNE_KEY = [
-    "M_BUCKET", "N_BUCKET", "K_BUCKET",
-    "COMPUTE_BF16", "HAS_BIAS", "ACTIVATION", "STORE_ACT_GRAD", "A_T", "B_T",
+    "M_BUCKET",
+    "N_BUCKET",
+    "K_BUCKET",
+    "COMPUTE_BF16",
+    "HAS_BIAS",
+    "ACTIVATION",
+    "STORE_ACT_GRAD",
+    "A_T",
+    "B_T",
 ]
 # (triton adds C's dtype, which pruning reads, to the key itself.)
 gemm_tma_kernel = triton.autotune(
-    configs=CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs},
+    configs=CONFIGS,
+    key=_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": _prune_configs},
     cache_results=True,
 )(_gemm_tma_kernel)
 
@@ -195,12 +238,17 @@ def _describable(t: torch.Tensor, transposed: bool) -> bool:
     """Whether a TMA descriptor can describe ``t`` (or t.T when ``transposed``): a unit
     stride last, the other stride and the base 16-byte aligned, no empty dimension."""
     rows, cols = t.t().stride() if transposed else t.stride()
-    return (cols == 1 and (rows * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-            and t.numel() > 0)
+    return (
+        cols == 1
+        and (rows * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
+        and t.numel() > 0
+    )
 
 
-def tma_layout(a: torch.Tensor, b: torch.Tensor,
-               compute_dtype: torch.dtype) -> tuple[bool, bool] | None:
+def tma_layout(
+    a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype
+) -> tuple[bool, bool] | None:
     """(A_T, B_T) for a launch the TMA kernel can run, else None: A and B already in
     the compute dtype (the TMA kernel converts nothing), each describable as itself or
     as its transpose."""
@@ -234,8 +282,14 @@ def _descriptor(t: torch.Tensor, transposed: bool) -> TensorDescriptor:
 
 
 def launch_tma_gemm(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *,
-    bias: torch.Tensor | None, g: torch.Tensor | None, layout: tuple[bool, bool], sms: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    bias: torch.Tensor | None,
+    g: torch.Tensor | None,
+    layout: tuple[bool, bool],
+    sms: int,
     flags: dict,
 ) -> None:
     """Launch the TMA kernel (``triton_gemm`` has allocated the outputs and checked
@@ -252,17 +306,23 @@ def launch_tma_gemm(
         return (min(sms, tiles),)
 
     launch(
-        gemm_tma_kernel, grid,
-        _descriptor(a, a_t), _descriptor(b, b_t),
+        gemm_tma_kernel,
+        grid,
+        _descriptor(a, a_t),
+        _descriptor(b, b_t),
         c,
         bias if bias is not None else c,
         g if g is not None else c,
-        M, N, K,
-        size_bucket(M), size_bucket(N), size_bucket(K),
-        c.stride(0), c.stride(1),
+        M,
+        N,
+        K,
+        size_bucket(M),
+        size_bucket(N),
+        size_bucket(K),
+        c.stride(0),
+        c.stride(1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
-        gpu_configs=(_prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags)
-                     if intercepting() else ()),
+        gpu_configs=(_prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags) if intercepting() else ()),
         **flags,
     )

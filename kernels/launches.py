@@ -85,16 +85,22 @@ def launch_options(kernel, args: tuple, kwargs: dict, config: triton.Config | No
         return dict(kwargs)
     if config.pre_hook is not None:
         config.pre_hook({**named_arguments(kernel, args, kwargs), **config.all_kwargs()})
-    return {**kwargs, **config.kwargs, "num_warps": config.num_warps,
-            "num_stages": config.num_stages}
+    return {
+        **kwargs,
+        **config.kwargs,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
 
 
 def compile_launch(kernel, grid, args, kwargs, configs) -> list:
     """The interceptor that compiles: the JIT's binaries for this launch (one per
     config), as the JIT would build them to run it (``warmup``)."""
     jit = jit_function(kernel)
-    return [jit.warmup(*args, grid=grid, **launch_options(kernel, args, kwargs, config))
-            for config in (configs or [None])]
+    return [
+        jit.warmup(*args, grid=grid, **launch_options(kernel, args, kwargs, config))
+        for config in (configs or [None])
+    ]
 
 
 def record_launch(kernel, grid, args, kwargs, configs, *, path: str) -> None:
@@ -105,8 +111,10 @@ def record_launch(kernel, grid, args, kwargs, configs, *, path: str) -> None:
     runtime = named_arguments(kernel, args, {})
     record = {
         "kernel": jit_function(kernel).fn.__name__,
-        "specialization": {**{name: _specialization(value) for name, value in runtime.items()},
-                           **{name: _plain(value) for name, value in kwargs.items()}},
+        "specialization": {
+            **{name: _specialization(value) for name, value in runtime.items()},
+            **{name: _plain(value) for name, value in kwargs.items()},
+        },
         "tune_key": None,
         "configs": 1,
     }

@@ -42,9 +42,15 @@ from mpgemm.kernels.tensor_table import (
 
 
 @triton.jit
-def _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE: tl.constexpr,
-                   HAS_INV_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
+def _unscaled_grad(
+    g_ptr,
+    mask,
+    inv_scale_ptr,
+    GRAD_DTYPE: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """The block's gradient in FP32, unscaled and rounded to its own dtype as
     ``GradScaler.unscale_`` would leave it (and left so in the gradient tensor, as
     torch's optimizers leave it after ``scaler.step``), negated to maximise."""
@@ -59,8 +65,16 @@ def _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def _store_param(p_ptr, c_ptr, p, mask, PARAM_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
-                 HAS_COPY: tl.constexpr, INTERPRETED: tl.constexpr):
+def _store_param(
+    p_ptr,
+    c_ptr,
+    p,
+    mask,
+    PARAM_DTYPE: tl.constexpr,
+    COPY_DTYPE: tl.constexpr,
+    HAS_COPY: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """Store the updated parameter, and its compute copy rounded from what was stored."""
     p = cast_rne(p, PARAM_DTYPE, INTERPRETED)
     tl.store(p_ptr, p, mask=mask)
@@ -70,14 +84,27 @@ def _store_param(p_ptr, c_ptr, p, mask, PARAM_DTYPE: tl.constexpr, COPY_DTYPE: t
 
 @triton.jit
 def _sgd_block(
-    p_ptr, g_ptr, buf_ptr, c_ptr, mask, inv_scale_ptr, lr, momentum, weight_decay,
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
-    HAS_COPY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-    MAXIMIZE: tl.constexpr, HAS_INV_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
+    p_ptr,
+    g_ptr,
+    buf_ptr,
+    c_ptr,
+    mask,
+    inv_scale_ptr,
+    lr,
+    momentum,
+    weight_decay,
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    COPY_DTYPE: tl.constexpr,
+    HAS_COPY: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     p = widen(load_block(p_ptr, mask), INTERPRETED)
-    g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE,
-                       INTERPRETED)
+    g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE, INTERPRETED)
     if weight_decay != 0:
         g = g + weight_decay.to(tl.float32) * p
     if HAS_MOMENTUM:
@@ -94,18 +121,27 @@ def _sgd_block(
 @triton.jit
 def _sgd_kernel(
     # table of [param, grad, momentum buffer, compute copy] tensors and its size
-    table_ptr, num_tensors,
+    table_ptr,
+    num_tensors,
     # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_INV_SCALE)
-    found_inf_ptr, inv_scale_ptr,
+    found_inf_ptr,
+    inv_scale_ptr,
     # FP64 table: lr, momentum, weight_decay
     hyper_ptr,
     # element types
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    COPY_DTYPE: tl.constexpr,
     # flags
     HAS_COPY: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
-    INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 4, BLOCK)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE, ALIGNED) + offsets
@@ -121,26 +157,76 @@ def _sgd_kernel(
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
-            _sgd_block(p_ptr, g_ptr, buf_ptr, c_ptr, None, inv_scale_ptr, lr, momentum,
-                       weight_decay, PARAM_DTYPE, GRAD_DTYPE, COPY_DTYPE, HAS_COPY,
-                       HAS_MOMENTUM, NESTEROV, MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
+            _sgd_block(
+                p_ptr,
+                g_ptr,
+                buf_ptr,
+                c_ptr,
+                None,
+                inv_scale_ptr,
+                lr,
+                momentum,
+                weight_decay,
+                PARAM_DTYPE,
+                GRAD_DTYPE,
+                COPY_DTYPE,
+                HAS_COPY,
+                HAS_MOMENTUM,
+                NESTEROV,
+                MAXIMIZE,
+                HAS_INV_SCALE,
+                INTERPRETED,
+            )
         else:
-            _sgd_block(p_ptr, g_ptr, buf_ptr, c_ptr, mask, inv_scale_ptr, lr, momentum,
-                       weight_decay, PARAM_DTYPE, GRAD_DTYPE, COPY_DTYPE, HAS_COPY,
-                       HAS_MOMENTUM, NESTEROV, MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
+            _sgd_block(
+                p_ptr,
+                g_ptr,
+                buf_ptr,
+                c_ptr,
+                mask,
+                inv_scale_ptr,
+                lr,
+                momentum,
+                weight_decay,
+                PARAM_DTYPE,
+                GRAD_DTYPE,
+                COPY_DTYPE,
+                HAS_COPY,
+                HAS_MOMENTUM,
+                NESTEROV,
+                MAXIMIZE,
+                HAS_INV_SCALE,
+                INTERPRETED,
+            )
 
 
 @triton.jit
 def _adam_block(
-    p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, mask, inv_scale_ptr,
-    lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
-    HAS_COPY: tl.constexpr, DECOUPLED_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
-    HAS_INV_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    c_ptr,
+    mask,
+    inv_scale_ptr,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step_size,
+    bias_correction2_sqrt,
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    COPY_DTYPE: tl.constexpr,
+    HAS_COPY: tl.constexpr,
+    DECOUPLED_WEIGHT_DECAY: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     p = widen(load_block(p_ptr, mask), INTERPRETED)
-    g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE,
-                       INTERPRETED)
+    g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE, INTERPRETED)
     if weight_decay != 0:
         if DECOUPLED_WEIGHT_DECAY:
             p = p * (1.0 - lr * weight_decay).to(tl.float32)
@@ -166,18 +252,26 @@ def _adam_block(
 @triton.jit
 def _adam_kernel(
     # table of [param, grad, exp_avg, exp_avg_sq, step, compute copy] tensors and its size
-    table_ptr, num_tensors,
+    table_ptr,
+    num_tensors,
     # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_INV_SCALE)
-    found_inf_ptr, inv_scale_ptr,
+    found_inf_ptr,
+    inv_scale_ptr,
     # FP64 table: lr, beta1, beta2, eps, weight_decay
     hyper_ptr,
     # element types
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    COPY_DTYPE: tl.constexpr,
     # flags
     HAS_COPY: tl.constexpr,
-    DECOUPLED_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, HAS_INV_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
-    INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
+    DECOUPLED_WEIGHT_DECAY: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 6, BLOCK)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE, ALIGNED) + offsets
@@ -202,19 +296,69 @@ def _adam_kernel(
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
-            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, None, inv_scale_ptr, lr, beta1,
-                        beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
-                        PARAM_DTYPE, GRAD_DTYPE, COPY_DTYPE, HAS_COPY,
-                        DECOUPLED_WEIGHT_DECAY, MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
+            _adam_block(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                c_ptr,
+                None,
+                inv_scale_ptr,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                step_size,
+                bias_correction2_sqrt,
+                PARAM_DTYPE,
+                GRAD_DTYPE,
+                COPY_DTYPE,
+                HAS_COPY,
+                DECOUPLED_WEIGHT_DECAY,
+                MAXIMIZE,
+                HAS_INV_SCALE,
+                INTERPRETED,
+            )
         else:
-            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, mask, inv_scale_ptr, lr, beta1,
-                        beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
-                        PARAM_DTYPE, GRAD_DTYPE, COPY_DTYPE, HAS_COPY,
-                        DECOUPLED_WEIGHT_DECAY, MAXIMIZE, HAS_INV_SCALE, INTERPRETED)
+            _adam_block(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                c_ptr,
+                mask,
+                inv_scale_ptr,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                step_size,
+                bias_correction2_sqrt,
+                PARAM_DTYPE,
+                GRAD_DTYPE,
+                COPY_DTYPE,
+                HAS_COPY,
+                DECOUPLED_WEIGHT_DECAY,
+                MAXIMIZE,
+                HAS_INV_SCALE,
+                INTERPRETED,
+            )
 
 
-def _launch(kernel, lists, copies, found_inf, inv_scale, hyper, *, strided,
-            block_with_copy: int = BLOCK, **flags) -> None:
+def _launch(
+    kernel,
+    lists,
+    copies,
+    found_inf,
+    inv_scale,
+    hyper,
+    *,
+    strided,
+    block_with_copy: int = BLOCK,
+    **flags,
+) -> None:
     """One launch over the parallel ``lists`` and the compute ``copies`` (the table's last
     list); the first ``strided`` lists, and the copies, are walked element by element.
     ``block_with_copy``: the elements per program when a copy is written too (fewer
@@ -229,15 +373,22 @@ def _launch(kernel, lists, copies, found_inf, inv_scale, hyper, *, strided,
         return
     walked = [*lists[:strided], *([copies] if has_copy else [])]
     launch(
-        kernel, (num_blocks,),
-        table, num_tensors,
+        kernel,
+        (num_blocks,),
+        table,
+        num_tensors,
         found_inf if found_inf is not None else table,
         inv_scale if inv_scale is not None else table,
         scalar_table(hyper, table.device),
-        PARAM_DTYPE=TRITON_DTYPES[params[0].dtype], GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
-        COPY_DTYPE=TRITON_DTYPES[copies[0].dtype], HAS_COPY=has_copy,
-        HAS_FOUND_INF=found_inf is not None, HAS_INV_SCALE=inv_scale is not None,
-        ALIGNED=is_aligned(walked), INTERPRETED=INTERPRET, BLOCK=block,
+        PARAM_DTYPE=TRITON_DTYPES[params[0].dtype],
+        GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
+        COPY_DTYPE=TRITON_DTYPES[copies[0].dtype],
+        HAS_COPY=has_copy,
+        HAS_FOUND_INF=found_inf is not None,
+        HAS_INV_SCALE=inv_scale is not None,
+        ALIGNED=is_aligned(walked),
+        INTERPRETED=INTERPRET,
+        BLOCK=block,
         num_warps=8,
         **flags,
     )
@@ -264,9 +415,16 @@ def triton_sgd_step_(
         return
     buffers = momentum_buffers if momentum != 0 else params
     _launch(
-        _sgd_kernel, [params, grads, buffers], compute_copies, found_inf, inv_scale,
-        (lr, momentum, weight_decay), strided=3,
-        HAS_MOMENTUM=momentum != 0, NESTEROV=nesterov, MAXIMIZE=maximize,
+        _sgd_kernel,
+        [params, grads, buffers],
+        compute_copies,
+        found_inf,
+        inv_scale,
+        (lr, momentum, weight_decay),
+        strided=3,
+        HAS_MOMENTUM=momentum != 0,
+        NESTEROV=nesterov,
+        MAXIMIZE=maximize,
     )
 
 
@@ -294,12 +452,18 @@ def triton_adam_step_(
     if not params:
         return
     _launch(
-        _adam_kernel, [params, grads, exp_avgs, exp_avg_sqs, steps], compute_copies,
-        found_inf, inv_scale, (lr, beta1, beta2, eps, weight_decay), strided=4,
+        _adam_kernel,
+        [params, grads, exp_avgs, exp_avg_sqs, steps],
+        compute_copies,
+        found_inf,
+        inv_scale,
+        (lr, beta1, beta2, eps, weight_decay),
+        strided=4,
         # Adam writing a copy (and the unscaled gradient) spills under Triton 3.6 with
         # 16 elements per thread (188 bytes at 8 warps) or a 128-register cap (12 bytes
         # at 16 warps); 2048-element blocks at 8 warps take 172 registers and none
         # (python -m mpgemm.kernels.aot).
         block_with_copy=2048,
-        DECOUPLED_WEIGHT_DECAY=decoupled_weight_decay, MAXIMIZE=maximize,
+        DECOUPLED_WEIGHT_DECAY=decoupled_weight_decay,
+        MAXIMIZE=maximize,
     )

@@ -20,7 +20,9 @@ from mpgemm.kernels.tensor_table import scalar_table
 
 @triton.jit
 def _update_scale_kernel(
-    scale_ptr, tracker_ptr, found_inf_ptr,
+    scale_ptr,
+    tracker_ptr,
+    found_inf_ptr,
     # FP64 table: growth_factor, backoff_factor (a factor such as 1.1 is inexact in FP32)
     factors_ptr,
     growth_interval,
@@ -50,8 +52,11 @@ def triton_update_scale_(
     """Update ``scale`` (FP32) and ``growth_tracker`` (int32) in place from ``found_inf``
     (FP32), all one-element tensors on one device."""
     launch(
-        _update_scale_kernel, (1,),
-        scale, growth_tracker, found_inf,
+        _update_scale_kernel,
+        (1,),
+        scale,
+        growth_tracker,
+        found_inf,
         scalar_table((growth_factor, backoff_factor), scale.device),
         int(growth_interval),
         num_warps=1,

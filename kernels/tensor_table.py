@@ -120,7 +120,11 @@ def table_block(table_ptr, num_tensors, NUM_LISTS: tl.constexpr, BLOCK: tl.const
 
 @triton.jit
 def table_pointer(
-    table_ptr, num_tensors, tensor, list_index: tl.constexpr, DTYPE: tl.constexpr,
+    table_ptr,
+    num_tensors,
+    tensor,
+    list_index: tl.constexpr,
+    DTYPE: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
     """The address of tensor ``tensor`` of list ``list_index``, as a ``DTYPE`` pointer;

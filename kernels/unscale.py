@@ -35,8 +35,16 @@ from mpgemm.kernels.tensor_table import (
 
 
 @triton.jit
-def _unscale_block(src, dst, mask, found_inf_ptr, inv_scale_ptr,
-                   DST_DTYPE: tl.constexpr, WRITE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _unscale_block(
+    src,
+    dst,
+    mask,
+    found_inf_ptr,
+    inv_scale_ptr,
+    DST_DTYPE: tl.constexpr,
+    WRITE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     x = widen(load_block(src, mask), INTERPRETED)
     non_finite = (x != x) | (tl.abs(x) == float("inf"))
     if tl.max(non_finite.to(tl.int32), axis=0) > 0:
@@ -49,11 +57,14 @@ def _unscale_block(src, dst, mask, found_inf_ptr, inv_scale_ptr,
 @triton.jit
 def _unscale_kernel(
     # table of [src, dst] tensors (tensor_table) and its size
-    table_ptr, num_tensors,
+    table_ptr,
+    num_tensors,
     # one-element FP32 tensors
-    found_inf_ptr, inv_scale_ptr,
+    found_inf_ptr,
+    inv_scale_ptr,
     # element types
-    SRC_DTYPE: tl.constexpr, DST_DTYPE: tl.constexpr,
+    SRC_DTYPE: tl.constexpr,
+    DST_DTYPE: tl.constexpr,
     # False: check only, nothing written
     WRITE: tl.constexpr,
     # every tensor starts on a 16-byte boundary
@@ -66,11 +77,9 @@ def _unscale_kernel(
     dst = table_pointer(table_ptr, num_tensors, tensor, 1, DST_DTYPE, ALIGNED) + offsets
     # Whole blocks go unmasked, which lets the compiler vectorise their loads.
     if full:
-        _unscale_block(src, dst, None, found_inf_ptr, inv_scale_ptr,
-                       DST_DTYPE, WRITE, INTERPRETED)
+        _unscale_block(src, dst, None, found_inf_ptr, inv_scale_ptr, DST_DTYPE, WRITE, INTERPRETED)
     else:
-        _unscale_block(src, dst, mask, found_inf_ptr, inv_scale_ptr,
-                       DST_DTYPE, WRITE, INTERPRETED)
+        _unscale_block(src, dst, mask, found_inf_ptr, inv_scale_ptr, DST_DTYPE, WRITE, INTERPRETED)
 
 
 def triton_unscale_(
@@ -95,10 +104,17 @@ def triton_unscale_(
     if num_blocks == 0:
         return
     launch(
-        _unscale_kernel, (num_blocks,),
-        table, num_tensors,
-        found_inf, inv_scale if write else found_inf,
-        SRC_DTYPE=TRITON_DTYPES[src[0].dtype], DST_DTYPE=TRITON_DTYPES[dst[0].dtype],
-        WRITE=write, ALIGNED=is_aligned(lists), INTERPRETED=INTERPRET, BLOCK=BLOCK,
+        _unscale_kernel,
+        (num_blocks,),
+        table,
+        num_tensors,
+        found_inf,
+        inv_scale if write else found_inf,
+        SRC_DTYPE=TRITON_DTYPES[src[0].dtype],
+        DST_DTYPE=TRITON_DTYPES[dst[0].dtype],
+        WRITE=write,
+        ALIGNED=is_aligned(lists),
+        INTERPRETED=INTERPRET,
+        BLOCK=BLOCK,
         num_warps=8,
     )

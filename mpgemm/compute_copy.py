@@ -77,8 +77,11 @@ class ComputeCopy:
         """The copy's tensor when it was made from ``weight``'s storage (current or not:
         an optimizer overwrites all of it), else None. Asked by an optimizer's step,
         which then writes it: the copy is current after this step."""
-        if self._tensor is None or self._made_from is None \
-                or self._made_from[:-1] != _storage(weight):
+        if (
+            self._tensor is None
+            or self._made_from is None
+            or self._made_from[:-1] != _storage(weight)
+        ):
             return None
         self._current_at = _steps
         return self._tensor

@@ -47,7 +47,8 @@ def _intercepting() -> bool:
     # Only launches.py intercepts: until it is imported (or its environment asks for
     # it), nothing is, and the reference path imports no triton module to learn that.
     if "mpgemm.kernels.launches" not in sys.modules and not any(
-            os.environ.get(name) for name in _INTERCEPT_ENV):
+        os.environ.get(name) for name in _INTERCEPT_ENV
+    ):
         return False
     try:
         from mpgemm.kernels.launches import intercepting
@@ -217,16 +218,20 @@ class LinearFunction(torch.autograd.Function):
         grad_b = None
         if prologue is not None and _derivative_first(gemm, dy, weight, ctx.compute_dtype):
             # dZ (and the bias gradient, its FP32 column sums) once for both GEMMs.
-            dz_t, grad_b = _derivative_before_gemms(dy, s, prologue, ctx.compute_dtype,
-                                                     need_b and ctx.has_bias)
+            dz_t, grad_b = _derivative_before_gemms(
+                dy, s, prologue, ctx.compute_dtype, need_b and ctx.has_bias
+            )
             dy, s, prologue = dz_t.t(), None, None
 
         grad_x = grad_w = None
         if need_x:
             grad_x, _, _ = gemm(
-                dy, weight,
-                compute_dtype=ctx.compute_dtype, out_dtype=ctx.x_dtype,
-                prologue=prologue, prologue_operand=s,
+                dy,
+                weight,
+                compute_dtype=ctx.compute_dtype,
+                out_dtype=ctx.x_dtype,
+                prologue=prologue,
+                prologue_operand=s,
             )
             grad_x = grad_x.view(ctx.x_shape)
         if need_w or (need_b and ctx.has_bias and grad_b is None):
@@ -238,9 +243,12 @@ class LinearFunction(torch.autograd.Function):
             if need_w and not torch.compiler.is_compiling():
                 grad_w = torch.empty_like(weight, dtype=ctx.weight_dtype)
             product, _, row_sums = gemm(
-                dy.t(), x_operand,
-                compute_dtype=ctx.compute_dtype, out_dtype=ctx.weight_dtype,
-                prologue=prologue, prologue_operand=None if s is None else s.t(),
+                dy.t(),
+                x_operand,
+                compute_dtype=ctx.compute_dtype,
+                out_dtype=ctx.weight_dtype,
+                prologue=prologue,
+                prologue_operand=None if s is None else s.t(),
                 rowsum_a=need_b and ctx.has_bias and grad_b is None,
                 out=grad_w,
             )
@@ -249,8 +257,9 @@ class LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def _derivative_first(gemm: Callable, dy: torch.Tensor, weight: torch.Tensor,
-                      compute_dtype: torch.dtype) -> bool:
+def _derivative_first(
+    gemm: Callable, dy: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype
+) -> bool:
     """Whether the backward applies act' to dY before its GEMMs: where the TMA kernel
     runs them, which fuses no prologue (the pointer kernel and the reference do)."""
     if gemm is gemm_ref or torch.compiler.is_compiling():
@@ -295,8 +304,9 @@ def linear(
     Differentiable in input, weight and bias; each gradient has its tensor's dtype, so
     FP32 master weights get FP32 gradients.
     """
-    return _linear(input, weight, bias, activation=activation, compute_dtype=compute_dtype,
-                   out_dtype=out_dtype)
+    return _linear(
+        input, weight, bias, activation=activation, compute_dtype=compute_dtype, out_dtype=out_dtype
+    )
 
 
 def _linear(

@@ -257,7 +257,8 @@ class GradScaler:
                 optimizer.grad_scale = previous  # type: ignore[attr-defined]
             else:
                 optimizer.grad_scale = (  # type: ignore[attr-defined]
-                    scale if previous is None else scale * previous)
+                    scale if previous is None else scale * previous
+                )
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
             try:
                 result = optimizer.step(*args, **kwargs)
@@ -315,9 +316,11 @@ class GradScaler:
                 scale.copy_(new_scale)
         else:
             combined = self._sum_flags(
-                (found_inf
-                 for state in self._per_optimizer_states.values()
-                 for found_inf in state["found_inf_per_device"].values()),
+                (
+                    found_inf
+                    for state in self._per_optimizer_states.values()
+                    for found_inf in state["found_inf_per_device"].values()
+                ),
                 scale.device,
             )
             if combined is None:
@@ -325,8 +328,12 @@ class GradScaler:
             tracker = self._growth_tracker
             assert tracker is not None, "made with the scale (_lazy_init)"
             update_scale_(
-                scale, tracker, combined,
-                self._growth_factor, self._backoff_factor, self._growth_interval,
+                scale,
+                tracker,
+                combined,
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
             )
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 

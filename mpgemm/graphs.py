@@ -68,11 +68,16 @@ class GraphedStep:
         return output.clone()
 
     def _check(self, inputs) -> None:
-        bad = [type(x).__name__ if not torch.is_tensor(x) else str(x.device)
-               for x in inputs if not (torch.is_tensor(x) and x.is_cuda)]
+        bad = [
+            type(x).__name__ if not torch.is_tensor(x) else str(x.device)
+            for x in inputs
+            if not (torch.is_tensor(x) and x.is_cuda)
+        ]
         if bad:
-            raise ValueError(f"GraphedStep replays CUDA graphs: its inputs must be CUDA "
-                             f"tensors, got {', '.join(bad)}")
+            raise ValueError(
+                f"GraphedStep replays CUDA graphs: its inputs must be CUDA "
+                f"tensors, got {', '.join(bad)}"
+            )
 
     def _warmup(self, inputs) -> torch.Tensor:
         if self._side is None:
@@ -93,5 +98,7 @@ class GraphedStep:
         return graph, output
 
     def _matches(self, inputs) -> bool:
-        return all(x.shape == s.shape and x.dtype == s.dtype and x.device == s.device
-                   for x, s in zip(inputs, self._inputs, strict=True))
+        return all(
+            x.shape == s.shape and x.dtype == s.dtype and x.device == s.device
+            for x, s in zip(inputs, self._inputs, strict=True)
+        )

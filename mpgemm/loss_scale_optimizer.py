@@ -70,9 +70,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         # master -> model parameter: whose gradient the scaler unscales into the master's
         self._grad_sources: dict[torch.Tensor, torch.Tensor] = {}
         self.scaler = _MasterScaler(
-            params[0].device.type, init_scale=init_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            grad_sources=self._grad_sources, all_reduce_found_inf=all_reduce_found_inf,
+            params[0].device.type,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            grad_sources=self._grad_sources,
+            all_reduce_found_inf=all_reduce_found_inf,
             process_group=process_group,
         )
         # (16-bit model parameter, its FP32 master) for each parameter that needs one
@@ -229,8 +233,14 @@ class _MasterScaler(GradScaler):
     MAX-reduced across ``process_group`` (``_reduce_found_inf``). Being methods, both
     survive pickling (a ProcessGroup itself does not pickle)."""
 
-    def __init__(self, *args: Any, grad_sources: dict[torch.Tensor, torch.Tensor],
-                 all_reduce_found_inf: bool | None, process_group: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        grad_sources: dict[torch.Tensor, torch.Tensor],
+        all_reduce_found_inf: bool | None,
+        process_group: Any,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._sources = grad_sources
         self._all_reduce_found_inf = all_reduce_found_inf
@@ -243,7 +253,8 @@ class _MasterScaler(GradScaler):
         reduce = self._all_reduce_found_inf
         if reduce is None:
             reduce = (
-                dist.is_available() and dist.is_initialized()
+                dist.is_available()
+                and dist.is_initialized()
                 and dist.get_world_size(self._process_group) > 1
             )
         if reduce:

@@ -67,8 +67,11 @@ class Linear(nn.Linear):
         if self.weight.dtype == torch.float32:
             # The copy is a cache keyed by the weight's storage and version, for eager
             # code; a compiled graph casts in the graph, which is the same rounding.
-            copy = (self.weight.to(self.compute_dtype) if torch.compiler.is_compiling()
-                    else self._weight_copy.of(self.weight))
+            copy = (
+                self.weight.to(self.compute_dtype)
+                if torch.compiler.is_compiling()
+                else self._weight_copy.of(self.weight)
+            )
         return _linear(
             input,
             self.weight,
@@ -137,9 +140,7 @@ def _fusable_activation(module: nn.Module) -> str | None:
     return None
 
 
-def _following_activation(
-    root: nn.Module, name: str
-) -> tuple[nn.Sequential, int, str] | None:
+def _following_activation(root: nn.Module, name: str) -> tuple[nn.Sequential, int, str] | None:
     """(parent, index, activation) of the activation module right after layer ``name``
     in an ``nn.Sequential``, when it is one ``_fusable_activation`` knows."""
     parent_name, _, child_name = name.rpartition(".")

@@ -29,18 +29,38 @@ def _gemm_op(
     from mpgemm.functional import _implementation
 
     c, g, r = _implementation(a.device, a, b, bias, prologue_operand)(
-        a, b, compute_dtype=compute_dtype, out_dtype=out_dtype, bias=bias,
-        activation=activation, store_act_grad=store_act_grad, prologue=prologue,
-        prologue_operand=prologue_operand, rowsum_a=rowsum_a,
+        a,
+        b,
+        compute_dtype=compute_dtype,
+        out_dtype=out_dtype,
+        bias=bias,
+        activation=activation,
+        store_act_grad=store_act_grad,
+        prologue=prologue,
+        prologue_operand=prologue_operand,
+        rowsum_a=rowsum_a,
     )
     # An op returns tensors, none aliasing another: an output not asked for is empty.
-    return (c, a.new_empty((0,), dtype=torch.float32) if g is None else g,
-            a.new_empty((0,), dtype=torch.float32) if r is None else r)
+    return (
+        c,
+        a.new_empty((0,), dtype=torch.float32) if g is None else g,
+        a.new_empty((0,), dtype=torch.float32) if r is None else r,
+    )
 
 
 @_gemm_op.register_fake
-def _(a, b, compute_dtype, out_dtype, bias, activation, store_act_grad, prologue,
-      prologue_operand, rowsum_a):
+def _(
+    a,
+    b,
+    compute_dtype,
+    out_dtype,
+    bias,
+    activation,
+    store_act_grad,
+    prologue,
+    prologue_operand,
+    rowsum_a,
+):
     m, n = a.shape[0], b.shape[1]
     c = a.new_empty((m, n), dtype=out_dtype)
     g = a.new_empty((m, n) if store_act_grad else (0,), dtype=torch.float32)
@@ -48,13 +68,34 @@ def _(a, b, compute_dtype, out_dtype, bias, activation, store_act_grad, prologue
     return c, g, r
 
 
-def gemm(a, b, *, compute_dtype, out_dtype, bias=None, activation=None, store_act_grad=False,
-         prologue=None, prologue_operand=None, rowsum_a=False, out=None):
+def gemm(
+    a,
+    b,
+    *,
+    compute_dtype,
+    out_dtype,
+    bias=None,
+    activation=None,
+    store_act_grad=False,
+    prologue=None,
+    prologue_operand=None,
+    rowsum_a=False,
+    out=None,
+):
     """``gemm_ref``'s contract (and ``triton_gemm``'s) through the custom op, which
     returns C as a new tensor: ``out`` must be None."""
     if out is not None:
         raise ValueError("mpgemm.ops.gemm returns C; it takes no out")
-    c, g, r = _gemm_op(a, b, compute_dtype, out_dtype, bias, activation, store_act_grad,
-                       prologue, prologue_operand, rowsum_a)
+    c, g, r = _gemm_op(
+        a,
+        b,
+        compute_dtype,
+        out_dtype,
+        bias,
+        activation,
+        store_act_grad,
+        prologue,
+        prologue_operand,
+        rowsum_a,
+    )
     return c, (g if store_act_grad else None), (r if rowsum_a else None)
-

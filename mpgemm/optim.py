@@ -120,9 +120,11 @@ class _ScaledStep(torch.optim.Optimizer):
                         grad.mul_(inv_scale.to(grad.device))
         # torch's unfused implementations refuse a scaler's tensors: hide them, and show
         # torch's step only these parameters; the state and hyperparameters are shared.
-        scaling: dict[str, Any] = {name: self.__dict__.pop(name)
-                                   for name in ("grad_scale", "found_inf")
-                                   if name in self.__dict__}
+        scaling: dict[str, Any] = {
+            name: self.__dict__.pop(name)
+            for name in ("grad_scale", "found_inf")
+            if name in self.__dict__
+        }
         params = [group["params"] for group in self.param_groups]
         try:
             for group, rest in zip(self.param_groups, others, strict=True):
@@ -156,8 +158,13 @@ class SGD(_ScaledStep, torch.optim.SGD):
         _check_supported(dampening=dampening, tensor_lr=isinstance(lr, torch.Tensor))
         _check_implementation(foreach, fused, differentiable)
         super().__init__(
-            params, lr=lr, momentum=momentum, dampening=0.0, weight_decay=weight_decay,
-            nesterov=nesterov, maximize=maximize,
+            params,
+            lr=lr,
+            momentum=momentum,
+            dampening=0.0,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
         )
 
     def step(self, closure: Callable | None = None) -> Any:
@@ -173,18 +180,39 @@ class SGD(_ScaledStep, torch.optim.SGD):
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buffers.append(state["momentum_buffer"])
         sgd_step_(
-            params, [p.grad for p in params], buffers,
-            lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
-            nesterov=group["nesterov"], maximize=group["maximize"],
-            inv_scale=inv_scale, found_inf=found_inf, compute_copies=self._compute_copies(params),
+            params,
+            [p.grad for p in params],
+            buffers,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+            compute_copies=self._compute_copies(params),
         )
 
 
 class _FusedAdamStep(_ScaledStep):
     _decoupled_weight_decay = False
 
-    def _init(self, params, lr, betas, eps, weight_decay, amsgrad, maximize, *, foreach,
-              fused, capturable, differentiable, **extra) -> None:
+    def _init(
+        self,
+        params,
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        amsgrad,
+        maximize,
+        *,
+        foreach,
+        fused,
+        capturable,
+        differentiable,
+        **extra,
+    ) -> None:
         _check_supported(amsgrad=amsgrad, tensor_lr=isinstance(lr, torch.Tensor))
         _check_implementation(foreach, fused, differentiable)
         # torch.optim.Adam's or AdamW's, next in the MRO. The step counts live on the
@@ -192,8 +220,14 @@ class _FusedAdamStep(_ScaledStep):
         # the host); it is kept as given, so that torch's optimizer loads the state dict.
         # (Adam's signature, not Optimizer's: mypy sees only _ScaledStep's base.)
         super().__init__(  # type: ignore[call-arg]
-            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            maximize=maximize, capturable=capturable, **extra,
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            capturable=capturable,
+            **extra,
         )
 
     def step(self, closure: Callable | None = None) -> Any:
@@ -215,12 +249,22 @@ class _FusedAdamStep(_ScaledStep):
         advance_steps_(steps, found_inf)
         beta1, beta2 = group["betas"]
         adam_step_(
-            params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps,
-            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            params,
+            [p.grad for p in params],
+            exp_avgs,
+            exp_avg_sqs,
+            steps,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
             weight_decay=group["weight_decay"],
-            decoupled_weight_decay=group.get("decoupled_weight_decay",
-                                             self._decoupled_weight_decay),
-            maximize=group["maximize"], inv_scale=inv_scale, found_inf=found_inf,
+            decoupled_weight_decay=group.get(
+                "decoupled_weight_decay", self._decoupled_weight_decay
+            ),
+            maximize=group["maximize"],
+            inv_scale=inv_scale,
+            found_inf=found_inf,
             compute_copies=self._compute_copies(params),
         )
 
@@ -248,8 +292,20 @@ class Adam(_FusedAdamStep, torch.optim.Adam):
         # torch records decoupled_weight_decay in the param groups from 2.7 on; before,
         # AdamW was the only way to ask for it.
         extra = {"decoupled_weight_decay": True} if decoupled_weight_decay else {}
-        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach=foreach,
-                   fused=fused, capturable=capturable, differentiable=differentiable, **extra)
+        self._init(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize,
+            foreach=foreach,
+            fused=fused,
+            capturable=capturable,
+            differentiable=differentiable,
+            **extra,
+        )
 
 
 class AdamW(_FusedAdamStep, torch.optim.AdamW):
@@ -273,5 +329,16 @@ class AdamW(_FusedAdamStep, torch.optim.AdamW):
         differentiable: bool = False,
         fused: bool | None = None,
     ) -> None:
-        self._init(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach=foreach,
-                   fused=fused, capturable=capturable, differentiable=differentiable)
+        self._init(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize,
+            foreach=foreach,
+            fused=fused,
+            capturable=capturable,
+            differentiable=differentiable,
+        )

@@ -151,7 +151,8 @@ def unscale_(
         _check_scalar("unscale_", "inv_scale", inv_scale, device)
     lists = [src, src if dst is None else dst]
     _dispatch(
-        "unscale", lists,
+        "unscale",
+        lists,
         lambda impl, ls: impl(ls[0], found_inf, inv_scale, dst=None if dst is None else ls[1]),
         strided=2,
     )
@@ -163,24 +164,28 @@ def _check_lists(op: str, src, dst) -> None:
         if tensors is not None and not all(torch.is_tensor(t) for t in tensors):
             raise TypeError(f"mpgemm.scaling.{op}: {name} must be a sequence of tensors")
     if dst is not None and [t.shape for t in dst] != [t.shape for t in src]:
-        raise ValueError(f"mpgemm.scaling.{op}: dst must hold tensors of src's shapes, "
-                         f"got {[tuple(t.shape) for t in dst]} for "
-                         f"{[tuple(t.shape) for t in src]}")
+        raise ValueError(
+            f"mpgemm.scaling.{op}: dst must hold tensors of src's shapes, "
+            f"got {[tuple(t.shape) for t in dst]} for "
+            f"{[tuple(t.shape) for t in src]}"
+        )
 
 
 def _check_scalar(op: str, name: str, t, device: torch.device | None) -> None:
     """``t`` must be a one-element FP32 tensor on ``device``, as torch's op requires."""
     if not torch.is_tensor(t):
-        raise TypeError(f"mpgemm.scaling.{op}: {name} must be a one-element float32 "
-                        f"tensor, got {type(t).__name__}")
+        raise TypeError(
+            f"mpgemm.scaling.{op}: {name} must be a one-element float32 "
+            f"tensor, got {type(t).__name__}"
+        )
     if t.dtype != torch.float32:
         raise TypeError(f"mpgemm.scaling.{op}: {name} must be float32, got {t.dtype}")
     if t.numel() != 1:
-        raise ValueError(f"mpgemm.scaling.{op}: {name} must have one element, got "
-                         f"shape {tuple(t.shape)}")
+        raise ValueError(
+            f"mpgemm.scaling.{op}: {name} must have one element, got shape {tuple(t.shape)}"
+        )
     if device is not None and t.device != device:
-        raise ValueError(f"mpgemm.scaling.{op}: {name} is on {t.device}, the tensors on "
-                         f"{device}")
+        raise ValueError(f"mpgemm.scaling.{op}: {name} is on {t.device}, the tensors on {device}")
 
 
 def _reduce_over_shards(src: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
@@ -195,8 +200,9 @@ def _reduce_over_shards(src: Sequence[torch.Tensor], found_inf: torch.Tensor) ->
     mesh = sharded.device_mesh
     for dim, placement in enumerate(sharded.placements):
         if not isinstance(placement, Replicate):
-            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
-                                         group=mesh.get_group(dim))
+            torch.distributed.all_reduce(
+                found_inf, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim)
+            )
 
 
 def update_scale_(
@@ -241,9 +247,11 @@ def sgd_step_(
     copies = params if compute_copies is None else compute_copies
     lists = [params, grads, copies] + ([momentum_buffers] if momentum_buffers is not None else [])
     _dispatch(
-        "sgd_step", lists,
-        lambda impl, ls: impl(ls[0], ls[1], ls[3] if len(ls) > 3 else None,
-                              compute_copies=ls[2], **hyper),
+        "sgd_step",
+        lists,
+        lambda impl, ls: impl(
+            ls[0], ls[1], ls[3] if len(ls) > 3 else None, compute_copies=ls[2], **hyper
+        ),
         strided=len(lists),
     )
 
@@ -263,8 +271,8 @@ def adam_step_(
     ``compute_copies`` as for ``sgd_step_``."""
     copies = params if compute_copies is None else compute_copies
     _dispatch(
-        "adam_step", [params, grads, exp_avgs, exp_avg_sqs, copies, steps],
-        lambda impl, ls: impl(ls[0], ls[1], ls[2], ls[3], ls[5], compute_copies=ls[4],
-                              **hyper),
+        "adam_step",
+        [params, grads, exp_avgs, exp_avg_sqs, copies, steps],
+        lambda impl, ls: impl(ls[0], ls[1], ls[2], ls[3], ls[5], compute_copies=ls[4], **hyper),
         strided=5,
     )

@@ -75,7 +75,9 @@ def _store_unless_skipped(
 
 
 def _store_param(
-    p: torch.Tensor, copy: torch.Tensor | None, value: torch.Tensor,
+    p: torch.Tensor,
+    copy: torch.Tensor | None,
+    value: torch.Tensor,
     found_inf: torch.Tensor | None,
 ) -> None:
     """The updated parameter, and its compute copy rounded from what was stored (a
@@ -151,8 +153,9 @@ def adam_step_ref_(
     Each ``compute_copies`` tensor gets its parameter's new value in its own dtype.
     Nothing changes where ``found_inf`` is nonzero."""
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
-    for p, grad, m, v, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies,
-                                         strict=True):
+    for p, grad, m, v, step, copy in zip(
+        params, grads, exp_avgs, exp_avg_sqs, steps, copies, strict=True
+    ):
         g = _unscaled_fp32(grad, inv_scale, found_inf)
         g = -g if maximize else g
         p32 = p.float()

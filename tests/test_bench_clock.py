@@ -13,7 +13,8 @@ SLEEP_CYCLES = 100_000_000  # about 50 ms of GPU time, whatever the host does
 
 def _harness():
     spec = importlib.util.spec_from_file_location(
-        "bench_harness", Path(__file__).resolve().parents[1] / "bench" / "harness.py")
+        "bench_harness", Path(__file__).resolve().parents[1] / "bench" / "harness.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -17,9 +17,15 @@ import mpgemm
 
 def _model(device):
     torch.manual_seed(0)
-    return mpgemm.convert(nn.Sequential(
-        nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 48), nn.GELU(), nn.Linear(48, 10),
-    )).to(device)
+    return mpgemm.convert(
+        nn.Sequential(
+            nn.Linear(64, 48),
+            nn.ReLU(),
+            nn.Linear(48, 48),
+            nn.GELU(),
+            nn.Linear(48, 10),
+        )
+    ).to(device)
 
 
 def _compare(device):
@@ -32,8 +38,9 @@ def _compare(device):
         out = fn(x)  # fullgraph=True raises at any graph break
         out.float().square().mean().backward()
         outs.append(out)
-    grads = [(q.grad, p.grad) for p, q in zip(eager.parameters(), compiled.parameters(),
-                                               strict=True)]
+    grads = [
+        (q.grad, p.grad) for p, q in zip(eager.parameters(), compiled.parameters(), strict=True)
+    ]
     return outs[1], outs[0], grads
 
 
@@ -64,6 +71,12 @@ def test_kernels_compile_whole_and_match_eager_bit_for_bit(device):
         "print('same bits')\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(__file__),
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=os.path.dirname(__file__),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0 and "same bits" in run.stdout, run.stderr[-3000:]

@@ -20,8 +20,14 @@ def _assert_forward_uses_the_current_weight(layer, device, in_features=48):
     # The functional form rounds the FP32 weight in the kernel: the same numbers a
     # current copy gives, bit for bit; a stale copy would differ by the edit.
     x = torch.randn(16, in_features, device=device)
-    expected = mpgemm.linear(x, layer.weight, layer.bias, activation=layer.activation,
-                             compute_dtype=layer.compute_dtype, out_dtype=layer.out_dtype)
+    expected = mpgemm.linear(
+        x,
+        layer.weight,
+        layer.bias,
+        activation=layer.activation,
+        compute_dtype=layer.compute_dtype,
+        out_dtype=layer.out_dtype,
+    )
     assert torch.equal(layer(x), expected)
 
 
@@ -75,9 +81,19 @@ def _fsdp_load_state_dict(layer):
     layer.load_state_dict({}, strict=False)
 
 
-@pytest.mark.parametrize("edit", [_edit_in_place, _load_state_dict, _torch_optimizer_step,
-                                  _new_parameter, _to_and_back, _data_assignment,
-                                  _fsdp_step, _fsdp_load_state_dict])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _edit_in_place,
+        _load_state_dict,
+        _torch_optimizer_step,
+        _new_parameter,
+        _to_and_back,
+        _data_assignment,
+        _fsdp_step,
+        _fsdp_load_state_dict,
+    ],
+)
 def test_the_copy_is_never_stale(device, edit):
     layer = _layer(device, activation="relu")
     _assert_forward_uses_the_current_weight(layer, device)
@@ -91,10 +107,15 @@ def _copy(layer):
     return copy
 
 
-@pytest.mark.parametrize("make", [lambda ps: mpgemm.optim.Adam(ps, lr=0.1),
-                                  lambda ps: mpgemm.optim.AdamW(ps, lr=0.1),
-                                  lambda ps: mpgemm.optim.SGD(ps, lr=0.1, momentum=0.9)],
-                         ids=["adam", "adamw", "sgd"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: mpgemm.optim.Adam(ps, lr=0.1),
+        lambda ps: mpgemm.optim.AdamW(ps, lr=0.1),
+        lambda ps: mpgemm.optim.SGD(ps, lr=0.1, momentum=0.9),
+    ],
+    ids=["adam", "adamw", "sgd"],
+)
 @pytest.mark.parametrize("compute_dtype", [torch.float16, torch.bfloat16])
 def test_fused_optimizers_write_the_copy_in_their_step(device, make, compute_dtype):
     # 130 x 40: whole blocks of the optimizer kernels (2048 or 4096 elements) and a tail.
@@ -150,18 +171,28 @@ class _OpLog(TorchDispatchMode):
         found = []
         for func, args, out in self.calls:
             made = args[0] if func.__name__.startswith("copy_") else out
-            sources = [a for a in args if isinstance(a, torch.Tensor)
-                       and a.shape == weight.shape and a.dtype == torch.float32]
-            if (isinstance(made, torch.Tensor) and made.shape == weight.shape
-                    and made.dtype in (torch.float16, torch.bfloat16) and sources):
+            sources = [
+                a
+                for a in args
+                if isinstance(a, torch.Tensor)
+                and a.shape == weight.shape
+                and a.dtype == torch.float32
+            ]
+            if (
+                isinstance(made, torch.Tensor)
+                and made.shape == weight.shape
+                and made.dtype in (torch.float16, torch.bfloat16)
+                and sources
+            ):
                 found.append(func)
         return found
 
 
 def test_a_training_step_feeds_16_bit_operands_and_fuses_the_forward_activation(device):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                          nn.Linear(64, 10)).to(device)
+    model = nn.Sequential(
+        nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+    ).to(device)
     mpgemm.convert(model)
     optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=1e-3))
     x = torch.randn(32, 48, device=device)  # an FP32 input

@@ -12,8 +12,9 @@ from mpgemm.app.data import DataError, load, load_digits, load_mnist, synthetic
 
 def _images(n, seed):
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, size=(n, 4, 5), dtype=np.uint8), rng.integers(0, 10, size=n,
-                                                                              dtype=np.uint8)
+    return rng.integers(0, 256, size=(n, 4, 5), dtype=np.uint8), rng.integers(
+        0, 10, size=n, dtype=np.uint8
+    )
 
 
 def _idx_bytes(array: np.ndarray) -> bytes:
@@ -24,8 +25,12 @@ def _idx_bytes(array: np.ndarray) -> bytes:
 
 def _write_idx(folder, gz=False, corrupt=None):
     (xtr, ytr), (xte, yte) = _images(12, 0), _images(5, 1)
-    files = {"train-images-idx3-ubyte": xtr, "train-labels-idx1-ubyte": ytr,
-             "t10k-images-idx3-ubyte": xte, "t10k-labels-idx1-ubyte": yte}
+    files = {
+        "train-images-idx3-ubyte": xtr,
+        "train-labels-idx1-ubyte": ytr,
+        "t10k-images-idx3-ubyte": xte,
+        "t10k-labels-idx1-ubyte": yte,
+    }
     for name, array in files.items():
         raw = _idx_bytes(array)
         if corrupt == name:
@@ -76,8 +81,13 @@ def test_malformed_files_name_the_file_and_fault(tmp_path):
     with pytest.raises(DataError, match="garbage.npz: not an .npz file .not a zip archive"):
         load_mnist(garbage)
     mismatched = tmp_path / "mismatched.npz"
-    np.savez(mismatched, x_train=np.zeros((3, 2, 2)), y_train=np.zeros(4),
-             x_test=np.zeros((2, 2, 2)), y_test=np.zeros(2))
+    np.savez(
+        mismatched,
+        x_train=np.zeros((3, 2, 2)),
+        y_train=np.zeros(4),
+        x_test=np.zeros((2, 2, 2)),
+        y_test=np.zeros(2),
+    )
     with pytest.raises(DataError, match="3 training images but 4 labels"):
         load_mnist(mismatched)
     with pytest.raises(DataError, match="no such file or folder"):

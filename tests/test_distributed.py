@@ -34,8 +34,11 @@ def _worker(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     results = {}
-    for case, reduce, use_ddp in (("reduced", None, False), ("local", False, False),
-                                  ("ddp", False, True)):
+    for case, reduce, use_ddp in (
+        ("reduced", None, False),
+        ("local", False, False),
+        ("ddp", False, True),
+    ):
         torch.manual_seed(0)
         model = torch.nn.Linear(6, 2)
         if use_ddp:
@@ -76,9 +79,15 @@ FSDP_BATCH = 16
 
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    return mpgemm.convert(torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-        torch.nn.Linear(32, 8)))
+    return mpgemm.convert(
+        torch.nn.Sequential(
+            torch.nn.Linear(16, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 8),
+        )
+    )
 
 
 def _fsdp_train(model, rank, world, case):
@@ -95,8 +104,9 @@ def _fsdp_train(model, rank, world, case):
     for step in range(FSDP_STEPS):
         x = torch.randn(FSDP_BATCH, 16, generator=g)
         y = torch.randn(FSDP_BATCH, 8, generator=g)
-        loss = torch.nn.functional.mse_loss(model(x.chunk(world)[rank]).float(),
-                                            y.chunk(world)[rank])
+        loss = torch.nn.functional.mse_loss(
+            model(x.chunk(world)[rank]).float(), y.chunk(world)[rank]
+        )
         optimizer.zero_grad()
         (scaler.scale(loss) if scaler else optimizer.scale_loss(loss)).backward()
         if step == INF_STEP and rank == world - 1:
@@ -108,8 +118,9 @@ def _fsdp_train(model, rank, world, case):
         else:
             optimizer.step()
     scale = scaler.get_scale() if scaler else optimizer.loss_scale
-    return scale, [p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-                   for p in model.parameters()]
+    return scale, [
+        p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()
+    ]
 
 
 def _fsdp_worker(rank, port, out_dir, path):
@@ -146,14 +157,21 @@ def _interpreter_runs_the_gemms() -> bool:
     return tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
 
 
-@pytest.mark.parametrize("path", [
-    "reference",
-    pytest.param("interpreter", marks=pytest.mark.skipif(
-        not _interpreter_runs_the_gemms(), reason="this Triton's interpreter cannot run them")),
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "reference",
+        pytest.param(
+            "interpreter",
+            marks=pytest.mark.skipif(
+                not _interpreter_runs_the_gemms(),
+                reason="this Triton's interpreter cannot run them",
+            ),
+        ),
+    ],
+)
 def test_fsdp2_matches_one_process_on_the_whole_batch(tmp_path, path):
-    mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path), path), nprocs=WORLD,
-             join=True)
+    mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path), path), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"{path}{r}.pt") for r in range(WORLD)]
     for case in ("loss_scale_optimizer", "grad_scaler"):
         scale, expected = _fsdp_train(_mlp(), 0, 1, case)
@@ -163,5 +181,6 @@ def test_fsdp2_matches_one_process_on_the_whole_batch(tmp_path, path):
             got_scale, params = rank[case]
             assert got_scale == scale, case
             for got, want in zip(params, expected, strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m, case=case: f"{case}: {m}")
+                torch.testing.assert_close(
+                    got, want, rtol=1e-4, atol=1e-5, msg=lambda m, case=case: f"{case}: {m}"
+                )

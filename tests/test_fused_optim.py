@@ -26,14 +26,23 @@ def _clones(lists):
 def _assert_close_lists(out, ref, what, rtol):
     for i, (a, b) in enumerate(zip(out, ref, strict=True)):
         assert torch.isfinite(a).all(), f"{what} {i}: non-finite"
-        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item() if b.numel()
-                                   else 0, msg=f"{what} {i}")
+        torch.testing.assert_close(
+            a, b, rtol=rtol, atol=rtol * b.abs().max().item() if b.numel() else 0, msg=f"{what} {i}"
+        )
 
 
 def _adam_hyper(decoupled, inv_scale, found_inf):
-    return dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                decoupled_weight_decay=decoupled, maximize=False,
-                inv_scale=inv_scale, found_inf=found_inf)
+    return dict(
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.01,
+        decoupled_weight_decay=decoupled,
+        maximize=False,
+        inv_scale=inv_scale,
+        found_inf=found_inf,
+    )
 
 
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
@@ -42,10 +51,13 @@ def _adam_hyper(decoupled, inv_scale, found_inf):
 def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, decoupled):
     inv = torch.tensor(2.0**-10, device=device)
     found = torch.zeros((), device=device)
-    lists = [_tensors(param_dtype, device), _tensors(grad_dtype, device, scale=1000.0),
-             _tensors(param_dtype, device, scale=0.1),
-             _tensors(param_dtype, device, scale=0.01, positive=True),
-             [torch.tensor(float(t), device=device) for t in (1, 7, 300, 2)]]
+    lists = [
+        _tensors(param_dtype, device),
+        _tensors(grad_dtype, device, scale=1000.0),
+        _tensors(param_dtype, device, scale=0.1),
+        _tensors(param_dtype, device, scale=0.01, positive=True),
+        [torch.tensor(float(t), device=device) for t in (1, 7, 300, 2)],
+    ]
     ours, ref = _clones(lists), _clones(lists)
     scaling.adam_step_(*ours, **_adam_hyper(decoupled, inv, found))
     scaling_ref.adam_step_ref_(*ref, **_adam_hyper(decoupled, inv, found))
@@ -60,11 +72,21 @@ def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, decouple
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_kernel_matches_reference(device, param_dtype, nesterov):
     inv = torch.tensor(0.5, device=device)
-    lists = [_tensors(param_dtype, device), _tensors(torch.bfloat16, device),
-             _tensors(param_dtype, device)]
+    lists = [
+        _tensors(param_dtype, device),
+        _tensors(torch.bfloat16, device),
+        _tensors(param_dtype, device),
+    ]
     ours, ref = _clones(lists), _clones(lists)
-    hyper = dict(lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=nesterov, maximize=True,
-                 inv_scale=inv, found_inf=torch.zeros((), device=device))
+    hyper = dict(
+        lr=0.01,
+        momentum=0.9,
+        weight_decay=1e-4,
+        nesterov=nesterov,
+        maximize=True,
+        inv_scale=inv,
+        found_inf=torch.zeros((), device=device),
+    )
     scaling.sgd_step_(*ours, **hyper)
     scaling_ref.sgd_step_ref_(*ref, **hyper)
     rtol = 1e-6 if param_dtype == torch.float32 else 1e-2
@@ -75,36 +97,57 @@ def test_sgd_kernel_matches_reference(device, param_dtype, nesterov):
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
 def test_found_inf_leaves_every_bit_in_place(device, param_dtype):
     found = torch.ones((), device=device)
-    lists = [_tensors(param_dtype, device), _tensors(torch.float32, device),
-             _tensors(param_dtype, device), _tensors(param_dtype, device, positive=True),
-             [torch.tensor(5.0, device=device) for _ in SHAPES]]
+    lists = [
+        _tensors(param_dtype, device),
+        _tensors(torch.float32, device),
+        _tensors(param_dtype, device),
+        _tensors(param_dtype, device, positive=True),
+        [torch.tensor(5.0, device=device) for _ in SHAPES],
+    ]
     before = _clones(lists)
     scaling.advance_steps_(lists[4], found)
     scaling.adam_step_(*lists, **_adam_hyper(True, None, found))
-    scaling.sgd_step_(lists[0], lists[1], lists[2], lr=0.1, momentum=0.9, weight_decay=0.1,
-                      nesterov=False, maximize=False, found_inf=found)
+    scaling.sgd_step_(
+        lists[0],
+        lists[1],
+        lists[2],
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=0.1,
+        nesterov=False,
+        maximize=False,
+        found_inf=found,
+    )
     for lst, old in zip(lists, before, strict=True):
         for t, b in zip(lst, old, strict=True):
             assert_same_bits(t, b, "after a skipped step")
 
 
 OPTIMIZERS = {
-    "sgd": (lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
-            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)),
-    "nesterov": (lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True),
-                 lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True)),
-    "adam": (lambda p: mpgemm.optim.Adam(p, lr=1e-2, weight_decay=1e-2),
-             lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2)),
-    "adamw": (lambda p: mpgemm.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), maximize=True),
-              lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), maximize=True)),
+    "sgd": (
+        lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    ),
+    "nesterov": (
+        lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True),
+    ),
+    "adam": (
+        lambda p: mpgemm.optim.Adam(p, lr=1e-2, weight_decay=1e-2),
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2),
+    ),
+    "adamw": (
+        lambda p: mpgemm.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), maximize=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), maximize=True),
+    ),
 }
 
 
 def _mlp(device):
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)
-    ).to(device)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)).to(
+        device
+    )
 
 
 def _train(model, optimizer, steps, device, seed=1):
@@ -123,8 +166,9 @@ def test_fused_optimizer_tracks_torch_over_100_steps(device, name):
     ours, theirs = _mlp(device), _mlp(device)
     _train(ours, ours_make(ours.parameters()), 100, device)
     _train(theirs, torch_make(theirs.parameters()), 100, device)
-    for p, q, initial in zip(ours.parameters(), theirs.parameters(), _mlp(device).parameters(),
-                             strict=True):
+    for p, q, initial in zip(
+        ours.parameters(), theirs.parameters(), _mlp(device).parameters(), strict=True
+    ):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert (p - initial).abs().max() > 1e-3, "training moved the parameters"
 
@@ -182,9 +226,11 @@ def test_lr_scheduler_drives_the_fused_optimizer(device):
 
 @pytest.mark.parametrize(
     "make, option",
-    [(lambda p: mpgemm.optim.SGD(p, momentum=0.9, dampening=0.1), "dampening"),
-     (lambda p: mpgemm.optim.Adam(p, amsgrad=True), "amsgrad"),
-     (lambda p: mpgemm.optim.AdamW(p, lr=torch.tensor(0.1)), "tensor_lr")],
+    [
+        (lambda p: mpgemm.optim.SGD(p, momentum=0.9, dampening=0.1), "dampening"),
+        (lambda p: mpgemm.optim.Adam(p, amsgrad=True), "amsgrad"),
+        (lambda p: mpgemm.optim.AdamW(p, lr=torch.tensor(0.1)), "tensor_lr"),
+    ],
 )
 def test_unsupported_options_raise_value_error(make, option):
     with pytest.raises(ValueError, match=option):
@@ -201,19 +247,26 @@ def test_fp64_and_complex_parameters_are_stepped_as_torch_steps_them(device, nam
     # What the kernels do not take goes to torch's own implementation, under a scaler
     # too (a step with an inf skipped): the same bits as the torch optimizer, beside an
     # FP32 parameter that the kernel steps.
-    hyper = {"sgd": dict(lr=0.1, momentum=0.9, weight_decay=0.01),
-             "adam": dict(lr=0.01, weight_decay=0.01), "adamw": dict(lr=0.01)}[name]
+    hyper = {
+        "sgd": dict(lr=0.1, momentum=0.9, weight_decay=0.01),
+        "adam": dict(lr=0.01, weight_decay=0.01),
+        "adamw": dict(lr=0.01),
+    }[name]
     torch.manual_seed(0)
-    values = [torch.randn(3, 2, dtype=torch.float64, device=device),
-              torch.randn(5, device=device)]
+    values = [torch.randn(3, 2, dtype=torch.float64, device=device), torch.randn(5, device=device)]
     if scaler is None:  # torch's own scaler does not unscale complex gradients
         values.append(torch.randn(4, dtype=torch.complex64, device=device))
     runs = []
     for cls in (CLASSES[name], TORCH_CLASSES[name]):
         params = [torch.nn.Parameter(v.clone()) for v in values]
         optimizer = cls(params, **hyper)
-        amp = (mpgemm.GradScaler if cls is CLASSES[name] else torch.amp.GradScaler)(
-            device.type, init_scale=2.0**10) if scaler else None
+        amp = (
+            (mpgemm.GradScaler if cls is CLASSES[name] else torch.amp.GradScaler)(
+                device.type, init_scale=2.0**10
+            )
+            if scaler
+            else None
+        )
         g = torch.Generator().manual_seed(1)
         for step in range(4):
             optimizer.zero_grad()
@@ -254,8 +307,10 @@ def test_torchs_constructor_keywords_are_accepted(name):
 
 def test_adam_with_decoupled_weight_decay_steps_as_adamw(device):
     steps = []
-    for make in (lambda ps: mpgemm.optim.Adam(ps, weight_decay=0.1, decoupled_weight_decay=True),
-                 lambda ps: mpgemm.optim.AdamW(ps, weight_decay=0.1)):
+    for make in (
+        lambda ps: mpgemm.optim.Adam(ps, weight_decay=0.1, decoupled_weight_decay=True),
+        lambda ps: mpgemm.optim.AdamW(ps, weight_decay=0.1),
+    ):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(100, device=device))
         optimizer = make([p])

@@ -30,16 +30,19 @@ def few_programs(monkeypatch):
 def _operands(kind, dtype, device):
     """(a, b, kwargs) of one launch kind, as LinearFunction makes it: 16-bit operands,
     views where the layer has them (W.T, dY.T), each padded with NaN."""
+
     def half(*shape, transposed=False):
-        return nan_padded(torch.randn(*shape, device=device).to(dtype), transposed,
-                          aligned=True)
+        return nan_padded(torch.randn(*shape, device=device).to(dtype), transposed, aligned=True)
 
     if kind.startswith("forward"):
         activation = kind.split()[1] if " " in kind else None
         bias = torch.randn(N, device=device)
         w = half(N, K)
-        return half(M, K), w.t(), dict(bias=bias, activation=activation,
-                                       store_act_grad=activation == "gelu")
+        return (
+            half(M, K),
+            w.t(),
+            dict(bias=bias, activation=activation, store_act_grad=activation == "gelu"),
+        )
     prologue = {"relu": "relu_mask", "gelu": "mul"}[kind.split()[1]]
     # ReLU's S is its 16-bit output, GELU's the FP32 derivative.
     s_dtype = dtype if prologue == "relu_mask" else torch.float32
@@ -48,12 +51,22 @@ def _operands(kind, dtype, device):
         return half(M, K), half(K, N), dict(prologue=prologue, prologue_operand=s)
     # dW = dZ.T @ X: A is dY.T, S.T likewise, and the row sums are the bias gradient.
     s = nan_padded(torch.randn(K, M, device=device).to(s_dtype), aligned=True)
-    return (half(K, M).t(), half(K, N),
-            dict(prologue=prologue, prologue_operand=s.t(), rowsum_a=True))
+    return (
+        half(K, M).t(),
+        half(K, N),
+        dict(prologue=prologue, prologue_operand=s.t(), rowsum_a=True),
+    )
 
 
-KINDS = ["forward", "forward relu", "forward gelu", "grad_input relu", "grad_input gelu",
-         "grad_weight relu", "grad_weight gelu"]
+KINDS = [
+    "forward",
+    "forward relu",
+    "forward gelu",
+    "grad_input relu",
+    "grad_input gelu",
+    "grad_weight relu",
+    "grad_weight gelu",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -62,11 +75,11 @@ def test_every_launch_kind_within_the_bar(kind, compute_dtype, device):
     torch.manual_seed(0)
     a, b, kwargs = _operands(kind, compute_dtype, device)
     out_dtype = torch.float32 if kind.startswith("grad_weight") else compute_dtype
-    names, (c, g, r) = launched_kernels(lambda: gemm.triton_gemm(
-        a, b, compute_dtype=compute_dtype, out_dtype=out_dtype, **kwargs))
+    names, (c, g, r) = launched_kernels(
+        lambda: gemm.triton_gemm(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype, **kwargs)
+    )
     assert names == ["_gemm_tma_kernel"]
-    ref_c, ref_g, ref_r = gemm_ref(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype,
-                                   **kwargs)
+    ref_c, ref_g, ref_r = gemm_ref(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype, **kwargs)
 
     a64 = a.double()
     s = kwargs.get("prologue_operand")
@@ -92,8 +105,11 @@ def test_nan_and_inf_propagate_as_in_torch(device):
     a = nan_padded(torch.randn(M, K, device=device).half(), aligned=True)
     b = nan_padded(torch.randn(K, N, device=device).half(), aligned=True)
     a[3, 5], a[7, 9] = float("nan"), float("inf")
-    names, (c, _, _) = launched_kernels(lambda: gemm.triton_gemm(
-        a, b, compute_dtype=torch.float16, out_dtype=torch.float32, activation="relu"))
+    names, (c, _, _) = launched_kernels(
+        lambda: gemm.triton_gemm(
+            a, b, compute_dtype=torch.float16, out_dtype=torch.float32, activation="relu"
+        )
+    )
     assert names == ["_gemm_tma_kernel"]
     expected = torch.relu(a.float() @ b.float())
     assert torch.equal(torch.isnan(c), torch.isnan(expected))
@@ -101,24 +117,29 @@ def test_nan_and_inf_propagate_as_in_torch(device):
     assert torch.isnan(c[3]).all()  # ReLU keeps NaN
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("16-bit, aligned", "_gemm_tma_kernel"),
-    ("FP32 weight", "_gemm_kernel"),  # the TMA kernel converts nothing
-    ("a row of 70 halves", "_gemm_kernel"),  # 140 bytes: no descriptor
-    ("split K", "_gemm_kernel"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("16-bit, aligned", "_gemm_tma_kernel"),
+        ("FP32 weight", "_gemm_kernel"),  # the TMA kernel converts nothing
+        ("a row of 70 halves", "_gemm_kernel"),  # 140 bytes: no descriptor
+        ("split K", "_gemm_kernel"),
+    ],
+)
 def test_the_default_takes_the_tma_kernel_where_it_can(case, expected, device, monkeypatch):
     a = torch.randn(M, 70 if case.startswith("a row") else K, device=device).half()
     b = torch.randn(a.shape[1], N, device=device)
     b = b if case == "FP32 weight" else b.half()
     if case == "split K":
         monkeypatch.setattr(gemm, "split_k_for", lambda m, n, k, device: 2)
-    names, _ = launched_kernels(lambda: gemm.triton_gemm(
-        a, b, compute_dtype=torch.float16, out_dtype=torch.float32))
+    names, _ = launched_kernels(
+        lambda: gemm.triton_gemm(a, b, compute_dtype=torch.float16, out_dtype=torch.float32)
+    )
     assert names[0] == expected
     with gemm.use_kernel("pointer"):
-        names, _ = launched_kernels(lambda: gemm.triton_gemm(
-            a, b, compute_dtype=torch.float16, out_dtype=torch.float32))
+        names, _ = launched_kernels(
+            lambda: gemm.triton_gemm(a, b, compute_dtype=torch.float16, out_dtype=torch.float32)
+        )
     assert names[0] == "_gemm_kernel"
     if expected == "_gemm_kernel":
         with gemm.use_kernel("tma"), pytest.raises(ValueError, match="TMA"):
@@ -131,9 +152,9 @@ def test_use_kernel_names_the_choices():
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_a_layer_backward_applies_the_derivative_once_before_the_tma_gemms(activation,
-                                                                           device,
-                                                                           monkeypatch):
+def test_a_layer_backward_applies_the_derivative_once_before_the_tma_gemms(
+    activation, device, monkeypatch
+):
     # 16-bit, aligned: the backward's GEMMs are the TMA kernel's, which fuses no
     # prologue, so dZ and the bias gradient come first (torch ops, once for both GEMMs)
     # with the pointer kernel's fused math: the gradients must agree with that path's.
@@ -141,8 +162,9 @@ def test_a_layer_backward_applies_the_derivative_once_before_the_tma_gemms(activ
 
     calls = []
     unfused = gemm.prologue_and_rowsum
-    monkeypatch.setattr(gemm, "prologue_and_rowsum",
-                        lambda *args: calls.append(args[1]) or unfused(*args))
+    monkeypatch.setattr(
+        gemm, "prologue_and_rowsum", lambda *args: calls.append(args[1]) or unfused(*args)
+    )
 
     torch.manual_seed(0)
     x = torch.randn(M, K, device=device).half()
@@ -162,5 +184,10 @@ def test_a_layer_backward_applies_the_derivative_once_before_the_tma_gemms(activ
     with gemm.use_kernel("pointer"):
         fused = gradients()
     for name, got, want in zip(("x", "weight", "bias"), tma, fused, strict=True):
-        torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-5,
-                                   msg=lambda m, name=name: f"grad of {name}: {m}")
+        torch.testing.assert_close(
+            got.float(),
+            want.float(),
+            rtol=1e-3,
+            atol=1e-5,
+            msg=lambda m, name=name: f"grad of {name}: {m}",
+        )

@@ -26,9 +26,14 @@ NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 def _run(*args, **env):
     base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900,
-                          env={**base, "PYTHON": sys.executable, **env})
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**base, "PYTHON": sys.executable, **env},
+    )
 
 
 def _check_bench_results(out: Path):
@@ -49,8 +54,11 @@ def _check_bench_results(out: Path):
     assert all(set(i["ratio_to"]) == {"torch_fp16", "autocast", "fp32"} for i in gemm)
 
     table = (out / "report.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line
-            and not line.startswith("| case")]
+    rows = [
+        line
+        for line in table.splitlines()
+        if line.startswith("| ") and "---" not in line and not line.startswith("| case")
+    ]
     assert len(rows) == len(ours)
     assert "### gemm" in table and "x torch_fp16" in table
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -62,8 +70,7 @@ def _check_bench_results(out: Path):
 def test_dry_run_writes_the_stage_files_within_the_device_limits(stage, tmp_path):
     run = _run(stage, GPU_CHECK_DRY_RUN="1", OUT=str(tmp_path))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")
-                   if p.is_file())
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
     assert files == sorted(gpu_check.STAGES[stage].files)
     assert len(files) <= gpu_check.MAX_FILES
     for name in files:
@@ -86,7 +93,8 @@ def test_a_stage_is_stopped_at_its_limit_and_keeps_its_log(tmp_path, monkeypatch
     monkeypatch.setattr(gpu_check, "GRACE_SECONDS", 5)
     command = gpu_check.Command(
         [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
-        "slow.log")
+        "slow.log",
+    )
     status = gpu_check._run(command, tmp_path, gpu_check.time.monotonic() + 2, dict(os.environ))
     assert status != 0
     log = (tmp_path / "slow.log").read_text()

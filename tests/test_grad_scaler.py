@@ -53,11 +53,19 @@ def _side_by_side(make_optimizer, *, dtype, steps, device, magnitude=8.0, **scal
     ours_params, torch_params = _params(dtype, device), _params(dtype, device)
     ours = _drive(
         mpgemm.GradScaler(device.type, **scaler_args),
-        make_optimizer(ours_params), ours_params, steps, dtype=dtype, magnitude=magnitude,
+        make_optimizer(ours_params),
+        ours_params,
+        steps,
+        dtype=dtype,
+        magnitude=magnitude,
     )
     theirs = _drive(
         torch.amp.GradScaler(device.type, **scaler_args),
-        make_optimizer(torch_params), torch_params, steps, dtype=dtype, magnitude=magnitude,
+        make_optimizer(torch_params),
+        torch_params,
+        steps,
+        dtype=dtype,
+        magnitude=magnitude,
     )
     return ours, theirs, ours_params, torch_params
 
@@ -74,7 +82,10 @@ def test_fp32_gradients_with_torch_sgd_over_300_steps(device):
     # growth_interval=2 doubles the scale until scale * grad overflows FP32.
     ours, theirs, *params = _side_by_side(
         lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
-        dtype=torch.float32, steps=300, device=device, growth_interval=2,
+        dtype=torch.float32,
+        steps=300,
+        device=device,
+        growth_interval=2,
     )
     _assert_identical(ours, theirs, *params)
     skipped = [step for step, (_, stepped) in enumerate(ours) if not stepped]
@@ -86,8 +97,12 @@ def test_scale_stops_growing_where_growth_would_overflow_fp32(device):
     # Gradients small enough that scale * grad stays finite at 2**127: growing further
     # would make the scale inf, which the rule refuses.
     ours, theirs, *params = _side_by_side(
-        lambda p: torch.optim.SGD(p, lr=1e-3), dtype=torch.float32, steps=260,
-        device=device, growth_interval=2, magnitude=1e-6,
+        lambda p: torch.optim.SGD(p, lr=1e-3),
+        dtype=torch.float32,
+        steps=260,
+        device=device,
+        growth_interval=2,
+        magnitude=1e-6,
     )
     _assert_identical(ours, theirs, *params)
     assert [scale for scale, _ in ours[-5:]] == [2.0**127] * 5
@@ -100,7 +115,10 @@ def test_fp16_gradients_with_a_scale_aware_optimizer_over_300_steps(device):
     # torch.empty_like, when the first step is skipped, and reads them on the next.)
     ours, theirs, *params = _side_by_side(
         lambda p: torch.optim.SGD(p, lr=1e-3, fused=True),
-        dtype=torch.float16, steps=300, device=device, growth_interval=5,
+        dtype=torch.float16,
+        steps=300,
+        device=device,
+        growth_interval=5,
     )
     _assert_identical(ours, theirs, *params)
     assert sum(not stepped for _, stepped in ours) > len(INJECTIONS)
@@ -111,11 +129,16 @@ def test_mpgemm_fused_sgd_under_either_scaler(device, dtype):
     # Same optimizer, two scalers: ours checks without writing and passes the flag;
     # torch's checks with an unscale by 1. The steps must agree bit for bit.
     if device.type == "cuda" and dtype == torch.bfloat16:
-        pytest.skip("torch's GradScaler cannot unscale BF16 gradients on CUDA "
-                    "(_amp_foreach_non_finite_check_and_unscale_cuda has no BF16 kernel)")
+        pytest.skip(
+            "torch's GradScaler cannot unscale BF16 gradients on CUDA "
+            "(_amp_foreach_non_finite_check_and_unscale_cuda has no BF16 kernel)"
+        )
     ours, theirs, *params = _side_by_side(
         lambda p: mpgemm.optim.SGD(p, lr=1e-3, momentum=0.9),
-        dtype=dtype, steps=100, device=device, growth_interval=4,
+        dtype=dtype,
+        steps=100,
+        device=device,
+        growth_interval=4,
     )
     _assert_identical(ours, theirs, *params)
 
@@ -160,10 +183,16 @@ def test_state_dict_mid_growth_interval_resumes_the_same_trajectory(device):
         resumed.load_state_dict(state)
         assert resumed._get_growth_tracker() == 2
         resumed_params = [p.detach().clone().requires_grad_() for p in params]
-        continued.append(_drive(
-            resumed, torch.optim.SGD(resumed_params, lr=1e-3), resumed_params, 20,
-            dtype=torch.float32, seed=5,
-        ))
+        continued.append(
+            _drive(
+                resumed,
+                torch.optim.SGD(resumed_params, lr=1e-3),
+                resumed_params,
+                20,
+                dtype=torch.float32,
+                seed=5,
+            )
+        )
     assert continued[0] == continued[1] == continued[2]
     assert continued[0][0] == (2.0**14, True)  # the saved scale, not the initial one
     # And a torch scaler's state dict loads into ours.
@@ -233,15 +262,20 @@ def test_getters_setters_and_nested_outputs(device):
     assert scaler.get_scale() == 2.0
 
 
-@pytest.mark.parametrize("make", [lambda ps: mpgemm.optim.SGD(ps, lr=0.1),
-                                  lambda ps: mpgemm.optim.Adam(ps, lr=0.1),
-                                  lambda ps: mpgemm.optim.AdamW(ps, lr=0.1),
-                                  lambda ps: torch.optim.SGD(ps, lr=0.1)],
-                         ids=["sgd", "adam", "adamw", "torch_sgd"])
-@pytest.mark.parametrize("scaler_class", [mpgemm.GradScaler, torch.amp.GradScaler],
-                         ids=["mpgemm_scaler", "torch_scaler"])
-def test_after_step_the_gradients_are_unscaled_as_torch_leaves_them(device, make,
-                                                                     scaler_class):
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: mpgemm.optim.SGD(ps, lr=0.1),
+        lambda ps: mpgemm.optim.Adam(ps, lr=0.1),
+        lambda ps: mpgemm.optim.AdamW(ps, lr=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+    ],
+    ids=["sgd", "adam", "adamw", "torch_sgd"],
+)
+@pytest.mark.parametrize(
+    "scaler_class", [mpgemm.GradScaler, torch.amp.GradScaler], ids=["mpgemm_scaler", "torch_scaler"]
+)
+def test_after_step_the_gradients_are_unscaled_as_torch_leaves_them(device, make, scaler_class):
     p = torch.nn.Parameter(torch.ones(3, device=device))
     optimizer = make([p])
     scaler = scaler_class(device.type, init_scale=128.0)
@@ -283,12 +317,12 @@ def test_a_pickled_loss_scale_optimizers_scaler_still_reduces_its_flag(device, m
     from mpgemm import loss_scale_optimizer
 
     param = torch.nn.Parameter(torch.ones(3, device=device))
-    wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD([param], lr=0.1),
-                                        all_reduce_found_inf=True)
+    wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD([param], lr=0.1), all_reduce_found_inf=True)
     scaler = pickle.loads(pickle.dumps(wrapped.scaler))
     reduced = []
-    monkeypatch.setattr(loss_scale_optimizer.dist, "all_reduce",
-                        lambda flag, **kwargs: reduced.append(flag.item()))
+    monkeypatch.setattr(
+        loss_scale_optimizer.dist, "all_reduce", lambda flag, **kwargs: reduced.append(flag.item())
+    )
     optimizer = torch.optim.SGD([param], lr=0.1)
     scaler.scale(param.sum()).backward()
     scaler.step(optimizer)

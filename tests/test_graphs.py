@@ -31,8 +31,7 @@ def test_replayed_steps_match_eager_steps_bit_for_bit():
     # step and backs the scale off, on the device.
     def run(cuda_graph):
         torch.manual_seed(0)
-        config = TrainConfig(hidden=(128,), batch_size=128, device="cuda",
-                             cuda_graph=cuda_graph)
+        config = TrainConfig(hidden=(128,), batch_size=128, device="cuda", cuda_graph=cuda_graph)
         recipe = Recipe("mpgemm", build_mlp(784, (128,), 10).cuda(), config)
         g = torch.Generator().manual_seed(1)
         losses = []
@@ -43,8 +42,7 @@ def test_replayed_steps_match_eager_steps_bit_for_bit():
                 x[3, 5] = float("inf")
             losses.append(recipe.step(x.cuda(), y.cuda()))
         params = [p.detach().clone() for p in recipe.model.parameters()]
-        return (torch.stack(losses), params, recipe.skipped_steps(12), recipe.loss_scale(),
-                recipe)
+        return (torch.stack(losses), params, recipe.skipped_steps(12), recipe.loss_scale(), recipe)
 
     eager_losses, eager_params, eager_skipped, eager_scale, _ = run(False)
     losses, params, skipped, scale, recipe = run(True)

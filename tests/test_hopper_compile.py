@@ -18,15 +18,27 @@ pytest.importorskip("triton")
 
 from mpgemm.kernels.gemm_tma import SMEM_BYTES  # noqa: E402
 
-FIELDS = {"specialization", "wgmma_pending", "cp_async", "tma", "smem_bytes", "registers",
-          "spill_bytes", "a_dtype", "b_dtype"}
+FIELDS = {
+    "specialization",
+    "wgmma_pending",
+    "cp_async",
+    "tma",
+    "smem_bytes",
+    "registers",
+    "spill_bytes",
+    "a_dtype",
+    "b_dtype",
+}
 
 
 def test_every_launch_compiles_for_hopper_as_the_jit_would():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-m", "mpgemm.kernels.aot"],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -37,14 +49,18 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     assert {r["layout"] for r in gemms} == {"forward", "grad_input", "grad_weight"}
     assert {r["specialization"] for r in reports} == {"aligned", "unaligned"}
     assert {r["flags"]["COMPUTE_BF16"] for r in gemms} == {False, True}
-    bad = [r for r in gemms if not (r["wgmma"] and r["spill_bytes"] == 0
-                                     and r["smem_bytes"] <= SMEM_BYTES and r["ok"])]
+    bad = [
+        r
+        for r in gemms
+        if not (r["wgmma"] and r["spill_bytes"] == 0 and r["smem_bytes"] <= SMEM_BYTES and r["ok"])
+    ]
     assert not bad, bad
     # The TMA kernel: bulk tensor copies, async wgmma, for aligned 16-bit operands only.
     tma = [r for r in gemms if r["kernel"] == "_gemm_tma_kernel"]
     assert tma and all(r["tma"] and r["wgmma_pending"] >= 1 for r in tma)
-    assert all(r["specialization"] == "aligned" and r["a_dtype"] == r["b_dtype"] != "fp32"
-               for r in tma)
+    assert all(
+        r["specialization"] == "aligned" and r["a_dtype"] == r["b_dtype"] != "fp32" for r in tma
+    )
 
     # Every GEMM of a converted MLP's training step (16-bit weight copies, an FP32 input
     # rounded once, fused activations) keeps its MMAs in flight when aligned.
@@ -55,8 +71,7 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     # Aligned, every one with 16-bit operands is the TMA kernel's; the head's backward
     # GEMMs read the FP32 logits' gradient, in the pointer kernel.
     aligned = [r for r in step if r["specialization"] == "aligned"]
-    assert all((r["kernel"] == "_gemm_tma_kernel") == (r["a_dtype"] != "fp32")
-               for r in aligned)
+    assert all((r["kernel"] == "_gemm_tma_kernel") == (r["a_dtype"] != "fp32") for r in aligned)
 
     # The guide MLP head's weight gradient is split along K, and summed by a reduction.
     split = [r for r in step if r["flags"].get("SPLIT_K", 1) > 1]
@@ -73,10 +88,18 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
         assert any(r["wgmma_pending"] == 0 for r in plain if r["specialization"] == "unaligned")
 
     assert {r["kernel"] for r in scaling} == {
-        "_unscale_kernel", "_update_scale_kernel", "_sgd_kernel", "_adam_kernel",
-        "_split_k_reduce_kernel"}
+        "_unscale_kernel",
+        "_update_scale_kernel",
+        "_sgd_kernel",
+        "_adam_kernel",
+        "_split_k_reduce_kernel",
+    }
     bad = [r for r in scaling if not r["ok"] or r["spill_bytes"] or r["approx_fp32"]]
     assert not bad, bad
-    aligned = [r for r in scaling if r["specialization"] == "aligned"
-               and r["kernel"] not in ("_update_scale_kernel", "_split_k_reduce_kernel")]
+    aligned = [
+        r
+        for r in scaling
+        if r["specialization"] == "aligned"
+        and r["kernel"] not in ("_update_scale_kernel", "_split_k_reduce_kernel")
+    ]
     assert aligned and all(r["vector_loads"] > 0 for r in aligned)

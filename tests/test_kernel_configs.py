@@ -18,14 +18,14 @@ def test_every_flag_pruning_reads_is_in_the_autotune_key():
     # A config tuned without a flag must not be reused for a launch that prunes it away.
     assert set(gemm._PRUNE_FLAGS) <= set(gemm.gemm_kernel.keys)
     with pytest.raises(KeyError):  # _PRUNE_FLAGS is what pruning really reads
-        gemm._prune_configs(gemm._hopper_configs(), {}, PROLOGUE=0, STORE_ACT_GRAD=0,
-                            ROWSUM_A=0)
+        gemm._prune_configs(gemm._hopper_configs(), {}, PROLOGUE=0, STORE_ACT_GRAD=0, ROWSUM_A=0)
 
 
 @pytest.mark.parametrize("prologue, store_act_grad, rowsum_a, aligned", LAUNCH_FLAGS)
 def test_every_launch_keeps_a_config(prologue, store_act_grad, rowsum_a, aligned):
-    flags = dict(PROLOGUE=prologue, STORE_ACT_GRAD=store_act_grad, ROWSUM_A=rowsum_a,
-                 ALIGNED=aligned)
+    flags = dict(
+        PROLOGUE=prologue, STORE_ACT_GRAD=store_act_grad, ROWSUM_A=rowsum_a, ALIGNED=aligned
+    )
     assert gemm._prune_configs(gemm._hopper_configs(), {}, **flags)
     # The tests stage's configs (MPGEMM_SINGLE_CONFIG=1) leave every launch one: no
     # autotuning, one compile per kernel.
@@ -34,17 +34,24 @@ def test_every_launch_keeps_a_config(prologue, store_act_grad, rowsum_a, aligned
 
 def test_aligned_and_unaligned_launches_tune_over_their_own_tiles():
     aligned, unaligned = (
-        {str(c) for c in gemm._prune_configs(gemm._hopper_configs(), {}, PROLOGUE=0,
-                                             STORE_ACT_GRAD=0, ROWSUM_A=0, ALIGNED=flag)}
-        for flag in (True, False))
+        {
+            str(c)
+            for c in gemm._prune_configs(
+                gemm._hopper_configs(), {}, PROLOGUE=0, STORE_ACT_GRAD=0, ROWSUM_A=0, ALIGNED=flag
+            )
+        }
+        for flag in (True, False)
+    )
     assert len(aligned) == 8 and len(unaligned) == 2 and not aligned & unaligned
 
 
 @pytest.mark.parametrize(
     "pointers, strides, expected",
-    [((0, 16, 32), (4096, 1, 784, 1), True),  # 16-byte aligned, strides 1 or 16k
-     ((0, 2, 32), (4096, 1), False),  # a view 2 bytes past a boundary
-     ((0, 16), (10, 1), False)],  # the logits of 10 classes: row stride 10
+    [
+        ((0, 16, 32), (4096, 1, 784, 1), True),  # 16-byte aligned, strides 1 or 16k
+        ((0, 2, 32), (4096, 1), False),  # a view 2 bytes past a boundary
+        ((0, 16), (10, 1), False),
+    ],  # the logits of 10 classes: row stride 10
 )
 def test_operands_aligned(pointers, strides, expected):
     class Pointer:
@@ -61,13 +68,22 @@ def test_operands_aligned(pointers, strides, expected):
 @pytest.mark.parametrize("store_act_grad", [False, True])
 def test_every_tma_launch_keeps_a_config_within_shared_memory(c_bytes, store_act_grad):
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
-    kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), {"c_ptr": c},
-                                   STORE_ACT_GRAD=store_act_grad)
+    kept = gemm_tma._prune_configs(
+        gemm_tma._hopper_configs(), {"c_ptr": c}, STORE_ACT_GRAD=store_act_grad
+    )
     assert kept and all(
         gemm_tma.smem_estimate(k, c_bytes=c_bytes, store_act_grad=store_act_grad)
-        <= gemm_tma.SMEM_BYTES for k in kept)
-    assert len(gemm_tma._prune_configs(gemm_tma._single_config(), {"c_ptr": c},
-                                       STORE_ACT_GRAD=store_act_grad)) == 1
+        <= gemm_tma.SMEM_BYTES
+        for k in kept
+    )
+    assert (
+        len(
+            gemm_tma._prune_configs(
+                gemm_tma._single_config(), {"c_ptr": c}, STORE_ACT_GRAD=store_act_grad
+            )
+        )
+        == 1
+    )
 
 
 def test_what_tma_pruning_reads_is_in_its_autotune_key():

@@ -56,8 +56,9 @@ def test_a_ragged_batch_reuses_the_tuned_config(tmp_path):
 
 def test_a_training_step_records_its_gemms_and_loss_scaling(tmp_path):
     path = tmp_path / "launches.jsonl"
-    model = mpgemm.convert(torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.ReLU(),
-                                               torch.nn.Linear(32, 10)))
+    model = mpgemm.convert(
+        torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    )
     optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters()))
     with record_to(str(path)):
         loss = model(torch.randn(16, 48)).float().sum()
@@ -73,8 +74,7 @@ def test_a_training_step_records_its_gemms_and_loss_scaling(tmp_path):
 
 
 def _gemm(key, spec, configs=8):
-    return {"kernel": "_gemm_kernel", "tune_key": key, "configs": configs,
-            "specialization": spec}
+    return {"kernel": "_gemm_kernel", "tune_key": key, "configs": configs, "specialization": spec}
 
 
 def test_count_compiles():
@@ -103,8 +103,9 @@ def test_precompile_fills_the_compile_cache_from_threads(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(MPGEMM_PRECOMPILE="1", TRITON_CACHE_DIR=str(tmp_path))
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     flags = dict(PROLOGUE=0, STORE_ACT_GRAD=False, ROWSUM_A=False, ALIGNED=True)
     expected = len(gemm._prune_configs(gemm.GPU_CONFIGS, {}, **flags))
@@ -121,5 +122,6 @@ def test_a_recorded_tma_launch_names_its_descriptors_by_dtype(tmp_path):
     # A descriptor's block shape is the config's: the binary depends on its dtype.
     assert record["specialization"]["a_desc"] == ["descriptor", "torch.float16"]
     c = torch.empty(64, 32, dtype=torch.float16)
-    assert record["configs"] == len(gemm_tma._prune_configs(
-        gemm_tma.GPU_CONFIGS, {"c_ptr": c}, STORE_ACT_GRAD=False))
+    assert record["configs"] == len(
+        gemm_tma._prune_configs(gemm_tma.GPU_CONFIGS, {"c_ptr": c}, STORE_ACT_GRAD=False)
+    )

@@ -47,8 +47,9 @@ def run_three_ways(x, w, b, activation, compute_dtype, out_dtype, grad_out):
         if fn is fp64_linear:
             y = fn(xl, wl, bl, activation)
         else:
-            y = fn(xl, wl, bl, activation=activation, compute_dtype=compute_dtype,
-                   out_dtype=out_dtype)
+            y = fn(
+                xl, wl, bl, activation=activation, compute_dtype=compute_dtype, out_dtype=out_dtype
+            )
         y.backward(cast(grad_out.to(y.dtype)))
         results.append((y, [None if t is None else t.grad for t in (xl, wl, bl)]))
     return results
@@ -134,8 +135,9 @@ def test_zero_size_dimensions_with_bias(m, n, k, device):
 
 
 def test_weight_gradient_accumulates_into_existing_grad_like_nn_linear(device):
-    layer = mpgemm.Linear(33, 16, device=device, compute_dtype=torch.float16,
-                          out_dtype=torch.float32)
+    layer = mpgemm.Linear(
+        33, 16, device=device, compute_dtype=torch.float16, out_dtype=torch.float32
+    )
     reference = torch.nn.Linear(33, 16, device=device, dtype=torch.float64)
     reference.load_state_dict(layer.state_dict())
     xs = [torch.randn(7, 33, device=device) for _ in range(2)]
@@ -143,10 +145,10 @@ def test_weight_gradient_accumulates_into_existing_grad_like_nn_linear(device):
         layer(x).square().sum().backward()
         reference(x.double()).square().sum().backward()
     # The second backward added to the first: the sum of both micro-batches' gradients.
-    torch.testing.assert_close(layer.weight.grad.double(), reference.weight.grad,
-                               rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(layer.bias.grad.double(), reference.bias.grad,
-                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        layer.weight.grad.double(), reference.weight.grad, rtol=1e-2, atol=1e-2
+    )
+    torch.testing.assert_close(layer.bias.grad.double(), reference.bias.grad, rtol=1e-2, atol=1e-2)
 
 
 def test_frozen_weight_still_gets_bias_and_input_gradients(device):
@@ -179,10 +181,14 @@ def test_nan_is_never_hidden_by_a_fused_activation(device, activation):
         assert torch.equal(x.grad, theirs.grad)
 
 
-@pytest.mark.parametrize("make_bias", [
-    lambda n, device: torch.randn(2 * n, device=device)[::2],  # every other element
-    lambda n, device: torch.tensor(0.5, device=device).expand(n),  # one value, stride 0
-], ids=["strided", "expanded"])
+@pytest.mark.parametrize(
+    "make_bias",
+    [
+        lambda n, device: torch.randn(2 * n, device=device)[::2],  # every other element
+        lambda n, device: torch.tensor(0.5, device=device).expand(n),  # one value, stride 0
+    ],
+    ids=["strided", "expanded"],
+)
 def test_a_bias_of_any_stride(device, make_bias):
     x, w = torch.randn(5, 8, device=device), torch.randn(6, 8, device=device)
     bias = make_bias(6, device)
@@ -203,8 +209,9 @@ def test_a_tensor_subclass_takes_the_reference_path(device):
     names, y = launched_kernels(lambda: mpgemm.linear(x, w, compute_dtype=torch.float16))
     names_back, _ = launched_kernels(lambda: y.float().sum().backward())
     assert names == names_back == []
-    expected = linear_ref(x.detach().as_subclass(torch.Tensor), w.detach(),
-                          compute_dtype=torch.float16)
+    expected = linear_ref(
+        x.detach().as_subclass(torch.Tensor), w.detach(), compute_dtype=torch.float16
+    )
     assert torch.equal(y.as_subclass(torch.Tensor), expected)
     assert x.grad is not None and w.grad is not None
 

@@ -10,15 +10,19 @@ from accuracy import assert_same_bits
 import mpgemm
 
 # step -> (parameter index, flat index, value) injected into the scaled gradients
-INJECTIONS = {2: (0, 3, float("inf")), 3: (3, 1, float("nan")), 77: (2, 40, -float("inf")),
-              150: (1, 0, float("nan"))}
+INJECTIONS = {
+    2: (0, 3, float("inf")),
+    3: (3, 1, float("nan")),
+    77: (2, 40, -float("inf")),
+    150: (1, 0, float("nan")),
+}
 
 
 def _mlp(device, dtype=torch.float32):
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
-    ).to(device, dtype)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(
+        device, dtype
+    )
 
 
 def _batches(steps, device, dtype=torch.float32, seed=1):
@@ -81,16 +85,25 @@ def _run_torch(model, optimizer, scaler, steps, device, *, clip=None, masters=No
 SCALER_ARGS = dict(init_scale=2.0**20, growth_interval=6)
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-    lambda p: torch.optim.Adam(p, lr=1e-3),
-], ids=["sgd", "adam"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        lambda p: torch.optim.Adam(p, lr=1e-3),
+    ],
+    ids=["sgd", "adam"],
+)
 def test_wrapping_a_torch_optimizer_is_bit_identical_to_torchs_recipe(device, make):
     ours, theirs = _mlp(device), _mlp(device)
     wrapped = mpgemm.LossScaleOptimizer(make(ours.parameters()), **SCALER_ARGS)
     our_scales = _run_wrapper(ours, wrapped, 200, device)
-    torch_scales = _run_torch(theirs, make(theirs.parameters()),
-                              torch.amp.GradScaler(device.type, **SCALER_ARGS), 200, device)
+    torch_scales = _run_torch(
+        theirs,
+        make(theirs.parameters()),
+        torch.amp.GradScaler(device.type, **SCALER_ARGS),
+        200,
+        device,
+    )
     assert our_scales == torch_scales
     assert wrapped.skipped_steps == len(INJECTIONS)
     for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
@@ -101,10 +114,16 @@ def test_wrapping_a_torch_optimizer_is_bit_identical_to_torchs_recipe(device, ma
 def test_with_mpgemm_adamw_scales_and_skips_match_and_params_track(device):
     ours, theirs = _mlp(device), _mlp(device)
     wrapped = mpgemm.LossScaleOptimizer(
-        mpgemm.optim.AdamW(ours.parameters(), lr=1e-3), **SCALER_ARGS)
+        mpgemm.optim.AdamW(ours.parameters(), lr=1e-3), **SCALER_ARGS
+    )
     our_scales = _run_wrapper(ours, wrapped, 200, device)
-    torch_scales = _run_torch(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-3),
-                              torch.amp.GradScaler(device.type, **SCALER_ARGS), 200, device)
+    torch_scales = _run_torch(
+        theirs,
+        torch.optim.AdamW(theirs.parameters(), lr=1e-3),
+        torch.amp.GradScaler(device.type, **SCALER_ARGS),
+        200,
+        device,
+    )
     assert our_scales == torch_scales
     assert wrapped.skipped_steps == len(INJECTIONS)
     for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
@@ -113,18 +132,23 @@ def test_with_mpgemm_adamw_scales_and_skips_match_and_params_track(device):
 
 def test_fp16_model_steps_fp32_masters_like_torch_with_hand_made_masters(device):
     ours, theirs = _mlp(device, torch.float16), _mlp(device, torch.float16)
-    wrapped = mpgemm.LossScaleOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-3),
-                                        **SCALER_ARGS)
+    wrapped = mpgemm.LossScaleOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-3), **SCALER_ARGS)
     masters = [p.detach().float().requires_grad_() for p in theirs.parameters()]
     our_scales = _run_wrapper(ours, wrapped, 120, device, dtype=torch.float16)
-    torch_scales = _run_torch(theirs, torch.optim.Adam(masters, lr=1e-3),
-                              torch.amp.GradScaler(device.type, **SCALER_ARGS), 120, device,
-                              masters=masters)
+    torch_scales = _run_torch(
+        theirs,
+        torch.optim.Adam(masters, lr=1e-3),
+        torch.amp.GradScaler(device.type, **SCALER_ARGS),
+        120,
+        device,
+        masters=masters,
+    )
     assert our_scales == torch_scales
     # FP16 overflows at these scales: natural skips on top of the injected ones.
     assert wrapped.skipped_steps > len(INJECTIONS)
-    for p, q, master, m in zip(ours.parameters(), theirs.parameters(),
-                               wrapped.master_params(), masters, strict=True):
+    for p, q, master, m in zip(
+        ours.parameters(), theirs.parameters(), wrapped.master_params(), masters, strict=True
+    ):
         assert p.dtype == torch.float16 and master.dtype == torch.float32
         assert_same_bits(master.detach(), m.detach(), "master")
         assert_same_bits(p.detach(), q.detach(), "fp16 param")
@@ -134,8 +158,9 @@ def test_fp16_model_steps_fp32_masters_like_torch_with_hand_made_masters(device)
 def test_updates_below_fp16_resolution_accumulate_in_the_masters(device):
     model = torch.nn.Linear(4, 1, bias=False).to(device).half()
     torch.nn.init.constant_(model.weight, 1.0)
-    wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
-                                        init_scale=1024.0)
+    wrapped = mpgemm.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-4), init_scale=1024.0
+    )
     for _ in range(20):
         wrapped.zero_grad()
         wrapped.scale_loss(model(torch.ones(1, 4, device=device).half()).float().sum()).backward()
@@ -148,17 +173,24 @@ def test_updates_below_fp16_resolution_accumulate_in_the_masters(device):
 
 def test_unscale_then_clip_matches_torchs_documented_order(device):
     ours, theirs = _mlp(device), _mlp(device)
-    wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
-                                        **SCALER_ARGS)
+    wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), **SCALER_ARGS)
     our_scales = _run_wrapper(ours, wrapped, 40, device, clip=0.5)
-    torch_scales = _run_torch(theirs, torch.optim.SGD(theirs.parameters(), lr=0.1),
-                              torch.amp.GradScaler(device.type, **SCALER_ARGS), 40, device,
-                              clip=0.5)
+    torch_scales = _run_torch(
+        theirs,
+        torch.optim.SGD(theirs.parameters(), lr=0.1),
+        torch.amp.GradScaler(device.type, **SCALER_ARGS),
+        40,
+        device,
+        clip=0.5,
+    )
     assert our_scales == torch_scales
     for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
         assert_same_bits(p.detach(), q.detach(), "param")
-    wrapped.scale_loss(_loss(ours, torch.randn(2, 16, device=device),
-                             torch.zeros(2, dtype=torch.long, device=device))).backward()
+    wrapped.scale_loss(
+        _loss(
+            ours, torch.randn(2, 16, device=device), torch.zeros(2, dtype=torch.long, device=device)
+        )
+    ).backward()
     wrapped.unscale_()
     with pytest.raises(RuntimeError, match="already been called"):
         wrapped.unscale_()
@@ -166,8 +198,9 @@ def test_unscale_then_clip_matches_torchs_documented_order(device):
 
 def test_state_dict_round_trip_mid_growth_interval(device):
     def make(model):
-        return mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=1e-3),
-                                         init_scale=2.0**20, growth_interval=50)
+        return mpgemm.LossScaleOptimizer(
+            mpgemm.optim.Adam(model.parameters(), lr=1e-3), init_scale=2.0**20, growth_interval=50
+        )
 
     straight = _mlp(device, torch.float16)
     _run_wrapper(straight, make(straight), 30, device, dtype=torch.float16)
@@ -198,8 +231,13 @@ def test_skipped_step_leaves_params_and_state_bit_identical(device):
     _run_wrapper(model, wrapped, 1, device)
     before = copy.deepcopy((list(model.parameters()), wrapped.optimizer.state_dict()))
     wrapped.zero_grad()
-    wrapped.scale_loss(_loss(model, torch.randn(8, 16, device=device),
-                             torch.zeros(8, dtype=torch.long, device=device))).backward()
+    wrapped.scale_loss(
+        _loss(
+            model,
+            torch.randn(8, 16, device=device),
+            torch.zeros(8, dtype=torch.long, device=device),
+        )
+    ).backward()
     model[2].bias.grad[1] = float("nan")
     wrapped.step()
     assert wrapped.skipped_steps == 1 and wrapped.loss_scale == 2.0**15
@@ -257,8 +295,12 @@ def test_mlp_of_mpgemm_linear_reaches_the_fp32_loss(device, monkeypatch):
     def model():
         torch.manual_seed(3)
         return torch.nn.Sequential(
-            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-            torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(device)
+            torch.nn.Linear(32, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 8),
+        ).to(device)
 
     fp32 = model()
     fp32_opt = torch.optim.Adam(fp32.parameters(), lr=3e-3)

@@ -66,7 +66,9 @@ def test_convert_reuses_parameters_and_keeps_the_optimizer_working(device):
     assert all(p is q for p, q in zip(model.parameters(), params_before, strict=True))
     # The mixed-precision rule: hidden layers write FP16, the logits come out FP32.
     assert [m.out_dtype for m in model if isinstance(m, mpgemm.Linear)] == [
-        None, None, torch.float32
+        None,
+        None,
+        torch.float32,
     ]
     x = torch.randn(8, 33, device=device)
     logits = model(x)
@@ -79,8 +81,12 @@ def test_convert_reuses_parameters_and_keeps_the_optimizer_working(device):
 
 def test_convert_filter_and_output_choice(device):
     model = mlp(device)
-    mpgemm.convert(model, module_filter_fn=lambda module, name: name != "0",
-                   compute_dtype=torch.bfloat16, keep_output_fp32="2")
+    mpgemm.convert(
+        model,
+        module_filter_fn=lambda module, name: name != "0",
+        compute_dtype=torch.bfloat16,
+        keep_output_fp32="2",
+    )
     assert type(model[0]) is nn.Linear
     assert model[2].compute_dtype == torch.bfloat16 and model[2].out_dtype == torch.float32
     assert model[4].out_dtype is None
@@ -137,10 +143,14 @@ def test_convert_fuses_a_following_relu_or_exact_gelu(device):
     keys = list(model.state_dict())
     reference = mlp(device)  # the same weights, unconverted, in FP32
     mpgemm.convert(model)
-    assert [type(m) for m in model] == [mpgemm.Linear, nn.Identity, mpgemm.Linear,
-                                        nn.Identity, mpgemm.Linear]
-    assert [m.activation for m in model if isinstance(m, mpgemm.Linear)] == ["relu", "gelu",
-                                                                             None]
+    assert [type(m) for m in model] == [
+        mpgemm.Linear,
+        nn.Identity,
+        mpgemm.Linear,
+        nn.Identity,
+        mpgemm.Linear,
+    ]
+    assert [m.activation for m in model if isinstance(m, mpgemm.Linear)] == ["relu", "gelu", None]
     assert list(model.state_dict()) == keys
     x = torch.randn(8, 33, device=device)
     torch.testing.assert_close(model(x), reference(x), rtol=2e-2, atol=2e-2)
@@ -151,8 +161,14 @@ def test_convert_fuses_a_following_relu_or_exact_gelu(device):
 
 
 def test_convert_fuses_only_what_computes_the_same(device):
-    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(approximate="tanh"), nn.Linear(8, 8),
-                          nn.Tanh(), nn.Linear(8, 4), nn.ReLU()).to(device)
+    model = nn.Sequential(
+        nn.Linear(8, 8),
+        nn.GELU(approximate="tanh"),
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        nn.Linear(8, 4),
+        nn.ReLU(),
+    ).to(device)
     mpgemm.convert(model)
     assert type(model[1]) is nn.GELU and type(model[3]) is nn.Tanh
     assert [model[0].activation, model[2].activation] == [None, None]

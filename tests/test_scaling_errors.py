@@ -41,8 +41,7 @@ def test_fp16_gradients_are_refused_naming_the_parameter(device):
 def test_use_before_scale_and_update_without_checks_raise(device):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.randn(2, device=device))], lr=1)
     scaler = mpgemm.GradScaler(device.type)
-    for call in (lambda: scaler.unscale_(optimizer), lambda: scaler.step(optimizer),
-                 scaler.update):
+    for call in (lambda: scaler.unscale_(optimizer), lambda: scaler.step(optimizer), scaler.update):
         with pytest.raises(RuntimeError, match="scaler.scale"):
             call()
     scaler.scale(torch.ones(()))
@@ -62,12 +61,15 @@ def test_closure_and_bad_outputs_raise(device):
         scaler.scale("loss")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(growth_factor=1.0), "growth factor"),
-    (dict(backoff_factor=1.0), "backoff factor"),
-    (dict(backoff_factor=0.0), "backoff factor"),
-    (dict(growth_interval=0), "growth_interval"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(growth_factor=1.0), "growth factor"),
+        (dict(backoff_factor=1.0), "backoff factor"),
+        (dict(backoff_factor=0.0), "backoff factor"),
+        (dict(growth_interval=0), "growth_interval"),
+    ],
+)
 def test_invalid_factors_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         mpgemm.GradScaler("cpu", **kwargs)
@@ -100,21 +102,26 @@ def test_cuda_scaler_without_cuda_warns_and_disables():
     assert not scaler.is_enabled()
 
 
-@pytest.mark.parametrize("name, value, error, match", [
-    ("found_inf", torch.zeros((), dtype=torch.float64), TypeError, "float32"),
-    ("found_inf", torch.zeros((), dtype=torch.int32), TypeError, "float32"),
-    ("found_inf", torch.zeros(2), ValueError, "one element"),
-    ("found_inf", 0.0, TypeError, "tensor"),
-    ("inv_scale", 0.5, TypeError, "tensor"),  # crashed the interpreter before
-    ("inv_scale", torch.full((), 0.5, dtype=torch.float64), TypeError, "float32"),
-    ("inv_scale", torch.full((2,), 0.5), ValueError, "one element"),
-])
+@pytest.mark.parametrize(
+    "name, value, error, match",
+    [
+        ("found_inf", torch.zeros((), dtype=torch.float64), TypeError, "float32"),
+        ("found_inf", torch.zeros((), dtype=torch.int32), TypeError, "float32"),
+        ("found_inf", torch.zeros(2), ValueError, "one element"),
+        ("found_inf", 0.0, TypeError, "tensor"),
+        ("inv_scale", 0.5, TypeError, "tensor"),  # crashed the interpreter before
+        ("inv_scale", torch.full((), 0.5, dtype=torch.float64), TypeError, "float32"),
+        ("inv_scale", torch.full((2,), 0.5), ValueError, "one element"),
+    ],
+)
 def test_unscale_checks_its_flag_and_scale_as_torch_does(device, name, value, error, match):
     from mpgemm.scaling import unscale_
 
     grads = [torch.ones(5, device=device)]
-    args = {"found_inf": torch.zeros((), device=device),
-            "inv_scale": torch.full((), 0.5, device=device)}
+    args = {
+        "found_inf": torch.zeros((), device=device),
+        "inv_scale": torch.full((), 0.5, device=device),
+    }
     args[name] = value.to(device) if torch.is_tensor(value) else value
     with pytest.raises(error, match=f"{name}.*{match}"):
         unscale_(grads, args["found_inf"], args["inv_scale"])
@@ -139,9 +146,13 @@ def test_each_op_names_its_kernel_and_reference_in_one_table():
     pytest.importorskip("triton")
     from mpgemm import scaling
 
-    assert set(scaling.kernels()) == set(scaling.REFERENCES) == {
-        "unscale", "update_scale", "sgd_step", "adam_step"}
+    assert (
+        set(scaling.kernels())
+        == set(scaling.REFERENCES)
+        == {"unscale", "update_scale", "sgd_step", "adam_step"}
+    )
     for op, reference in scaling.REFERENCES.items():
         kernel = scaling.kernels()[op]
-        assert (list(inspect.signature(kernel).parameters)
-                == list(inspect.signature(reference).parameters)), op
+        assert list(inspect.signature(kernel).parameters) == list(
+            inspect.signature(reference).parameters
+        ), op

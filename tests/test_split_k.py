@@ -34,13 +34,28 @@ def test_split_k_weight_gradient_within_the_bar_and_deterministic(
     out = torch.empty(m, n, device=device)  # NaN-poisoned: every element must be written
 
     def run():
-        return gemm.triton_gemm(dy_t, x, compute_dtype=torch.float16, out_dtype=torch.float32,
-                                prologue=prologue, prologue_operand=s, rowsum_a=True, out=out)
+        return gemm.triton_gemm(
+            dy_t,
+            x,
+            compute_dtype=torch.float16,
+            out_dtype=torch.float32,
+            prologue=prologue,
+            prologue_operand=s,
+            rowsum_a=True,
+            out=out,
+        )
 
     names, (c, _, r) = launched_kernels(run)
     assert names == ["_gemm_kernel", "_split_k_reduce_kernel"]
-    ref_c, _, ref_r = gemm_ref(dy_t, x, compute_dtype=torch.float16, out_dtype=torch.float32,
-                               prologue=prologue, prologue_operand=s, rowsum_a=True)
+    ref_c, _, ref_r = gemm_ref(
+        dy_t,
+        x,
+        compute_dtype=torch.float16,
+        out_dtype=torch.float32,
+        prologue=prologue,
+        prologue_operand=s,
+        rowsum_a=True,
+    )
     a = dy_t.double()
     if prologue == "relu_mask":
         a = torch.where(s <= 0, 0.0, a)
@@ -49,15 +64,29 @@ def test_split_k_weight_gradient_within_the_bar_and_deterministic(
     exact = round_to(a, torch.float16).double() @ x.double()
     assert_within_torch_error(c, exact, ref_c, "split-K product")
     assert_within_torch_error(r, a.sum(1), ref_r, "split-K row sums")
-    again = gemm.triton_gemm(dy_t, x, compute_dtype=torch.float16, out_dtype=torch.float32,
-                             prologue=prologue, prologue_operand=s, rowsum_a=True)
+    again = gemm.triton_gemm(
+        dy_t,
+        x,
+        compute_dtype=torch.float16,
+        out_dtype=torch.float32,
+        prologue=prologue,
+        prologue_operand=s,
+        rowsum_a=True,
+    )
     assert torch.equal(again[0], c) and torch.equal(again[2], r)
 
 
 def test_split_k_leaves_launches_with_an_epilogue_whole(device, monkeypatch):
     monkeypatch.setattr(gemm, "split_k_for", lambda m, n, k, device: 4)
     a, b = torch.randn(16, 300, device=device), torch.randn(300, 8, device=device)
-    names, _ = launched_kernels(lambda: gemm.triton_gemm(
-        a, b, compute_dtype=torch.float16, out_dtype=torch.float32,
-        bias=torch.randn(8, device=device), activation="relu"))
+    names, _ = launched_kernels(
+        lambda: gemm.triton_gemm(
+            a,
+            b,
+            compute_dtype=torch.float16,
+            out_dtype=torch.float32,
+            bias=torch.randn(8, device=device),
+            activation="relu",
+        )
+    )
     assert names == ["_gemm_kernel"]

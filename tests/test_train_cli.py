@@ -12,8 +12,17 @@ from mpgemm.app.cli import main
 from mpgemm.app.data import load_digits
 from mpgemm.app.train import TrainConfig, train
 
-TINY = ["--hidden", "24,16", "--steps", "6", "--warmup-steps", "2", "--batch-size", "32",
-        "--no-progress"]
+TINY = [
+    "--hidden",
+    "24,16",
+    "--steps",
+    "6",
+    "--warmup-steps",
+    "2",
+    "--batch-size",
+    "32",
+    "--no-progress",
+]
 
 
 @pytest.mark.parametrize("mode", ["fp32", "autocast", "mpgemm"])
@@ -33,13 +42,31 @@ def test_each_mode_trains_and_writes_json_and_png(tmp_path, mode, capsys):
 
 def test_all_modes_on_synthetic_data_through_python_m(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "mpgemm", "train", "--data", "synthetic", "--features", "20",
-         "--samples", "200", *TINY, "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mpgemm",
+            "train",
+            "--data",
+            "synthetic",
+            "--features",
+            "20",
+            "--samples",
+            "200",
+            *TINY,
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     assert [line.split()[0] for line in run.stdout.splitlines()[2:5]] == [
-        "fp32", "autocast", "mpgemm"]
+        "fp32",
+        "autocast",
+        "mpgemm",
+    ]
     result = json.loads((tmp_path / "results.json").read_text())
     assert [r["mode"] for r in result["results"]] == ["fp32", "autocast", "mpgemm"]
     assert result["data"]["features"] == 20
@@ -66,14 +93,17 @@ def _error_line(argv, capsys):
     return err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--mode", "fp8"], "invalid choice: 'fp8'"),
-    (["train", "--hidden", "256,0"], "'256,0' is not a comma-separated list of positive"),
-    (["train", "--hidden", "wide"], "'wide' is not a comma-separated list"),
-    (["train", "--batch-size", "-3"], "'-3' is not a positive integer"),
-    (["train", "--data", "/nonexistent/mnist.npz"], "no such file or folder"),
-    (["train", "--lr", "-1"], "lr must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--mode", "fp8"], "invalid choice: 'fp8'"),
+        (["train", "--hidden", "256,0"], "'256,0' is not a comma-separated list of positive"),
+        (["train", "--hidden", "wide"], "'wide' is not a comma-separated list"),
+        (["train", "--batch-size", "-3"], "'-3' is not a positive integer"),
+        (["train", "--data", "/nonexistent/mnist.npz"], "no such file or folder"),
+        (["train", "--lr", "-1"], "lr must be a positive number"),
+    ],
+)
 def test_bad_input_gets_one_line_and_exit_2(argv, message, capsys):
     assert message in _error_line(argv, capsys)
 
@@ -183,8 +213,12 @@ def _run_without_the_train_extra(code: str):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-c", _WITHOUT_THE_TRAIN_EXTRA + code],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_THE_TRAIN_EXTRA + code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_library_needs_none_of_the_train_extra():
@@ -196,18 +230,21 @@ def test_the_library_needs_none_of_the_train_extra():
         "opt.scale_loss(layer(torch.randn(2, 8)).float().sum()).backward()\n"
         "opt.step()\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('sklearn', 'tqdm', 'matplotlib')))\n")
+        "('sklearn', 'tqdm', 'matplotlib')))\n"
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]"
 
 
 def test_the_command_says_to_install_the_train_extra():
     run = _run_without_the_train_extra(
-        "from mpgemm.app.cli import main\nsys.exit(main(['train', '--steps', '2']))\n")
+        "from mpgemm.app.cli import main\nsys.exit(main(['train', '--steps', '2']))\n"
+    )
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.strip().splitlines() == [
         "mpgemm train: error: needs scikit-learn, tqdm, matplotlib (the train extra): "
-        "pip install 'mpgemm[train]'"]
+        "pip install 'mpgemm[train]'"
+    ]
 
 
 def test_the_package_has_its_installed_version():

@@ -21,8 +21,13 @@ def _gradients(dtype, device, *, poison=None):
     # FP16 tops out at 65504: |randn| stays below 8 (2**3), so 2**12 more is finite.
     binades = 12 if dtype == torch.float16 else 30
     g = torch.Generator().manual_seed(0)
-    grads = [(torch.randn(s, generator=g).clamp(-7.9, 7.9)
-              * torch.rand(s, generator=g).mul(binades).exp2()).to(dtype) for s in shapes]
+    grads = [
+        (
+            torch.randn(s, generator=g).clamp(-7.9, 7.9)
+            * torch.rand(s, generator=g).mul(binades).exp2()
+        ).to(dtype)
+        for s in shapes
+    ]
     if poison is not None:
         tensor, index, value = poison
         grads[tensor].view(-1)[index] = value
@@ -113,8 +118,10 @@ def test_scale_update_follows_torch_for_every_branch(device):
         interval = rng.choice([1, 2, 3, 2000])
         tracker0 = rng.randrange(interval)
         found_inf = rng.choice([0.0, 1.0, 2.0])
-        ours = [torch.tensor(scale0, device=device), torch.tensor(tracker0, dtype=torch.int32,
-                                                                  device=device)]
+        ours = [
+            torch.tensor(scale0, device=device),
+            torch.tensor(tracker0, dtype=torch.int32, device=device),
+        ]
         ref = [t.clone() for t in ours]
         flag = torch.tensor(found_inf, device=device)
         update_scale_(*ours, flag, growth, backoff, interval)
@@ -168,8 +175,9 @@ def test_a_tensor_subclass_never_reaches_the_kernels(device):
 
     grads = [torch.tensor([2.0, float("inf")], device=device).as_subclass(Wrapped)]
     found_inf = torch.zeros((), device=device)
-    names, _ = launched_kernels(lambda: unscale_(grads, found_inf, torch.full((), 0.5,
-                                                                           device=device)))
+    names, _ = launched_kernels(
+        lambda: unscale_(grads, found_inf, torch.full((), 0.5, device=device))
+    )
     assert names == []
     assert found_inf.item() == 1.0 and grads[0][0].item() == 1.0
 
@@ -196,7 +204,12 @@ def test_the_reference_path_imports_no_kernel_module():
         "scaling.unscale_([torch.ones(3)], torch.zeros(()), torch.tensor(0.5))\n"
         "print(sorted(m for m in sys.modules if m.startswith('mpgemm.kernels')))\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0"}, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0"},
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]"

@@ -54,50 +54,85 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     t = commands.add_parser(
-        "train", help="train an MLP in FP32, with torch.autocast and with mpgemm",
+        "train",
+        help="train an MLP in FP32, with torch.autocast and with mpgemm",
         description="Train the same MLP, from the same weights on the same batches, in "
         "FP32, with torch.autocast + GradScaler, and with mpgemm (convert + "
         "LossScaleOptimizer); print a table of accuracy, loss and speed.",
     )
     t.add_argument("--mode", choices=[*MODES, "all"], default="all")
-    t.add_argument("--hidden", type=_widths, default=(256, 256),
-                   help="hidden widths, comma-separated (default 256,256)")
-    t.add_argument("--data", default="digits",
-                   help="'digits' (scikit-learn's, default), 'synthetic', or MNIST: a "
-                   "mnist.npz file or a folder of IDX files")
-    t.add_argument("--features", type=_positive_int, default=784,
-                   help="synthetic data: features per sample")
-    t.add_argument("--samples", type=_positive_int, default=60_000,
-                   help="synthetic data: number of samples")
+    t.add_argument(
+        "--hidden",
+        type=_widths,
+        default=(256, 256),
+        help="hidden widths, comma-separated (default 256,256)",
+    )
+    t.add_argument(
+        "--data",
+        default="digits",
+        help="'digits' (scikit-learn's, default), 'synthetic', or MNIST: a "
+        "mnist.npz file or a folder of IDX files",
+    )
+    t.add_argument(
+        "--features", type=_positive_int, default=784, help="synthetic data: features per sample"
+    )
+    t.add_argument(
+        "--samples", type=_positive_int, default=60_000, help="synthetic data: number of samples"
+    )
     t.add_argument("--batch-size", type=_positive_int, default=64)
     t.add_argument("--epochs", type=_positive_int, default=20)
-    t.add_argument("--steps", type=_positive_int, default=None,
-                   help="train this many steps instead of --epochs")
+    t.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help="train this many steps instead of --epochs",
+    )
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", choices=["cpu", "cuda"], default=default_device,
-                   help=f"default: {default_device}")
-    t.add_argument("--warmup-steps", type=int, default=10,
-                   help="steps left out of the timing (default 10)")
-    t.add_argument("--cuda-graph", action="store_true",
-                   help="capture the mpgemm mode's step as a CUDA graph and replay it "
-                   "(the other modes stay eager)")
+    t.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=default_device,
+        help=f"default: {default_device}",
+    )
+    t.add_argument(
+        "--warmup-steps", type=int, default=10, help="steps left out of the timing (default 10)"
+    )
+    t.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the mpgemm mode's step as a CUDA graph and replay it "
+        "(the other modes stay eager)",
+    )
     t.add_argument("--out", type=Path, help="write results.json and results.png here")
-    t.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (there is none when stderr is not a terminal)")
-    t.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads for torch (default: torch's, "
-                   f"{torch.get_num_threads()} here)")
+    t.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none when stderr is not a terminal)",
+    )
+    t.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help=f"CPU threads for torch (default: torch's, {torch.get_num_threads()} here)",
+    )
     return parser
 
 
 def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, Dataset]:
     """The configuration and the data, or an error naming what is wrong with them."""
     config = TrainConfig(
-        hidden=args.hidden, batch_size=args.batch_size, epochs=args.epochs,
-        steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
-        device=args.device, warmup_steps=args.warmup_steps, cuda_graph=args.cuda_graph,
+        hidden=args.hidden,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        steps=args.steps,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        device=args.device,
+        warmup_steps=args.warmup_steps,
+        cuda_graph=args.cuda_graph,
     )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -114,12 +149,14 @@ def _threads(n: int) -> str:
 def _train(args: argparse.Namespace, config: TrainConfig, data: Dataset) -> None:
     modes = tuple(MODES) if args.mode == "all" else (args.mode,)
     widths = " -> ".join(map(str, (data.features, *config.hidden, data.num_classes)))
-    device = (torch.cuda.get_device_name(config.device) if config.device == "cuda"
-              else f"cpu, {_threads(torch.get_num_threads())}")
+    device = (
+        torch.cuda.get_device_name(config.device)
+        if config.device == "cuda"
+        else f"cpu, {_threads(torch.get_num_threads())}"
+    )
     if config.cuda_graph:
         device += ", mpgemm step as a CUDA graph"
-    title = (f"{data.name}: MLP {widths}, batch {config.batch_size}, {config.optimizer}, "
-             f"{device}")
+    title = f"{data.name}: MLP {widths}, batch {config.batch_size}, {config.optimizer}, {device}"
     print(title, flush=True)
     results = train(data, config, modes, progress=not args.no_progress)
     from mpgemm.app.report import format_table, write_figure, write_json
@@ -150,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = _missing_extra()
     if missing:
-        print(f"mpgemm {args.command}: error: needs {', '.join(missing)} (the train extra): "
-              "pip install 'mpgemm[train]'", file=sys.stderr)
+        print(
+            f"mpgemm {args.command}: error: needs {', '.join(missing)} (the train extra): "
+            "pip install 'mpgemm[train]'",
+            file=sys.stderr,
+        )
         return 2
     try:
         config, data = _prepare(args)

@@ -69,8 +69,10 @@ def _dataset(name, x_train, y_train, x_test, y_test, num_classes=None) -> Datase
     classes = num_classes or int(max(y_train.max(), y_test.max())) + 1
     return Dataset(
         name,
-        x_train.reshape(len(x_train), -1).float(), y_train.long(),
-        x_test.reshape(len(x_test), -1).float(), y_test.long(),
+        x_train.reshape(len(x_train), -1).float(),
+        y_train.long(),
+        x_test.reshape(len(x_test), -1).float(),
+        y_test.long(),
         classes,
     )
 
@@ -83,7 +85,10 @@ def load_digits() -> Dataset:
 
     digits = sklearn_digits()
     x_train, x_test, y_train, y_test = train_test_split(
-        digits.data / 16.0, digits.target, test_size=0.2, random_state=0,
+        digits.data / 16.0,
+        digits.target,
+        test_size=0.2,
+        random_state=0,
         stratify=digits.target,
     )
     return _dataset("digits", x_train, y_train, x_test, y_test, num_classes=10)
@@ -127,8 +132,10 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e}") from None
     if magic[:2] != b"PK":
-        raise DataError(f"{path}: not an .npz file (not a zip archive: starts with "
-                        f"{magic!r}); expected Keras's mnist.npz or a folder of IDX files")
+        raise DataError(
+            f"{path}: not an .npz file (not a zip archive: starts with "
+            f"{magic!r}); expected Keras's mnist.npz or a folder of IDX files"
+        )
     try:
         with np.load(path, allow_pickle=False) as npz:
             missing = [k for k in _IDX_FILES if k not in npz.files]
@@ -166,7 +173,10 @@ def load_mnist(path: str | Path) -> Dataset:
     scale = 255.0 if arrays["x_train"].dtype == np.uint8 else 1.0
     return _dataset(
         f"mnist ({path.name})",
-        arrays["x_train"] / scale, arrays["y_train"], arrays["x_test"] / scale, arrays["y_test"],
+        arrays["x_train"] / scale,
+        arrays["y_train"],
+        arrays["x_test"] / scale,
+        arrays["y_test"],
     )
 
 
@@ -174,14 +184,21 @@ def synthetic(features: int, samples: int, *, classes: int = 10, seed: int = 0) 
     """``samples`` Gaussian vectors of ``features``, labelled by the argmax of a random
     linear teacher; the last fifth is the test split."""
     if features < 1 or samples < 10:
-        raise DataError(f"synthetic data needs features >= 1 and samples >= 10, "
-                        f"got {features} and {samples}")
+        raise DataError(
+            f"synthetic data needs features >= 1 and samples >= 10, got {features} and {samples}"
+        )
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, features, generator=g)
     y = (x @ torch.randn(features, classes, generator=g)).argmax(dim=1)
     split = samples - samples // 5
-    return _dataset(f"synthetic {samples}x{features}", x[:split], y[:split], x[split:],
-                    y[split:], num_classes=classes)
+    return _dataset(
+        f"synthetic {samples}x{features}",
+        x[:split],
+        y[:split],
+        x[split:],
+        y[split:],
+        num_classes=classes,
+    )
 
 
 def load(spec: str | None, *, features: int = 784, samples: int = 60_000, seed: int = 0) -> Dataset:

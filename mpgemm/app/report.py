@@ -46,13 +46,13 @@ def format_table(results: Sequence[ModeResult]) -> str:
     """One row per mode; ``x fp32`` is FP32's time per step over this mode's (above 1:
     faster than FP32). Peak memory is measured on a GPU only."""
     fp32_ms = next((r.ms_per_step for r in results if r.mode == "fp32"), None)
-    widths = [len(fmt.format(*[v])) for (_, fmt), v in zip(_COLUMNS, _row(results[0], 1.0),
-                                                              strict=True)]
+    widths = [
+        len(fmt.format(*[v])) for (_, fmt), v in zip(_COLUMNS, _row(results[0], 1.0), strict=True)
+    ]
     header = " ".join(name.rjust(w) for (name, _), w in zip(_COLUMNS, widths, strict=True))
     lines = [header]
     for result in results:
-        cells = [fmt.format(v) for (_, fmt), v in zip(_COLUMNS, _row(result, fp32_ms),
-                                                      strict=True)]
+        cells = [fmt.format(v) for (_, fmt), v in zip(_COLUMNS, _row(result, fp32_ms), strict=True)]
         lines.append(" ".join(cell.rjust(w) for cell, w in zip(cells, widths, strict=True)))
     return "\n".join(lines)
 
@@ -60,8 +60,11 @@ def format_table(results: Sequence[ModeResult]) -> str:
 def environment(device: str | torch.device) -> dict:
     """The device and the versions that a measurement depends on."""
     device = torch.device(device)
-    info: dict[str, str | None] = {"device": str(device), "torch": torch.__version__,
-                                   "python": platform.python_version()}
+    info: dict[str, str | None] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     if device.type == "cuda":
         info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     try:
@@ -73,13 +76,19 @@ def environment(device: str | torch.device) -> dict:
     return info
 
 
-def write_json(path: Path, results: Sequence[ModeResult], config: TrainConfig,
-               data: Dataset) -> None:
+def write_json(
+    path: Path, results: Sequence[ModeResult], config: TrainConfig, data: Dataset
+) -> None:
     payload = {
         "environment": environment(config.device),
         "config": {**config.__dict__, "hidden": list(config.hidden)},
-        "data": {"name": data.name, "train": len(data.x_train), "test": len(data.x_test),
-                 "features": data.features, "classes": data.num_classes},
+        "data": {
+            "name": data.name,
+            "train": len(data.x_train),
+            "test": len(data.x_test),
+            "features": data.features,
+            "classes": data.num_classes,
+        },
         "results": [r.as_dict() for r in results],
     }
     path.write_text(json.dumps(payload, indent=2))
@@ -102,8 +111,12 @@ def write_figure(path: Path, results: Sequence[ModeResult], title: str) -> None:
 
     fp32 = next((r for r in results if r.mode == "fp32"), None)
     panels = 3 if fp32 is not None and len(results) > 1 else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.4),
-                             gridspec_kw={"width_ratios": [2] * (panels - 1) + [1]})
+    fig, axes = plt.subplots(
+        1,
+        panels,
+        figsize=(5.5 * panels, 4.4),
+        gridspec_kw={"width_ratios": [2] * (panels - 1) + [1]},
+    )
     curves, bars = axes[0], axes[-1]
     window = max(1, results[0].steps // 50)
     steps = range(window - 1, window - 1 + len(_smoothed(results[0].losses, window)))
@@ -111,22 +124,32 @@ def write_figure(path: Path, results: Sequence[ModeResult], title: str) -> None:
     styles = [("-", 3.0), ("--", 2.0), (":", 2.0)]
     for i, result in enumerate(results):
         style, width = styles[i % len(styles)]
-        (line,) = curves.plot(steps, _smoothed(result.losses, window), style,
-                              linewidth=width, label=result.mode, color=f"C{i}")
+        (line,) = curves.plot(
+            steps,
+            _smoothed(result.losses, window),
+            style,
+            linewidth=width,
+            label=result.mode,
+            color=f"C{i}",
+        )
         curves.plot(result.losses, color=line.get_color(), alpha=0.15, linewidth=0.8)
-    curves.set(xlabel="step", ylabel="training loss (batch)", yscale="log",
-               title="Loss curves")
+    curves.set(xlabel="step", ylabel="training loss (batch)", yscale="log", title="Loss curves")
     curves.legend()
     if fp32 is not None and panels == 3:
         difference = axes[1]
         reference = _smoothed(fp32.losses, window)
         for i, result in enumerate(results):
             if result is not fp32:
-                difference.plot(steps, _smoothed(result.losses, window) - reference,
-                                color=f"C{i}", label=result.mode)
+                difference.plot(
+                    steps,
+                    _smoothed(result.losses, window) - reference,
+                    color=f"C{i}",
+                    label=result.mode,
+                )
         difference.axhline(0.0, color="0.5", linewidth=0.8)
-        difference.set(xlabel="step", ylabel="smoothed loss minus FP32's",
-                       title="Difference from FP32")
+        difference.set(
+            xlabel="step", ylabel="smoothed loss minus FP32's", title="Difference from FP32"
+        )
         difference.legend()
     names = [r.mode for r in results]
     times = [r.ms_per_step for r in results]

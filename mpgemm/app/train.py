@@ -61,8 +61,9 @@ class TrainConfig:
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
-                             f"got {self.optimizer!r}")
+            raise ValueError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         device = torch.device(self.device)
@@ -131,7 +132,11 @@ class Recipe:
     foreach on a GPU)."""
 
     def __init__(
-        self, mode: str, model: nn.Module, config: TrainConfig, *,
+        self,
+        mode: str,
+        model: nn.Module,
+        config: TrainConfig,
+        *,
         fused_torch_optimizer: bool = False,
     ) -> None:
         self.mode, self.model = mode, model
@@ -225,8 +230,14 @@ class _Run:
     """One mode's model, recipe and measurements, stepped a window of batches at a time
     so that the modes can take turns (``train``)."""
 
-    def __init__(self, mode: str, data: Dataset, config: TrainConfig, initial_state: dict,
-                 on_device: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self,
+        mode: str,
+        data: Dataset,
+        config: TrainConfig,
+        initial_state: dict,
+        on_device: tuple[torch.Tensor, ...],
+    ) -> None:
         self.device = torch.device(config.device)
         before = _allocated(self.device)
         model = build_mlp(data.features, config.hidden, data.num_classes)
@@ -261,7 +272,8 @@ class _Run:
             # Triton's autotuning, whose benchmarks allocate a 256 MB L2-flush buffer.
             if timed:
                 self.peak = max(
-                    self.peak, self.held + torch.cuda.max_memory_allocated(self.device) - before)
+                    self.peak, self.held + torch.cuda.max_memory_allocated(self.device) - before
+                )
             self.held += _allocated(self.device) - before
 
     def result(self) -> ModeResult:
@@ -310,13 +322,13 @@ def train(
     initial = build_mlp(data.features, config.hidden, data.num_classes).state_dict()
     batches = _batches(data, config)
     device = torch.device(config.device)
-    on_device = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test,
-                                               data.y_test))
+    on_device = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
     runs = [_Run(mode, data, config, initial, on_device) for mode in modes]
     windows = _windows(len(batches), config.warmup_steps)
     # disable=None: tqdm draws no bar when stderr is not a terminal (a captured log).
-    with tqdm(total=len(batches) * len(runs), disable=None if progress else True,
-              leave=False, unit="step") as bar:
+    with tqdm(
+        total=len(batches) * len(runs), disable=None if progress else True, leave=False, unit="step"
+    ) as bar:
         for turn, (steps, timed) in enumerate(windows):
             for k in range(len(runs)):
                 run = runs[(turn + k) % len(runs)]
