@@ -144,9 +144,9 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
     """The launches GradScaler and the fused optimizers make."""
-    from mpgemm.kernels.optim import triton_adam_step_, triton_sgd_step_
-    from mpgemm.kernels.scale_update import triton_update_scale_
+    from mpgemm.kernels.fused_optim import triton_adam_step_, triton_sgd_step_
     from mpgemm.kernels.unscale import triton_unscale_
+    from mpgemm.kernels.update_scale import triton_update_scale_
 
     aligned = spec == "aligned"
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16

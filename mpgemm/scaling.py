@@ -1,8 +1,8 @@
 """Loss-scaling ops on lists of tensors, dispatched to the kernels or the references.
 
 Each op takes tensors of any supported dtypes on one device, groups them by dtype and
-sends each group to one kernel launch (``mpgemm.kernels.unscale``, ``.optim``,
-``.scale_update``) or, for CPU tensors without the interpreter, to
+sends each group to one kernel launch (``mpgemm.kernels.unscale``, ``.fused_optim``,
+``.update_scale``) or, for CPU tensors without the interpreter, to
 ``mpgemm.scaling_ref``. A tensor the kernels cannot walk as flat memory (overlapping
 or gapped strides, or strides that differ from its partners', or a tensor subclass)
 goes to the reference, which is exact too. DTensors (FSDP2's sharded parameters,
@@ -114,9 +114,9 @@ REFERENCES: dict[str, Callable] = {
 @functools.cache
 def kernels() -> dict[str, Callable]:
     """The kernel launchers, by op (imported on first use: they import triton)."""
-    from mpgemm.kernels.optim import triton_adam_step_, triton_sgd_step_
-    from mpgemm.kernels.scale_update import triton_update_scale_
+    from mpgemm.kernels.fused_optim import triton_adam_step_, triton_sgd_step_
     from mpgemm.kernels.unscale import triton_unscale_
+    from mpgemm.kernels.update_scale import triton_update_scale_
 
     return {
         "unscale": triton_unscale_,

@@ -1,7 +1,7 @@
 """Reference implementations of loss scaling and the fused optimizer steps, in PyTorch.
 
 They have the contracts of the kernels in ``mpgemm.kernels.unscale``,
-``mpgemm.kernels.scale_update`` and ``mpgemm.kernels.optim``, run CPU tensors when the
+``mpgemm.kernels.update_scale`` and ``mpgemm.kernels.fused_optim``, run CPU tensors when the
 Triton interpreter is off, and are what the tests hold the kernels to. Unscaling and
 the scale update are torch's own ops; the optimizer steps are torch's SGD and Adam
 math, skipped on the device (``torch.where``) when ``found_inf`` is set, so that nothing
