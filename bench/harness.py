@@ -15,6 +15,9 @@ WARMUP_CALLS = 5 if ON_GPU else 1
 ROUNDS = 30 if ON_GPU else 3
 # Larger than any GPU's L2 (50 MB on an H100), as triton.testing.do_bench flushes.
 L2_FLUSH_BYTES = 256 * 2**20
+# What torch.cuda.set_sync_debug_mode("warn") says at each synchronising call (its first
+# use also warns that the mode is a prototype: not a sync).
+SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 def synchronize() -> None:

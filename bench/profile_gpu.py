@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import triton
+from harness import SYNC_WARNING
 from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
@@ -155,21 +156,20 @@ def sync_sites(out: Path) -> None:
             step()
         torch.cuda.synchronize()
         stacks = []
-        shown = warnings.showwarning
 
         def record(message, *args, stacks=stacks, **kwargs):
-            if "synchroniz" in str(message):
+            if SYNC_WARNING in str(message):
                 stacks.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-1]))
 
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("always")
-                warnings.showwarning = record
-                torch.cuda.set_sync_debug_mode("warn")
+        # catch_warnings puts showwarning back on leaving.
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
                 step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = shown
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
         lines.append(f"### {name}: {len(stacks)}")
         lines += stacks
     body = "\n".join(lines)

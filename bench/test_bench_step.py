@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from harness import GPU_SCALE, ON_GPU
+from harness import GPU_SCALE, ON_GPU, SYNC_WARNING
 
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 
@@ -43,8 +43,7 @@ def _host_syncs(step) -> int:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    # (The mode's first use also warns that it is a prototype: not a sync.)
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))

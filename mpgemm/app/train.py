@@ -144,9 +144,6 @@ class Recipe:
         self.scaler = None
         self.optimizer_steps = 0
         self._step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._eager_step
-        # Gradients zeroed in place under a graph: tensors that outlive the capture keep
-        # their addresses, so the kernels' tensor tables are the ones built in warm-up.
-        self._grads_to_none = True
         if mode == "mpgemm":
             mpgemm.convert(model)
             self.optimizer = mpgemm.LossScaleOptimizer(
@@ -154,7 +151,6 @@ class Recipe:
             )
             if config.cuda_graph:
                 self._step = GraphedStep(self._eager_step)
-                self._grads_to_none = False
             return
         options = {"fused": True} if fused_torch_optimizer else {}
         self.optimizer = _optimizer(torch.optim, config, model.parameters(), **options)
@@ -183,7 +179,9 @@ class Recipe:
         return self._step(x, y)
 
     def _eager_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=self._grads_to_none)
+        # Gradients zeroed in place under a graph: tensors that outlive the capture keep
+        # their addresses, so the kernels' tensor tables are the ones built in warm-up.
+        self.optimizer.zero_grad(set_to_none=not isinstance(self._step, GraphedStep))
         loss = self.loss(x, y)
         if self.mode == "mpgemm":
             self.optimizer.scale_loss(loss).backward()
