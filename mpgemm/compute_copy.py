@@ -31,6 +31,19 @@ _steps = 0
 
 
 def _count_step(optimizer, args, kwargs) -> None:
+    # Traced by torch.compile, the count must not be read: ``_steps += 1`` became a
+    # guard on its value, and every compiled step recompiled (dynamo gives up after 8
+    # and runs the frame eagerly). mpgemm's optimizers (``_counts_own_compiled_steps``)
+    # count a compiled step where it runs (mpgemm.ops); any other optimizer's count
+    # runs eagerly, in a graph break (torch's optimizers break the graph there anyway).
+    if torch.compiler.is_compiling() and getattr(optimizer, "_counts_own_compiled_steps", False):
+        return
+    count_step()
+
+
+@torch.compiler.disable
+def count_step() -> None:
+    """Count an optimizer step that began."""
     global _steps
     _steps += 1
 

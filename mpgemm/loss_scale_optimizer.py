@@ -48,6 +48,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     gradients are not all-reduced (DDP's are, which makes the reduction redundant but
     harmless)."""
 
+    # For mpgemm.compute_copy: a compiled step is counted by the wrapped optimizer's.
+    _counts_own_compiled_steps = True
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

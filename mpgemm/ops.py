@@ -1,16 +1,24 @@
-"""mpgemm's GEMM as a torch custom op, ``torch.ops.mpgemm.gemm``, for ``torch.compile``.
+"""mpgemm's ops as torch custom ops, for ``torch.compile``: ``torch.ops.mpgemm.gemm``,
+and the loss-scaling ops and optimizer steps of ``mpgemm.scaling`` (``unscale_``,
+``update_scale_``, ``sgd_step_``, ``adam_step_``).
 
-Traced code calls the op instead of the implementation (``functional._gemm``): the
-compiler sees one opaque node, so it keeps the rounding to the compute dtype (inductor
-folds a round trip such as ``x.to(fp16).to(fp32)`` away) and never traces the Triton
-launcher. Eager code calls the implementation directly, without the op's dispatch.
+Traced code calls an op instead of the implementation (``functional._gemm``, the
+functions of ``mpgemm.scaling``): the compiler sees one opaque node, so it keeps the
+rounding to the compute dtype (inductor folds a round trip such as
+``x.to(fp16).to(fp32)`` away), never traces a Triton launcher or the per-dtype
+dispatch, and the graph does not break there. Eager code calls the implementation
+directly, without the op's dispatch: an op that writes its arguments bumps their
+version counters, which would make every 16-bit weight copy look stale
+(``mpgemm.compute_copy``) after an optimizer step that has just written it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["gemm"]
+__all__ = ["adam_step_", "gemm", "sgd_step_", "unscale_", "update_scale_"]
 
 
 @torch.library.custom_op("mpgemm::gemm", mutates_args=())
@@ -99,3 +107,202 @@ def gemm(
         rowsum_a,
     )
     return c, (g if store_act_grad else None), (r if rowsum_a else None)
+
+
+# -- loss scaling and the optimizer steps ----------------------------------------------
+# Each op runs mpgemm.scaling's function of the same name (eagerly, when the compiled
+# graph calls it), which checks its arguments again and dispatches per dtype. They
+# return nothing: they write the tensors named in mutates_args. A schema has no optional
+# list of tensors, so an empty list stands for None (an argument the function omits).
+
+
+def _or_none(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    return tensors if tensors else None
+
+
+@torch.library.custom_op("mpgemm::unscale_", mutates_args=("src", "found_inf", "dst"))
+def _unscale_op(
+    src: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    dst: list[torch.Tensor],
+) -> None:
+    from mpgemm import scaling
+
+    scaling.unscale_(src, found_inf, inv_scale, dst=_or_none(dst))
+
+
+def unscale_(
+    src: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    *,
+    dst: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """``mpgemm.scaling.unscale_`` as ``torch.ops.mpgemm.unscale_``."""
+    _unscale_op(list(src), found_inf, inv_scale, [] if dst is None else list(dst))
+
+
+@torch.library.custom_op("mpgemm::update_scale_", mutates_args=("scale", "growth_tracker"))
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """``mpgemm.scaling.update_scale_`` as ``torch.ops.mpgemm.update_scale_``."""
+    from mpgemm import scaling
+
+    scaling.update_scale_(
+        scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
+    )
+
+
+@torch.library.custom_op(
+    "mpgemm::sgd_step_", mutates_args=("params", "momentum_buffers", "compute_copies")
+)
+def _sgd_step_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor],
+    compute_copies: list[torch.Tensor],
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    from mpgemm import compute_copy, scaling
+
+    # The step pre-hook that counts optimizer steps is skipped when traced: count here,
+    # where the step runs (this compiled step wrote no compute copy: all are stale).
+    compute_copy.count_step()
+    scaling.sgd_step_(
+        params,
+        grads,
+        _or_none(momentum_buffers),
+        compute_copies=_or_none(compute_copies),
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
+        inv_scale=inv_scale,
+        found_inf=found_inf,
+    )
+
+
+def sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor] | None,
+    *,
+    compute_copies: Sequence[torch.Tensor] | None = None,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """``mpgemm.scaling.sgd_step_`` as ``torch.ops.mpgemm.sgd_step_``."""
+    _sgd_step_op(
+        list(params),
+        list(grads),
+        list(momentum_buffers or ()),
+        list(compute_copies or ()),
+        lr,
+        momentum,
+        weight_decay,
+        nesterov,
+        maximize,
+        inv_scale,
+        found_inf,
+    )
+
+
+@torch.library.custom_op(
+    "mpgemm::adam_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "compute_copies")
+)
+def _adam_step_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    compute_copies: list[torch.Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    from mpgemm import compute_copy, scaling
+
+    # The step pre-hook that counts optimizer steps is skipped when traced: count here,
+    # where the step runs (this compiled step wrote no compute copy: all are stale).
+    compute_copy.count_step()
+    scaling.adam_step_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        compute_copies=_or_none(compute_copies),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled_weight_decay=decoupled_weight_decay,
+        maximize=maximize,
+        inv_scale=inv_scale,
+        found_inf=found_inf,
+    )
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    compute_copies: Sequence[torch.Tensor] | None = None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """``mpgemm.scaling.adam_step_`` as ``torch.ops.mpgemm.adam_step_``."""
+    _adam_step_op(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(steps),
+        list(compute_copies or ()),
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        decoupled_weight_decay,
+        maximize,
+        inv_scale,
+        found_inf,
+    )

@@ -61,6 +61,8 @@ class _ScaledStep(torch.optim.Optimizer):
     and ``step`` its ``super()`` calls reach."""
 
     _step_supports_amp_scaling = True
+    # A compiled step counts itself for mpgemm.compute_copy, in the custom op it calls.
+    _counts_own_compiled_steps = True
 
     def _scaling_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         grad_scale = getattr(self, "grad_scale", None)
@@ -70,8 +72,12 @@ class _ScaledStep(torch.optim.Optimizer):
         return inv_scale, found_inf
 
     @staticmethod
-    def _compute_copies(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _compute_copies(params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         # A parameter without a compute copy stands for its own: nothing more is written.
+        # Compiled, none is written: a compiled forward casts the weight in its graph,
+        # and an eager one sees the step's version bump and casts anew.
+        if torch.compiler.is_compiling():
+            return None
         return [copy if (copy := copy_of(p)) is not None else p for p in params]
 
     @staticmethod

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
-from mpgemm import scaling_ref
+from mpgemm import ops, scaling_ref
 from mpgemm.functional import backend, is_plain
 
 if TYPE_CHECKING:
@@ -149,6 +149,9 @@ def unscale_(
     _check_scalar("unscale_", "found_inf", found_inf, device)
     if inv_scale is not None:
         _check_scalar("unscale_", "inv_scale", inv_scale, device)
+    if torch.compiler.is_compiling():
+        ops.unscale_(src, found_inf, inv_scale, dst=dst)
+        return
     lists = [src, src if dst is None else dst]
     _dispatch(
         "unscale",
@@ -215,6 +218,11 @@ def update_scale_(
 ) -> None:
     """Back the ``scale`` off when ``found_inf`` is nonzero, grow it after
     ``growth_interval`` clean steps (``torch._amp_update_scale_``), on the device."""
+    if torch.compiler.is_compiling():
+        ops.update_scale_(
+            scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
+        )
+        return
     use_kernel = backend(scale.device) == "triton"
     impl = kernels()["update_scale"] if use_kernel else REFERENCES["update_scale"]
     impl(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
@@ -244,6 +252,9 @@ def sgd_step_(
     """One SGD step of ``mpgemm.scaling_ref.sgd_step_ref_``'s math, fused per dtype.
     ``compute_copies``: per parameter, its compute copy (``mpgemm.compute_copy``) to
     write from the updated value, or the parameter itself for none."""
+    if torch.compiler.is_compiling():
+        ops.sgd_step_(params, grads, momentum_buffers, compute_copies=compute_copies, **hyper)
+        return
     copies = params if compute_copies is None else compute_copies
     lists = [params, grads, copies] + ([momentum_buffers] if momentum_buffers is not None else [])
     _dispatch(
@@ -269,6 +280,11 @@ def adam_step_(
     """One Adam/AdamW step of ``mpgemm.scaling_ref.adam_step_ref_``'s math, fused per
     dtype; ``steps`` must already count this step (``advance_steps_``).
     ``compute_copies`` as for ``sgd_step_``."""
+    if torch.compiler.is_compiling():
+        ops.adam_step_(
+            params, grads, exp_avgs, exp_avg_sqs, steps, compute_copies=compute_copies, **hyper
+        )
+        return
     copies = params if compute_copies is None else compute_copies
     _dispatch(
         "adam_step",

@@ -30,6 +30,11 @@ def poison_allocations(monkeypatch):
     def poisoned(make):
         def allocate(*args, **kwargs):
             t = make(*args, **kwargs)
+            # Not in code traced by torch.compile: there the fill became a copy_ into a
+            # graph intermediate that inductor rejects (an AssertionError in its passes).
+            # Compiled results are compared with eager ones, which are poisoned.
+            if torch.compiler.is_compiling():
+                return t
             if t.is_floating_point() and t.device.type != "meta":
                 t.fill_(math.nan)
             return t

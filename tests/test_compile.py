@@ -2,7 +2,10 @@
 break), with each GEMM one opaque custom op (torch.ops.mpgemm.gemm), so the rounding to
 16 bits survives (without the op, inductor folded it away: 2.3e-4 off on this MLP)
 and outputs and gradients equal eager's bit for bit, on the reference path and through
-the kernels."""
+the kernels. The same for the optimizer side of a step: loss scaling and mpgemm's
+fused optimizers are custom ops too (torch.ops.mpgemm.unscale_, ...), so a compiled
+LossScaleOptimizer or GradScaler step traces whole, compiles once, and trains as
+eager does."""
 
 import os
 import subprocess
@@ -13,6 +16,7 @@ import torch
 from torch import nn
 
 import mpgemm
+from mpgemm import compute_copy
 
 
 def _model(device):
@@ -80,3 +84,119 @@ def test_kernels_compile_whole_and_match_eager_bit_for_bit(device):
         timeout=600,
     )
     assert run.returncode == 0 and "same bits" in run.stdout, run.stderr[-3000:]
+
+
+# -- the optimizer side: loss scaling and the fused optimizers -------------------------
+
+_OPTIMIZERS = {
+    "adamw": lambda params: mpgemm.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "sgd": lambda params: mpgemm.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
+}
+
+
+def _train(device, step_fn, *, steps=6, inf_at=2, half=False, steady_from=None):
+    """Train a small converted MLP for ``steps`` steps (a gradient made inf at step
+    ``inf_at``, so one step is skipped) with forward and backward eager and the
+    optimizer side run by ``step_fn(model)``, which returns (a per-step callable, a
+    callable that reads the loss scale, the loss-scaling function). From step
+    ``steady_from`` on, torch.compile must not recompile. Returns the parameters and
+    the final scale."""
+    torch.manual_seed(0)
+    model = mpgemm.convert(nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10)))
+    model = model.to(device)
+    if half:
+        model = model.half()
+    step, scale, scale_loss = step_fn(model)
+    generator = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        x = torch.randn(32, 64, generator=generator).to(device, next(model.parameters()).dtype)
+        y = torch.randint(0, 10, (32,), generator=generator).to(device)
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        scale_loss(loss).backward()
+        if i == inf_at:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        steady = steady_from is not None and i >= steady_from
+        with torch.compiler.set_stance("fail_on_recompile" if steady else "default"):
+            step()
+        for p in model.parameters():
+            p.grad = None
+    return [p.detach().clone() for p in model.parameters()], scale()
+
+
+def _loss_scale_optimizer(name, compiled):
+    def make(model):
+        optimizer = mpgemm.LossScaleOptimizer(
+            _OPTIMIZERS[name](model.parameters()), init_scale=2.0**10, growth_interval=2
+        )
+        step = torch.compile(optimizer.step, fullgraph=True) if compiled else optimizer.step
+        return step, lambda: optimizer.loss_scale, optimizer.scale_loss
+
+    return make
+
+
+def _grad_scaler(compiled, device):
+    """GradScaler around mpgemm's Adam, with unscale_ and clipping in the step."""
+
+    def make(model):
+        optimizer = mpgemm.optim.Adam(model.parameters(), lr=1e-2)
+        scaler = mpgemm.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+
+        def step():
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+
+        step = torch.compile(step, fullgraph=True) if compiled else step
+        return step, scaler.get_scale, scaler.scale
+
+    return make
+
+
+def _assert_compiled_step_matches_eager(device, make, **kwargs):
+    """fullgraph=True raises at any graph break; from the third step on (the first
+    builds the optimizer state) a recompile raises too."""
+    torch._dynamo.reset()
+    expected, expected_scale = _train(device, make(False), **kwargs)
+    got, scale = _train(device, make(True), steady_from=2, **kwargs)
+    assert scale == expected_scale == 2.0**11  # from 2**10: grown twice, halved once
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32-params", "fp16-params"])
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_compiled_loss_scale_optimizer_step_matches_eager_bit_for_bit(device, name, half):
+    """FP16 parameters get FP32 masters; FP32 ones (mpgemm.Linear) are stepped with
+    their 16-bit compute copies (eager: written by the kernel; compiled: recast)."""
+    _assert_compiled_step_matches_eager(
+        device, lambda compiled: _loss_scale_optimizer(name, compiled), half=half
+    )
+
+
+def test_compiled_optimizer_step_on_the_reference_path_matches_eager(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU's reference path
+    _assert_compiled_step_matches_eager(
+        torch.device("cpu"), lambda compiled: _loss_scale_optimizer("adamw", compiled)
+    )
+
+
+def test_compiled_grad_scaler_step_with_clipping_matches_eager(device):
+    _assert_compiled_step_matches_eager(device, lambda compiled: _grad_scaler(compiled, device))
+
+
+@pytest.mark.parametrize("make", [torch.optim.SGD, mpgemm.optim.SGD], ids=["torch", "mpgemm"])
+def test_compiled_optimizer_steps_are_counted_without_recompiling(make):
+    """mpgemm.compute_copy counts optimizer steps (a 16-bit copy is stale after one)
+    with a global step pre-hook. Traced, its count became a guard, and every compiled
+    step of any optimizer (torch's too) recompiled; each step must still be counted."""
+    torch._dynamo.reset()
+    param = nn.Parameter(torch.zeros(8))
+    optimizer = make([param], lr=0.5)
+    step = torch.compile(optimizer.step)
+    before = compute_copy._steps
+    for i in range(4):
+        param.grad = torch.ones(8)
+        with torch.compiler.set_stance("fail_on_recompile" if i >= 2 else "default"):
+            step()
+    assert compute_copy._steps - before == 4
+    assert torch.equal(param.detach(), torch.full((8,), -2.0))
