@@ -15,7 +15,10 @@ weight into the same storage under ``_unsafe_preserve_version_counter``, often a
 same address. Its new values come from an optimizer step on the shards (or a loaded
 state dict), so a copy is also stale once any optimizer has stepped since it was made,
 unless that step's optimizer wrote it (torch's global step pre-hook counts the steps);
-``mpgemm.Linear`` drops its copy when it loads a state dict.
+``mpgemm.Linear`` drops its copy when it loads a state dict. Under ``torch.compile``,
+mpgemm's optimizers count their steps in their custom ops, at run time; any other
+optimizer's step is counted in a graph break (torch's own optimizers break the graph
+there anyway; one compiled with ``fullgraph=True`` would raise there).
 """
 
 from __future__ import annotations
