@@ -179,7 +179,7 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
         (f32, f32, f16),
         (f32, f32, bf16),
     ):
-        scaled = dict(inv_scale=one, found_inf=torch.zeros(()))
+        scaled = dict(grad_scale=one, found_inf=torch.zeros(()))
         name = f"{param} <- {grad}" + (f", copy {copy}" if copy else "")
 
         def copies(c=copy):

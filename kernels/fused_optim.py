@@ -3,7 +3,8 @@
 One launch per list of tensors (``tensor_table``) updates parameters and optimizer
 state in FP32 registers, with the math of ``mpgemm.scaling_ref.sgd_step_ref_`` and
 ``adam_step_ref_`` (torch.optim.SGD's and Adam's). The scaled gradient is multiplied by
-``inv_scale`` and rounded to its own dtype, as ``GradScaler.unscale_`` would leave it,
+the reciprocal of ``grad_scale`` and rounded to its own dtype, as
+``GradScaler.unscale_`` would leave it,
 and written back (torch's optimizers leave ``.grad`` unscaled after ``scaler.step``);
 where ``found_inf`` is nonzero, each program reads the flag and nothing else, so the
 parameters and state keep their bits and the host never has to read the flag.
@@ -45,18 +46,22 @@ from mpgemm.kernels.tensor_table import (
 def _unscaled_grad(
     g_ptr,
     mask,
-    inv_scale_ptr,
+    grad_scale_ptr,
     GRAD_DTYPE: tl.constexpr,
-    HAS_INV_SCALE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """The block's gradient in FP32, unscaled and rounded to its own dtype as
-    ``GradScaler.unscale_`` would leave it (and left so in the gradient tensor, as
+    """The block's gradient in FP32, divided by the loss scale and rounded to its own
+    dtype as ``GradScaler.unscale_`` would leave it (and left so in the gradient tensor, as
     torch's optimizers leave it after ``scaler.step``), negated to maximise."""
     g = widen(load_block(g_ptr, mask), INTERPRETED)
-    if HAS_INV_SCALE:
-        g = cast_rne(g * tl.load(inv_scale_ptr), GRAD_DTYPE, INTERPRETED)
+    if HAS_GRAD_SCALE:
+        # GradScaler.unscale_'s multiplier: the reciprocal taken in double (FP64
+        # division is IEEE on the GPU: div.rn.f64) and rounded once to FP32. Taken here
+        # rather than by three torch ops before the launch.
+        inv_scale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
+        g = cast_rne(g * inv_scale, GRAD_DTYPE, INTERPRETED)
         tl.store(g_ptr, g, mask=mask)
         g = widen(g, INTERPRETED)
     if MAXIMIZE:
@@ -89,7 +94,7 @@ def _sgd_block(
     buf_ptr,
     c_ptr,
     mask,
-    inv_scale_ptr,
+    grad_scale_ptr,
     lr,
     momentum,
     weight_decay,
@@ -100,11 +105,13 @@ def _sgd_block(
     HAS_MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr,
-    HAS_INV_SCALE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     p = widen(load_block(p_ptr, mask), INTERPRETED)
-    g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE, INTERPRETED)
+    g = _unscaled_grad(
+        g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
+    )
     if weight_decay != 0:
         g = g + weight_decay.to(tl.float32) * p
     if HAS_MOMENTUM:
@@ -123,9 +130,9 @@ def _sgd_kernel(
     # table of [param, grad, momentum buffer, compute copy] tensors and its size
     table_ptr,
     num_tensors,
-    # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_INV_SCALE)
+    # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_GRAD_SCALE)
     found_inf_ptr,
-    inv_scale_ptr,
+    grad_scale_ptr,
     # FP64 table: lr, momentum, weight_decay
     hyper_ptr,
     # element types
@@ -138,7 +145,7 @@ def _sgd_kernel(
     NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
-    HAS_INV_SCALE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
     ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -163,7 +170,7 @@ def _sgd_kernel(
                 buf_ptr,
                 c_ptr,
                 None,
-                inv_scale_ptr,
+                grad_scale_ptr,
                 lr,
                 momentum,
                 weight_decay,
@@ -174,7 +181,7 @@ def _sgd_kernel(
                 HAS_MOMENTUM,
                 NESTEROV,
                 MAXIMIZE,
-                HAS_INV_SCALE,
+                HAS_GRAD_SCALE,
                 INTERPRETED,
             )
         else:
@@ -184,7 +191,7 @@ def _sgd_kernel(
                 buf_ptr,
                 c_ptr,
                 mask,
-                inv_scale_ptr,
+                grad_scale_ptr,
                 lr,
                 momentum,
                 weight_decay,
@@ -195,7 +202,7 @@ def _sgd_kernel(
                 HAS_MOMENTUM,
                 NESTEROV,
                 MAXIMIZE,
-                HAS_INV_SCALE,
+                HAS_GRAD_SCALE,
                 INTERPRETED,
             )
 
@@ -208,7 +215,7 @@ def _adam_block(
     v_ptr,
     c_ptr,
     mask,
-    inv_scale_ptr,
+    grad_scale_ptr,
     lr,
     beta1,
     beta2,
@@ -222,11 +229,13 @@ def _adam_block(
     HAS_COPY: tl.constexpr,
     DECOUPLED_WEIGHT_DECAY: tl.constexpr,
     MAXIMIZE: tl.constexpr,
-    HAS_INV_SCALE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     p = widen(load_block(p_ptr, mask), INTERPRETED)
-    g = _unscaled_grad(g_ptr, mask, inv_scale_ptr, GRAD_DTYPE, HAS_INV_SCALE, MAXIMIZE, INTERPRETED)
+    g = _unscaled_grad(
+        g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
+    )
     if weight_decay != 0:
         if DECOUPLED_WEIGHT_DECAY:
             p = p * (1.0 - lr * weight_decay).to(tl.float32)
@@ -254,9 +263,9 @@ def _adam_kernel(
     # table of [param, grad, exp_avg, exp_avg_sq, step, compute copy] tensors and its size
     table_ptr,
     num_tensors,
-    # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_INV_SCALE)
+    # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_GRAD_SCALE)
     found_inf_ptr,
-    inv_scale_ptr,
+    grad_scale_ptr,
     # FP64 table: lr, beta1, beta2, eps, weight_decay
     hyper_ptr,
     # element types
@@ -268,7 +277,7 @@ def _adam_kernel(
     DECOUPLED_WEIGHT_DECAY: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
-    HAS_INV_SCALE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
     ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -303,7 +312,7 @@ def _adam_kernel(
                 v_ptr,
                 c_ptr,
                 None,
-                inv_scale_ptr,
+                grad_scale_ptr,
                 lr,
                 beta1,
                 beta2,
@@ -317,7 +326,7 @@ def _adam_kernel(
                 HAS_COPY,
                 DECOUPLED_WEIGHT_DECAY,
                 MAXIMIZE,
-                HAS_INV_SCALE,
+                HAS_GRAD_SCALE,
                 INTERPRETED,
             )
         else:
@@ -328,7 +337,7 @@ def _adam_kernel(
                 v_ptr,
                 c_ptr,
                 mask,
-                inv_scale_ptr,
+                grad_scale_ptr,
                 lr,
                 beta1,
                 beta2,
@@ -342,7 +351,7 @@ def _adam_kernel(
                 HAS_COPY,
                 DECOUPLED_WEIGHT_DECAY,
                 MAXIMIZE,
-                HAS_INV_SCALE,
+                HAS_GRAD_SCALE,
                 INTERPRETED,
             )
 
@@ -352,7 +361,7 @@ def _launch(
     lists,
     copies,
     found_inf,
-    inv_scale,
+    grad_scale,
     hyper,
     *,
     strided,
@@ -378,14 +387,14 @@ def _launch(
         table,
         num_tensors,
         found_inf if found_inf is not None else table,
-        inv_scale if inv_scale is not None else table,
+        grad_scale if grad_scale is not None else table,
         scalar_table(hyper, table.device),
         PARAM_DTYPE=TRITON_DTYPES[params[0].dtype],
         GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
         COPY_DTYPE=TRITON_DTYPES[copies[0].dtype],
         HAS_COPY=has_copy,
         HAS_FOUND_INF=found_inf is not None,
-        HAS_INV_SCALE=inv_scale is not None,
+        HAS_GRAD_SCALE=grad_scale is not None,
         ALIGNED=is_aligned(walked),
         INTERPRETED=INTERPRET,
         BLOCK=block,
@@ -404,7 +413,7 @@ def triton_sgd_step_(
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
-    inv_scale: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
@@ -419,7 +428,7 @@ def triton_sgd_step_(
         [params, grads, buffers],
         compute_copies,
         found_inf,
-        inv_scale,
+        grad_scale,
         (lr, momentum, weight_decay),
         strided=3,
         HAS_MOMENTUM=momentum != 0,
@@ -442,7 +451,7 @@ def triton_adam_step_(
     weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
-    inv_scale: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
@@ -456,7 +465,7 @@ def triton_adam_step_(
         [params, grads, exp_avgs, exp_avg_sqs, steps],
         compute_copies,
         found_inf,
-        inv_scale,
+        grad_scale,
         (lr, beta1, beta2, eps, weight_decay),
         strided=4,
         # Adam writing a copy (and the unscaled gradient) spills under Triton 3.6 with

@@ -5,6 +5,8 @@ launch to an interceptor instead:
   line per launch saying what it would compile, and no launch. It answers, on any
   machine and without running a kernel, how many binaries a workload makes a GPU
   compile on a cold cache (``count_compiles``; ``bash bench/gpu_check.sh plan``).
+- ``count_launches()``: counts the launches of a block of code, mpgemm's (not run) and
+  torch's (run), and its host time: launches and host microseconds per training step.
 - ``compile_launch`` (``MPGEMM_PRECOMPILE=1`` in the environment): compile the launch
   with triton's own JIT for every config the GPU would autotune over, and no launch.
   Under ``MPGEMM_PRECOMPILE=1`` the compiles run on a thread per core (triton's async
@@ -31,6 +33,7 @@ from contextlib import contextmanager
 
 import torch
 import triton
+from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime.autotuner import Autotuner
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -162,6 +165,64 @@ def count_compiles(records: Iterable[dict]) -> int:
         tuned.setdefault(key, record["configs"])
         binaries.add((*key, *spec))
     return sum(tuned.values()) + len(binaries) - len(tuned)
+
+
+# torch ops that launch no kernel: allocations without a fill, metadata, host reads.
+_NO_KERNEL = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "detach",
+        "lift_fresh",
+        "set_",
+        "_local_scalar_dense",
+        "_has_compatible_shallow_copy_type",
+        "is_same_size",
+    }
+)
+
+
+class LaunchCount(TorchDispatchMode):
+    """What ``count_launches`` counted: ``triton`` (mpgemm's kernels, by name) and
+    ``torch`` (torch ops that launch a kernel, by op; views, allocations and the
+    profiler's markers launch none). One torch op is counted as one launch, which is
+    what almost every op launches (a foreach op over many tensors may launch more)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.triton: dict[str, int] = {}
+        self.torch: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.triton.values()) + sum(self.torch.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        aliases = any(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+        )
+        if not aliases and packet.__name__ not in _NO_KERNEL and func.namespace != "profiler":
+            self.torch[str(packet)] = self.torch.get(str(packet), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def _launched(self, kernel, grid, args, kwargs, configs) -> None:
+        name = jit_function(kernel).fn.__name__
+        self.triton[name] = self.triton.get(name, 0) + 1
+
+
+@contextmanager
+def count_launches() -> Iterator[LaunchCount]:
+    """Count the launches in the block: mpgemm's are intercepted (they do not run, so
+    their outputs hold garbage) and torch's run. With the kernels stubbed so, the
+    block's host time is what the host spends on each step (``mpgemm.backend`` sends
+    CPU tensors to the kernel path meanwhile, so this works on any machine)."""
+    count = LaunchCount()
+    with intercept(count._launched), count:
+        yield count
 
 
 def _precompile_in_background() -> None:

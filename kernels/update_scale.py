@@ -5,7 +5,9 @@
                      scale *= growth_factor (kept only if finite);   tracker = 0
 
 ``scale`` is an FP32 tensor and ``tracker`` an int32 tensor of one element; products are
-taken in FP64 and rounded to FP32, as torch does. One program, no host synchronisation.
+taken in FP64 and rounded to FP32, as torch does. A skipped-step counter (an int64
+tensor: ``mpgemm.LossScaleOptimizer``'s) may be counted up in the same launch. One
+program, no host synchronisation.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def _update_scale_kernel(
     # FP64 table: growth_factor, backoff_factor (a factor such as 1.1 is inexact in FP32)
     factors_ptr,
     growth_interval,
+    skipped_ptr,  # int64 count of skipped steps (unused unless HAS_SKIPPED)
+    HAS_SKIPPED: tl.constexpr,
 ):
     growth_factor = tl.load(factors_ptr)
     backoff_factor = tl.load(factors_ptr + 1)
@@ -39,6 +43,8 @@ def _update_scale_kernel(
     new_tracker = tl.where(found_inf | (tracker + 1 == growth_interval), 0, tracker + 1)
     tl.store(scale_ptr, new_scale)
     tl.store(tracker_ptr, new_tracker)
+    if HAS_SKIPPED:
+        tl.store(skipped_ptr, tl.load(skipped_ptr) + found_inf.to(tl.int64))
 
 
 def triton_update_scale_(
@@ -48,9 +54,12 @@ def triton_update_scale_(
     growth_factor: float,
     backoff_factor: float,
     growth_interval: int,
+    *,
+    skipped_steps: torch.Tensor | None = None,
 ) -> None:
     """Update ``scale`` (FP32) and ``growth_tracker`` (int32) in place from ``found_inf``
-    (FP32), all one-element tensors on one device."""
+    (FP32), and add one to ``skipped_steps`` (int64) if it is set: all one-element
+    tensors on one device."""
     launch(
         _update_scale_kernel,
         (1,),
@@ -59,5 +68,7 @@ def triton_update_scale_(
         found_inf,
         scalar_table((growth_factor, backoff_factor), scale.device),
         int(growth_interval),
+        skipped_steps if skipped_steps is not None else scale,
+        HAS_SKIPPED=skipped_steps is not None,
         num_warps=1,
     )

@@ -195,6 +195,12 @@ class GradScaler:
         masters take their 16-bit model parameters' gradients."""
         return {}
 
+    def _skip_counter(self, scale: torch.Tensor) -> torch.Tensor | None:
+        """A one-element int64 tensor on ``scale``'s device to which the scale update
+        adds one when this iteration's gradients held an inf/NaN, in the same launch.
+        None here; LossScaleOptimizer counts its skipped steps so."""
+        return None
+
     def _reduce_found_inf(self, found_inf: torch.Tensor) -> None:
         """Called on each device's flag once this step's gradients have set it: nothing
         here; LossScaleOptimizer reduces it across ranks."""
@@ -334,6 +340,7 @@ class GradScaler:
                 self._growth_factor,
                 self._backoff_factor,
                 self._growth_interval,
+                skipped_steps=self._skip_counter(scale),
             )
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 

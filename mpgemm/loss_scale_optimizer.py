@@ -79,6 +79,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
             grad_sources=self._grad_sources,
+            skipped=torch.zeros((), dtype=torch.int64, device=params[0].device),
             all_reduce_found_inf=all_reduce_found_inf,
             process_group=process_group,
         )
@@ -86,7 +87,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._master_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for group in optimizer.param_groups:
             self._install_masters(group)
-        self._skipped = torch.zeros((), dtype=torch.int64, device=params[0].device)
         # Step hooks as torch.optim.Optimizer.__init__ sets them up (without its groups):
         # register_step_pre_hook / register_step_post_hook work on the wrapper.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -161,7 +161,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     @property
     def skipped_steps(self) -> int:
         """How many steps were skipped for inf/NaN gradients (synchronises, as above)."""
-        return int(self._skipped.item())
+        return int(self.scaler.skipped.item())
 
     def unscale_(self) -> None:
         """Unscale the gradients now, for clipping: scale, backward, ``unscale_``, clip,
@@ -185,9 +185,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             # (the scaler alone would not know where to read them).
             self.unscale_()
         self.scaler.step(self.optimizer)
-        found_inf = self.scaler._found_inf(self.optimizer).to(self._skipped.device)
-        self._skipped += (found_inf != 0).to(torch.int64)
-        self.scaler.update()
+        self.scaler.update()  # counts a skipped step too
         # A skipped step left the masters as they were, so this rewrites the same values.
         for param, master in self._master_pairs:
             param.copy_(master)
@@ -223,7 +221,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.scaler.load_state_dict(state_dict["scaler"])
-        self._skipped.fill_(state_dict["skipped_steps"])
+        self.scaler.skipped.fill_(state_dict["skipped_steps"])
         with torch.no_grad():
             for (param, master), saved in zip(self._master_pairs, masters, strict=True):
                 master.copy_(saved)
@@ -232,25 +230,33 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
 class _MasterScaler(GradScaler):
     """LossScaleOptimizer's scaler: FP32 masters take their 16-bit model parameters'
-    gradients (``_grad_sources``), and under ``torch.distributed`` each device's flag is
-    MAX-reduced across ``process_group`` (``_reduce_found_inf``). Being methods, both
+    gradients (``_grad_sources``), under ``torch.distributed`` each device's flag is
+    MAX-reduced across ``process_group`` (``_reduce_found_inf``), and the scale update
+    counts skipped steps in ``skipped`` (``_skip_counter``). Being methods, these
     survive pickling (a ProcessGroup itself does not pickle)."""
 
     def __init__(
         self,
         *args: Any,
         grad_sources: dict[torch.Tensor, torch.Tensor],
+        skipped: torch.Tensor,
         all_reduce_found_inf: bool | None,
         process_group: Any,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._sources = grad_sources
+        self.skipped = skipped
         self._all_reduce_found_inf = all_reduce_found_inf
         self._process_group = process_group
 
     def _grad_sources(self, optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
         return self._sources
+
+    def _skip_counter(self, scale: torch.Tensor) -> torch.Tensor:
+        if self.skipped.device != scale.device:  # the loss, and so the scale, elsewhere
+            self.skipped = self.skipped.to(scale.device)
+        return self.skipped
 
     def _reduce_found_inf(self, found_inf: torch.Tensor) -> None:
         reduce = self._all_reduce_found_inf

@@ -143,7 +143,9 @@ def unscale_(
     _unscale_op(list(src), found_inf, inv_scale, [] if dst is None else list(dst))
 
 
-@torch.library.custom_op("mpgemm::update_scale_", mutates_args=("scale", "growth_tracker"))
+@torch.library.custom_op(
+    "mpgemm::update_scale_", mutates_args=("scale", "growth_tracker", "skipped_steps")
+)
 def update_scale_(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
@@ -151,12 +153,19 @@ def update_scale_(
     growth_factor: float,
     backoff_factor: float,
     growth_interval: int,
+    skipped_steps: torch.Tensor | None,
 ) -> None:
     """``mpgemm.scaling.update_scale_`` as ``torch.ops.mpgemm.update_scale_``."""
     from mpgemm import scaling
 
     scaling.update_scale_(
-        scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
+        scale,
+        growth_tracker,
+        found_inf,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        skipped_steps=skipped_steps,
     )
 
 
@@ -173,7 +182,7 @@ def _sgd_step_op(
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
-    inv_scale: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
 ) -> None:
     from mpgemm import compute_copy, scaling
@@ -191,7 +200,7 @@ def _sgd_step_op(
         weight_decay=weight_decay,
         nesterov=nesterov,
         maximize=maximize,
-        inv_scale=inv_scale,
+        grad_scale=grad_scale,
         found_inf=found_inf,
     )
 
@@ -207,7 +216,7 @@ def sgd_step_(
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
-    inv_scale: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
     """``mpgemm.scaling.sgd_step_`` as ``torch.ops.mpgemm.sgd_step_``."""
@@ -221,7 +230,7 @@ def sgd_step_(
         weight_decay,
         nesterov,
         maximize,
-        inv_scale,
+        grad_scale,
         found_inf,
     )
 
@@ -243,7 +252,7 @@ def _adam_step_op(
     weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
-    inv_scale: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
 ) -> None:
     from mpgemm import compute_copy, scaling
@@ -265,7 +274,7 @@ def _adam_step_op(
         weight_decay=weight_decay,
         decoupled_weight_decay=decoupled_weight_decay,
         maximize=maximize,
-        inv_scale=inv_scale,
+        grad_scale=grad_scale,
         found_inf=found_inf,
     )
 
@@ -285,7 +294,7 @@ def adam_step_(
     weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
-    inv_scale: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
     """``mpgemm.scaling.adam_step_`` as ``torch.ops.mpgemm.adam_step_``."""
@@ -303,6 +312,6 @@ def adam_step_(
         weight_decay,
         decoupled_weight_decay,
         maximize,
-        inv_scale,
+        grad_scale,
         found_inf,
     )

@@ -65,11 +65,8 @@ class _ScaledStep(torch.optim.Optimizer):
     _counts_own_compiled_steps = True
 
     def _scaling_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        # As GradScaler.unscale_ would: multiply by the reciprocal, taken in double.
-        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-        return inv_scale, found_inf
+        # The kernels divide by the scale as GradScaler.unscale_ would.
+        return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
 
     @staticmethod
     def _compute_copies(params: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -100,26 +97,28 @@ class _ScaledStep(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        inv_scale, found_inf = self._scaling_tensors()
+        grad_scale, found_inf = self._scaling_tensors()
         others = []
         with torch.no_grad():
             for group in self.param_groups:
                 params, rest = self._params_with_grad(group)
                 if params:
-                    step_group(group, params, inv_scale, found_inf)
+                    step_group(group, params, grad_scale, found_inf)
                 others.append(rest)
         if any(others):
-            self._torch_step(others, inv_scale, found_inf)
+            self._torch_step(others, grad_scale, found_inf)
         return loss
 
-    def _torch_step(self, others: list[list[torch.Tensor]], inv_scale, found_inf) -> None:
+    def _torch_step(self, others: list[list[torch.Tensor]], grad_scale, found_inf) -> None:
         """Step ``others`` (per param group) with torch's own implementation (the step
         of the torch class this one subclasses), as the torch optimizer would under a
         GradScaler: skipped when ``found_inf`` is set (read on the host: only for dtypes
         the kernels do not take), else on gradients unscaled in place first."""
         if found_inf is not None and found_inf.item():
             return
-        if inv_scale is not None:
+        if grad_scale is not None:
+            # As GradScaler.unscale_ would: multiply by the reciprocal, taken in double.
+            inv_scale = grad_scale.double().reciprocal().float()
             with torch.no_grad():
                 for grad in (p.grad for rest in others for p in rest):
                     if grad is not None:  # (the params with a gradient)
@@ -176,7 +175,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
     def step(self, closure: Callable | None = None) -> Any:
         return self._run_step(closure, self._step_group)
 
-    def _step_group(self, group, params, inv_scale, found_inf) -> None:
+    def _step_group(self, group, params, grad_scale, found_inf) -> None:
         buffers = None
         if group["momentum"] != 0:
             buffers = []
@@ -194,7 +193,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
             weight_decay=group["weight_decay"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
-            inv_scale=inv_scale,
+            grad_scale=grad_scale,
             found_inf=found_inf,
             compute_copies=self._compute_copies(params),
         )
@@ -239,7 +238,7 @@ class _FusedAdamStep(_ScaledStep):
     def step(self, closure: Callable | None = None) -> Any:
         return self._run_step(closure, self._step_group)
 
-    def _step_group(self, group, params, inv_scale, found_inf) -> None:
+    def _step_group(self, group, params, grad_scale, found_inf) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             state = self.state[p]
@@ -269,7 +268,7 @@ class _FusedAdamStep(_ScaledStep):
                 "decoupled_weight_decay", self._decoupled_weight_decay
             ),
             maximize=group["maximize"],
-            inv_scale=inv_scale,
+            grad_scale=grad_scale,
             found_inf=found_inf,
             compute_copies=self._compute_copies(params),
         )

@@ -215,17 +215,45 @@ def update_scale_(
     growth_factor: float,
     backoff_factor: float,
     growth_interval: int,
+    *,
+    skipped_steps: torch.Tensor | None = None,
 ) -> None:
     """Back the ``scale`` off when ``found_inf`` is nonzero, grow it after
-    ``growth_interval`` clean steps (``torch._amp_update_scale_``), on the device."""
+    ``growth_interval`` clean steps (``torch._amp_update_scale_``), and count a skipped
+    step in ``skipped_steps`` (a one-element int64 tensor) if given: on the device, in
+    one launch."""
+    if skipped_steps is not None and (
+        skipped_steps.dtype != torch.int64
+        or skipped_steps.numel() != 1
+        or skipped_steps.device != scale.device
+    ):
+        raise ValueError(
+            "mpgemm.scaling.update_scale_: skipped_steps must be a one-element int64 tensor "
+            f"on {scale.device}, got {skipped_steps.dtype} of shape "
+            f"{tuple(skipped_steps.shape)} on {skipped_steps.device}"
+        )
     if torch.compiler.is_compiling():
         ops.update_scale_(
-            scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
+            scale,
+            growth_tracker,
+            found_inf,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            skipped_steps,
         )
         return
     use_kernel = backend(scale.device) == "triton"
     impl = kernels()["update_scale"] if use_kernel else REFERENCES["update_scale"]
-    impl(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    impl(
+        scale,
+        growth_tracker,
+        found_inf,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        skipped_steps=skipped_steps,
+    )
 
 
 def advance_steps_(steps: Sequence[torch.Tensor], found_inf: torch.Tensor | None) -> None:
@@ -235,7 +263,9 @@ def advance_steps_(steps: Sequence[torch.Tensor], found_inf: torch.Tensor | None
     if found_inf is None:
         torch._foreach_add_(list(steps), 1.0)
         return
-    increment = (found_inf == 0).to(steps[0].dtype)
+    # One launch for the increment: eq writes its FP32 output directly (empty launches
+    # nothing).
+    increment = torch.eq(found_inf, 0, out=torch.empty_like(steps[0]))
     # A list of tensors: given one 0-dim tensor, _foreach_add_ takes it as a Scalar,
     # read on the host (a sync that waited 2 ms a step on an H100).
     torch._foreach_add_(list(steps), [increment] * len(steps))

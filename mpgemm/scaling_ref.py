@@ -47,21 +47,28 @@ def update_scale_ref_(
     growth_factor: float,
     backoff_factor: float,
     growth_interval: int,
+    *,
+    skipped_steps: torch.Tensor | None = None,
 ) -> None:
-    """Torch's dynamic loss scale update, in place."""
+    """Torch's dynamic loss scale update, in place; one more ``skipped_steps`` where
+    ``found_inf`` is set."""
+    if skipped_steps is not None:
+        skipped_steps.add_((found_inf != 0).to(skipped_steps.dtype))
     torch._amp_update_scale_(
         scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
     )
 
 
 def _unscaled_fp32(
-    grad: torch.Tensor, inv_scale: torch.Tensor | None, found_inf: torch.Tensor | None
+    grad: torch.Tensor, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
 ) -> torch.Tensor:
-    """As unscale_ followed by a step: the unscaled gradient, rounded to its own dtype,
-    is what the step uses and what ``grad`` holds after a step that was taken (torch's
-    optimizers leave ``.grad`` unscaled after ``scaler.step``)."""
-    if inv_scale is None:
+    """As unscale_ followed by a step: the unscaled gradient (times the reciprocal of
+    ``grad_scale``, taken in double as ``GradScaler.unscale_`` takes it), rounded to its
+    own dtype, is what the step uses and what ``grad`` holds after a step that was taken
+    (torch's optimizers leave ``.grad`` unscaled after ``scaler.step``)."""
+    if grad_scale is None:
         return grad.float()
+    inv_scale = grad_scale.double().reciprocal().float()
     unscaled = (grad.float() * inv_scale).to(grad.dtype)
     _store_unless_skipped(grad, unscaled, found_inf)
     return unscaled.float()
@@ -97,13 +104,13 @@ def sgd_step_ref_(
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
-    inv_scale: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """SGD with momentum (torch.optim.SGD's math, dampening 0), in FP32:
 
-        g = grad * inv_scale (negated if maximize) + weight_decay * p
+        g = grad / grad_scale (negated if maximize) + weight_decay * p
         buf = momentum * buf + g;  d = g + momentum * buf if nesterov else buf
         p = p - lr * d
 
@@ -112,7 +119,7 @@ def sgd_step_ref_(
     changes where ``found_inf`` is nonzero."""
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
-        g = _unscaled_fp32(grad, inv_scale, found_inf)
+        g = _unscaled_fp32(grad, grad_scale, found_inf)
         g = -g if maximize else g
         p32 = p.float()
         if weight_decay != 0:
@@ -139,14 +146,14 @@ def adam_step_ref_(
     weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
-    inv_scale: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Adam (AdamW with ``decoupled_weight_decay``), torch.optim.Adam's math in FP32,
     with ``steps`` already counting this step:
 
-        g = grad * inv_scale (negated if maximize);  L2: g += wd * p;  AdamW: p *= 1 - lr wd
+        g = grad / grad_scale (negated if maximize);  L2: g += wd * p;  AdamW: p *= 1 - lr wd
         m = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g^2
         p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
@@ -156,7 +163,7 @@ def adam_step_ref_(
     for p, grad, m, v, step, copy in zip(
         params, grads, exp_avgs, exp_avg_sqs, steps, copies, strict=True
     ):
-        g = _unscaled_fp32(grad, inv_scale, found_inf)
+        g = _unscaled_fp32(grad, grad_scale, found_inf)
         g = -g if maximize else g
         p32 = p.float()
         if weight_decay != 0:

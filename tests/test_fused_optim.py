@@ -31,7 +31,7 @@ def _assert_close_lists(out, ref, what, rtol):
         )
 
 
-def _adam_hyper(decoupled, inv_scale, found_inf):
+def _adam_hyper(decoupled, grad_scale, found_inf):
     return dict(
         lr=1e-3,
         beta1=0.9,
@@ -40,7 +40,7 @@ def _adam_hyper(decoupled, inv_scale, found_inf):
         weight_decay=0.01,
         decoupled_weight_decay=decoupled,
         maximize=False,
-        inv_scale=inv_scale,
+        grad_scale=grad_scale,
         found_inf=found_inf,
     )
 
@@ -49,7 +49,8 @@ def _adam_hyper(decoupled, inv_scale, found_inf):
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, decoupled):
-    inv = torch.tensor(2.0**-10, device=device)
+    # A scale whose reciprocal FP32 cannot hold: the kernel takes it in double.
+    scale = torch.tensor(1000.0, device=device)
     found = torch.zeros((), device=device)
     lists = [
         _tensors(param_dtype, device),
@@ -59,8 +60,8 @@ def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, decouple
         [torch.tensor(float(t), device=device) for t in (1, 7, 300, 2)],
     ]
     ours, ref = _clones(lists), _clones(lists)
-    scaling.adam_step_(*ours, **_adam_hyper(decoupled, inv, found))
-    scaling_ref.adam_step_ref_(*ref, **_adam_hyper(decoupled, inv, found))
+    scaling.adam_step_(*ours, **_adam_hyper(decoupled, scale, found))
+    scaling_ref.adam_step_ref_(*ref, **_adam_hyper(decoupled, scale, found))
     # FP32: a few ulps (torch.lerp and the kernel round differently); 16-bit: one ulp.
     rtol = 1e-6 if param_dtype == torch.float32 else 1e-2
     for what, i in (("param", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
@@ -71,7 +72,7 @@ def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, decouple
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_kernel_matches_reference(device, param_dtype, nesterov):
-    inv = torch.tensor(0.5, device=device)
+    scale = torch.tensor(3.0, device=device)
     lists = [
         _tensors(param_dtype, device),
         _tensors(torch.bfloat16, device),
@@ -84,7 +85,7 @@ def test_sgd_kernel_matches_reference(device, param_dtype, nesterov):
         weight_decay=1e-4,
         nesterov=nesterov,
         maximize=True,
-        inv_scale=inv,
+        grad_scale=scale,
         found_inf=torch.zeros((), device=device),
     )
     scaling.sgd_step_(*ours, **hyper)

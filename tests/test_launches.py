@@ -13,7 +13,12 @@ pytest.importorskip("triton")
 
 import mpgemm  # noqa: E402
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
-from mpgemm.kernels.launches import count_compiles, intercepting, record_to  # noqa: E402
+from mpgemm.kernels.launches import (  # noqa: E402
+    count_compiles,
+    count_launches,
+    intercepting,
+    record_to,
+)
 
 
 def _records(path):
@@ -71,6 +76,41 @@ def test_a_training_step_records_its_gemms_and_loss_scaling(tmp_path):
     # the TMA kernel's.
     assert kernels.count("_gemm_tma_kernel") == 3 and kernels.count("_gemm_kernel") == 2
     assert {"_adam_kernel", "_update_scale_kernel"} <= set(kernels)
+
+
+def _step_launches(mode, hidden, batch, device):
+    """(launches, what launched) in the third step of ``mpgemm train``'s ``mode``: the
+    first two build optimizer state and the 16-bit weight copies."""
+    from mpgemm.app.train import Recipe, TrainConfig, build_mlp
+
+    torch.manual_seed(0)
+    # (The recipe's device matters to autocast only: "meta" is not one it takes.)
+    config = TrainConfig(hidden=hidden, batch_size=batch, device="cpu")
+    recipe = Recipe(mode, build_mlp(784, hidden, 10).to(device), config)
+    if mode != "mpgemm":
+        for group in recipe.optimizer.param_groups:
+            group["foreach"] = True  # torch's default on a GPU (elsewhere: a for loop)
+    x, y = torch.randn(batch, 784, device=device), torch.randint(0, 10, (batch,), device=device)
+    with count_launches() as count:
+        for _ in range(2):
+            recipe.step(x, y)
+    with count_launches() as count:
+        recipe.step(x, y)
+    return count.total, {**count.triton, **count.torch}
+
+
+@pytest.mark.unpoisoned
+@pytest.mark.parametrize(
+    "hidden, batch", [((128,), 128), ((4096, 4096), 8192)], ids=["small MLP", "guide MLP"]
+)
+def test_a_training_step_launches_no_more_kernels_than_fp32(hidden, batch):
+    """Issue 13's target: an mpgemm step (forward, loss, backward, unscale, Adam, scale
+    update) launches no more kernels than the FP32 step with torch's foreach Adam, so
+    that small models are not lost to launch overhead. mpgemm's kernels are stubbed
+    (nothing runs), FP32's ops run on the "meta" device: no arithmetic either way."""
+    ours, what = _step_launches("mpgemm", hidden, batch, "cpu")
+    fp32, fp32_what = _step_launches("fp32", hidden, batch, "meta")
+    assert ours <= fp32, f"mpgemm {ours} launches: {what}; FP32 {fp32}: {fp32_what}"
 
 
 def _gemm(key, spec, configs=8):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mpgemm
+from mpgemm import scaling
 
 
 def _setup(device, dtype=torch.float32):
@@ -144,8 +145,6 @@ def test_each_op_names_its_kernel_and_reference_in_one_table():
     import inspect
 
     pytest.importorskip("triton")
-    from mpgemm import scaling
-
     assert (
         set(scaling.kernels())
         == set(scaling.REFERENCES)
@@ -156,3 +155,22 @@ def test_each_op_names_its_kernel_and_reference_in_one_table():
         assert list(inspect.signature(kernel).parameters) == list(
             inspect.signature(reference).parameters
         ), op
+
+
+@pytest.mark.parametrize(
+    "counter",
+    [torch.zeros((), dtype=torch.int32), torch.zeros(2, dtype=torch.int64)],
+    ids=["int32", "two elements"],
+)
+def test_scale_update_refuses_a_bad_skip_counter(device, counter):
+    scale, tracker = torch.ones((), device=device), torch.zeros((), dtype=torch.int32)
+    with pytest.raises(ValueError, match="skipped_steps must be a one-element int64"):
+        scaling.update_scale_(
+            scale,
+            tracker.to(device),
+            torch.zeros((), device=device),
+            2.0,
+            0.5,
+            2000,
+            skipped_steps=counter.to(device),
+        )

@@ -131,6 +131,23 @@ def test_scale_update_follows_torch_for_every_branch(device):
         assert torch.equal(ours[1], ref[1]), f"tracker {case}"
 
 
+def test_scale_update_counts_skipped_steps_in_the_same_launch(device):
+    """LossScaleOptimizer's skip count: one more for each update whose flag is set
+    (0, 1 or 2: flags summed over devices), and the scale updated as without it."""
+    scale, tracker = torch.tensor(1024.0, device=device), torch.zeros((), dtype=torch.int32)
+    tracker = tracker.to(device)
+    ref = [scale.clone(), tracker.clone()]
+    skipped = torch.tensor(5, dtype=torch.int64, device=device)
+    flags = [0.0, 1.0, 0.0, 2.0, 1.0, 0.0]
+    for found_inf in flags:
+        flag = torch.tensor(found_inf, device=device)
+        update_scale_(scale, tracker, flag, 2.0, 0.5, 2, skipped_steps=skipped)
+        torch._amp_update_scale_(*ref, flag, 2.0, 0.5, 2)
+    assert skipped.item() == 5 + 3
+    assert_same_bits(scale, ref[0], "scale")
+    assert torch.equal(tracker, ref[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_views_off_a_16_byte_boundary(device, dtype):
     # A view one element into its storage: the kernel must not assume aligned, vector-
