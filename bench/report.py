@@ -91,7 +91,29 @@ def markdown(data: dict) -> str:
                 + " |"
             )
         lines.append("")
+        lines += _counts(data["benchmarks"], group)
     return "\n".join(lines)
+
+
+def _counts(benchmarks: list[dict], group: str) -> list[str]:
+    """Per step, for every implementation of the group that measured them: kernels
+    launched and the host's microseconds with mpgemm's kernels stubbed
+    (bench/test_bench_step.py); no lines for a group without them."""
+    rows = [
+        b for b in benchmarks if b["group"] == group and b["extra_info"].get("launches") is not None
+    ]
+    if not rows:
+        return []
+    lines = ["| case | impl | launches per step | host us per step, stubbed |", "|---|---|---|---|"]
+    for row in rows:
+        info = row["extra_info"]
+        host = info.get("host_us")
+        lines.append(
+            f"| {info['case']} | {info['impl']} | {info['launches']} | "
+            + ("-" if host is None else f"{host:.0f}")
+            + " |"
+        )
+    return [*lines, ""]
 
 
 def figure(data: dict, path: Path) -> None:

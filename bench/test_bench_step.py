@@ -4,8 +4,15 @@ LossScaleOptimizer(mpgemm.optim.Adam)), eager and replayed as a CUDA graph
 (``mpgemm_cuda_graph``, GPU only), against autocast + GradScaler with Adam (foreach,
 and fused=True) and FP32 Adam. Work: 6 x batch x (sum of in x out) flops.
 On a GPU, ``host_syncs`` counts the synchronising CUDA calls of one step
-(``torch.cuda.set_sync_debug_mode``)."""
+(``torch.cuda.set_sync_debug_mode``). Every eager implementation reports ``launches``,
+the kernels one step launches (``mpgemm.kernels.launches.count_launches``: torch ops
+that launch one, and mpgemm's Triton launches), and mpgemm's reports ``host_us``, the
+host's microseconds per step with its Triton kernels stubbed (nothing of mpgemm's runs,
+torch's ops do): the per-step cost that no kernel speed can remove. On a CPU, torch's
+optimizers step tensor by tensor (foreach is their GPU default), so their launch
+counts there are not a GPU's."""
 
+import time
 import warnings
 
 import pytest
@@ -13,6 +20,7 @@ import torch
 from harness import GPU_SCALE, ON_GPU, SYNC_WARNING
 
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
+from mpgemm.kernels.launches import count_launches, intercept
 
 pytestmark = pytest.mark.benchmark(group="step")
 
@@ -46,6 +54,22 @@ def _host_syncs(step) -> int:
     return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
+def _launches(step) -> int:
+    with count_launches() as count:
+        step()
+    return count.total
+
+
+def _host_us_stubbed(step, rounds: int = 5) -> float:
+    """Host microseconds per step while mpgemm's launches are stubbed out."""
+    with intercept(lambda *launch: None):
+        step()  # the stubbed path's first call (its own lookups) stays out
+        start = time.perf_counter()
+        for _ in range(rounds):
+            step()
+        return (time.perf_counter() - start) / rounds * 1e6
+
+
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
 def test_training_step(run_case, device, model, impl):
@@ -66,6 +90,13 @@ def test_training_step(run_case, device, model, impl):
         for _ in range(5):  # compile, autotune (and capture) before counting syncs
             recipe.step(x, y)
         host_syncs = _host_syncs(lambda: recipe.step(x, y))
+    # Counted before the timed rounds: stubbed steps leave the parameters as they were.
+    launches = host_us = None
+    if not cuda_graph:  # a replay is one graph launch, whatever it holds
+        recipe.step(x, y)  # optimizer state and weight copies exist from here on
+        launches = _launches(lambda: recipe.step(x, y))
+        if mode == "mpgemm":
+            host_us = _host_us_stubbed(lambda: recipe.step(x, y))
     run_case(
         lambda: recipe.step(x, y),
         case=name,
@@ -74,4 +105,6 @@ def test_training_step(run_case, device, model, impl):
         wall_clock=True,
         batch=batch,
         host_syncs=host_syncs,
+        launches=launches,
+        host_us=host_us,
     )
