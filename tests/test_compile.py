@@ -7,10 +7,6 @@ fused optimizers are custom ops too (torch.ops.mpgemm.unscale_, ...), so a compi
 LossScaleOptimizer or GradScaler step traces whole, compiles once, and trains as
 eager does."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
@@ -59,31 +55,32 @@ def test_reference_path_compiles_whole_and_matches_eager_bit_for_bit(monkeypatch
 
 
 def test_kernels_compile_whole_and_match_eager_bit_for_bit(device):
-    if device.type == "cuda":
-        out, expected, grads = _compare(device)
-        assert torch.equal(out, expected)
-        assert all(torch.equal(got, want) for got, want in grads)
-        return
-    # Through the interpreter, in a process of its own: dynamo and the interpreter in
-    # one process after other compiles have failed to find nested jit functions.
-    pytest.importorskip("triton")
-    script = (
-        "import torch, test_compile as t\n"
-        "out, expected, grads = t._compare(torch.device('cpu'))\n"
-        "assert torch.equal(out, expected)\n"
-        "assert all(torch.equal(a, b) for a, b in grads)\n"
-        "print('same bits')\n"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=os.path.dirname(__file__),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0 and "same bits" in run.stdout, run.stderr[-3000:]
+    out, expected, grads = _compare(device)
+    assert torch.equal(out, expected)
+    assert all(torch.equal(got, want) for got, want in grads)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_reduce_overhead_replays_match_eager_bit_for_bit():
+    """mode="reduce-overhead" records the compiled forward and backward as CUDA graphs
+    (the GEMM op's launches included) and replays them: each replay equals eager."""
+    torch._dynamo.reset()
+    eager, compiled = _model("cuda"), _model("cuda")
+    forward = torch.compile(compiled, mode="reduce-overhead", fullgraph=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(5):  # warm-up, recording, replays
+        torch.compiler.cudagraph_mark_step_begin()
+        x = torch.randn(32, 64, device="cuda", generator=generator)
+        outs = []
+        for model, fn in ((eager, eager), (compiled, forward)):
+            for p in model.parameters():
+                p.grad = None
+            out = fn(x)
+            out.float().square().mean().backward()
+            outs.append(out.clone())
+        assert torch.equal(outs[1], outs[0])
+        for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
+            assert torch.equal(q.grad, p.grad)
 
 
 # -- the optimizer side: loss scaling and the fused optimizers -------------------------
@@ -123,12 +120,14 @@ def _train(device, step_fn, *, steps=6, inf_at=2, half=False, steady_from=None):
     return [p.detach().clone() for p in model.parameters()], scale()
 
 
-def _loss_scale_optimizer(name, compiled):
+def _loss_scale_optimizer(name, compiled, mode=None):
     def make(model):
         optimizer = mpgemm.LossScaleOptimizer(
             _OPTIMIZERS[name](model.parameters()), init_scale=2.0**10, growth_interval=2
         )
-        step = torch.compile(optimizer.step, fullgraph=True) if compiled else optimizer.step
+        step = optimizer.step
+        if compiled:
+            step = torch.compile(step, fullgraph=True, mode=mode)
         return step, lambda: optimizer.loss_scale, optimizer.scale_loss
 
     return make
@@ -200,3 +199,11 @@ def test_compiled_optimizer_steps_are_counted_without_recompiling(make):
             step()
     assert compute_copy._steps - before == 4
     assert torch.equal(param.detach(), torch.full((8,), -2.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_reduce_overhead_optimizer_step_matches_eager_bit_for_bit():
+    _assert_compiled_step_matches_eager(
+        torch.device("cuda"),
+        lambda compiled: _loss_scale_optimizer("adamw", compiled, mode="reduce-overhead"),
+    )
