@@ -187,8 +187,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.scaler.step(self.optimizer)
         self.scaler.update()  # counts a skipped step too
         # A skipped step left the masters as they were, so this rewrites the same values.
-        for param, master in self._master_pairs:
-            param.copy_(master)
+        if self._master_pairs:
+            params, masters = zip(*self._master_pairs, strict=True)
+            torch._foreach_copy_(list(params), list(masters))  # one launch for them all
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the wrapped optimizer's parameters and of the 16-bit

@@ -113,6 +113,17 @@ def test_a_training_step_launches_no_more_kernels_than_fp32(hidden, batch):
     assert ours <= fp32, f"mpgemm {ours} launches: {what}; FP32 {fp32}: {fp32_what}"
 
 
+@pytest.mark.unpoisoned
+def test_16_bit_parameters_are_rewritten_from_their_masters_in_one_launch():
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4))).half()
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.SGD(model.parameters(), lr=0.1))
+    loss = model(torch.randn(8, 32, dtype=torch.float16)).float().sum()
+    optimizer.scale_loss(loss).backward()
+    with count_launches() as count:
+        optimizer.step()
+    assert count.torch.get("aten._foreach_copy_") == 1 and "aten.copy_" not in count.torch
+
+
 def _gemm(key, spec, configs=8):
     return {"kernel": "_gemm_kernel", "tune_key": key, "configs": configs, "specialization": spec}
 
