@@ -97,14 +97,17 @@ def markdown(data: dict) -> str:
 
 def _counts(benchmarks: list[dict], group: str) -> list[str]:
     """Per step, for every implementation of the group that measured them: kernels
-    launched and the host's microseconds with mpgemm's kernels stubbed
-    (bench/test_bench_step.py); no lines for a group without them."""
+    launched and the host's microseconds with mpgemm's kernels stubbed (torch's run:
+    bench/test_bench_step.py); no lines for a group without them."""
     rows = [
         b for b in benchmarks if b["group"] == group and b["extra_info"].get("launches") is not None
     ]
     if not rows:
         return []
-    lines = ["| case | impl | launches per step | host us per step, stubbed |", "|---|---|---|---|"]
+    lines = [
+        "| case | impl | launches per step | host us per step, mpgemm's kernels stubbed |",
+        "|---|---|---|---|",
+    ]
     for row in rows:
         info = row["extra_info"]
         host = info.get("host_us")

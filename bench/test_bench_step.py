@@ -6,9 +6,11 @@ and fused=True) and FP32 Adam. Work: 6 x batch x (sum of in x out) flops.
 On a GPU, ``host_syncs`` counts the synchronising CUDA calls of one step
 (``torch.cuda.set_sync_debug_mode``). Every eager implementation reports ``launches``,
 the kernels one step launches (``mpgemm.kernels.launches.count_launches``: torch ops
-that launch one, and mpgemm's Triton launches), and mpgemm's reports ``host_us``, the
-host's microseconds per step with its Triton kernels stubbed (nothing of mpgemm's runs,
-torch's ops do): the per-step cost that no kernel speed can remove. On a CPU, torch's
+that launch one, and mpgemm's Triton launches), and ``host_us``, the host's
+microseconds per step (the calls, unsynchronised) with mpgemm's Triton kernels stubbed:
+for mpgemm, the per-step cost that no kernel speed can remove. torch's ops are not
+stubbed: on a GPU they only queue work, on a CPU they compute as they are called, so
+there the baselines' host time includes their arithmetic. On a CPU, too, torch's
 optimizers step tensor by tensor (foreach is their GPU default), so their launch
 counts there are not a GPU's."""
 
@@ -95,8 +97,7 @@ def test_training_step(run_case, device, model, impl):
     if not cuda_graph:  # a replay is one graph launch, whatever it holds
         recipe.step(x, y)  # optimizer state and weight copies exist from here on
         launches = _launches(lambda: recipe.step(x, y))
-        if mode == "mpgemm":
-            host_us = _host_us_stubbed(lambda: recipe.step(x, y))
+        host_us = _host_us_stubbed(lambda: recipe.step(x, y))
     run_case(
         lambda: recipe.step(x, y),
         case=name,
