@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -210,51 +210,86 @@ class LinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         x2d, weight, derivative_operand = ctx.saved_tensors
-        gemm = _gemm(grad_out.device, grad_out, *ctx.saved_tensors)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dy = _as_rows(grad_out)
-        s = None if derivative_operand is None else _as_rows(derivative_operand)
-        prologue = _DERIVATIVE_PROLOGUE[ctx.activation]
-        grad_b = None
-        if prologue is not None and _derivative_first(gemm, dy, weight, ctx.compute_dtype):
-            # dZ (and the bias gradient, its FP32 column sums) once for both GEMMs.
-            dz_t, grad_b = _derivative_before_gemms(
-                dy, s, prologue, ctx.compute_dtype, need_b and ctx.has_bias
-            )
-            dy, s, prologue = dz_t.t(), None, None
-
-        grad_x = grad_w = None
-        if need_x:
-            grad_x, _, _ = gemm(
-                dy,
-                weight,
-                compute_dtype=ctx.compute_dtype,
-                out_dtype=ctx.x_dtype,
-                prologue=prologue,
-                prologue_operand=s,
-            )
-            grad_x = grad_x.view(ctx.x_shape)
-        if need_w or (need_b and ctx.has_bias and grad_b is None):
-            # A frozen weight still lets its GEMM sum the bias gradient: B gets no columns.
-            x_operand = x2d if need_w else x2d[:, :0]
-            # Laid out like the weight (its copy is), in the weight's own dtype; under
-            # torch.compile the op returns it (an op writes no argument).
-            grad_w = None
-            if need_w and not torch.compiler.is_compiling():
-                grad_w = torch.empty_like(weight, dtype=ctx.weight_dtype)
-            product, _, row_sums = gemm(
-                dy.t(),
-                x_operand,
-                compute_dtype=ctx.compute_dtype,
-                out_dtype=ctx.weight_dtype,
-                prologue=prologue,
-                prologue_operand=None if s is None else s.t(),
-                rowsum_a=need_b and ctx.has_bias and grad_b is None,
-                out=grad_w,
-            )
-            grad_w = product if need_w else None
-            grad_b = row_sums if grad_b is None else grad_b
+        # Compiled, the whole backward is one op (mpgemm.ops.linear_backward), which
+        # runs this same function: its choices (dZ once per layer where the TMA kernel
+        # takes the GEMMs) need the real tensors.
+        backward = _linear_backward
+        if torch.compiler.is_compiling():
+            from mpgemm.ops import linear_backward as backward
+        grad_x, grad_w, grad_b = backward(
+            grad_out,
+            x2d,
+            weight,
+            derivative_operand,
+            x_shape=ctx.x_shape,
+            x_dtype=ctx.x_dtype,
+            weight_dtype=ctx.weight_dtype,
+            activation=ctx.activation,
+            compute_dtype=ctx.compute_dtype,
+            need_x=need_x,
+            need_w=need_w,
+            need_b=need_b and ctx.has_bias,
+        )
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _linear_backward(
+    grad_out: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    derivative_operand: torch.Tensor | None,
+    *,
+    x_shape: Sequence[int],
+    x_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    activation: str | None,
+    compute_dtype: torch.dtype,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dW, bias gradient), each None unless needed: ``LinearFunction``'s backward
+    from what its forward saved (x2d, the GEMMs' W, the derivative's operand)."""
+    gemm = _implementation(grad_out.device, grad_out, x2d, weight, derivative_operand)
+    dy = _as_rows(grad_out)
+    s = None if derivative_operand is None else _as_rows(derivative_operand)
+    prologue = _DERIVATIVE_PROLOGUE[activation]
+    grad_b = None
+    if prologue is not None and _derivative_first(gemm, dy, weight, compute_dtype):
+        # dZ (and the bias gradient, its FP32 column sums) once for both GEMMs.
+        dz_t, grad_b = _derivative_before_gemms(dy, s, prologue, compute_dtype, need_b)
+        dy, s, prologue = dz_t.t(), None, None
+
+    grad_x = grad_w = None
+    if need_x:
+        grad_x, _, _ = gemm(
+            dy,
+            weight,
+            compute_dtype=compute_dtype,
+            out_dtype=x_dtype,
+            prologue=prologue,
+            prologue_operand=s,
+        )
+        grad_x = grad_x.view(x_shape)
+    if need_w or (need_b and grad_b is None):
+        # A frozen weight still lets its GEMM sum the bias gradient: B gets no columns.
+        x_operand = x2d if need_w else x2d[:, :0]
+        # Laid out like the weight (its copy is), in the weight's own dtype.
+        grad_w = torch.empty_like(weight, dtype=weight_dtype) if need_w else None
+        product, _, row_sums = gemm(
+            dy.t(),
+            x_operand,
+            compute_dtype=compute_dtype,
+            out_dtype=weight_dtype,
+            prologue=prologue,
+            prologue_operand=None if s is None else s.t(),
+            rowsum_a=need_b and grad_b is None,
+            out=grad_w,
+        )
+        grad_w = product if need_w else None
+        grad_b = row_sums if grad_b is None else grad_b
+    return grad_x, grad_w, grad_b
 
 
 def _derivative_first(
@@ -262,7 +297,7 @@ def _derivative_first(
 ) -> bool:
     """Whether the backward applies act' to dY before its GEMMs: where the TMA kernel
     runs them, which fuses no prologue (the pointer kernel and the reference do)."""
-    if gemm is gemm_ref or torch.compiler.is_compiling():
+    if gemm is gemm_ref:
         return False
     from mpgemm.kernels.gemm import takes_tma
 

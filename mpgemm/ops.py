@@ -1,6 +1,7 @@
-"""mpgemm's ops as torch custom ops, for ``torch.compile``: ``torch.ops.mpgemm.gemm``,
-and the loss-scaling ops and optimizer steps of ``mpgemm.scaling`` (``unscale_``,
-``update_scale_``, ``sgd_step_``, ``adam_step_``).
+"""mpgemm's ops as torch custom ops, for ``torch.compile``: ``torch.ops.mpgemm.gemm``
+(a forward GEMM), ``linear_backward`` (a layer's backward), and the loss-scaling ops and
+optimizer steps of ``mpgemm.scaling`` (``unscale_``, ``update_scale_``, ``sgd_step_``,
+``adam_step_``).
 
 Traced code calls an op instead of the implementation (``functional._gemm``, the
 functions of ``mpgemm.scaling``): the compiler sees one opaque node, so it keeps the
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["adam_step_", "gemm", "sgd_step_", "unscale_", "update_scale_"]
+__all__ = ["adam_step_", "gemm", "linear_backward", "sgd_step_", "unscale_", "update_scale_"]
 
 
 @torch.library.custom_op("mpgemm::gemm", mutates_args=())
@@ -107,6 +108,103 @@ def gemm(
         rowsum_a,
     )
     return c, (g if store_act_grad else None), (r if rowsum_a else None)
+
+
+@torch.library.custom_op("mpgemm::linear_backward", mutates_args=())
+def _linear_backward_op(
+    grad_out: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    derivative_operand: torch.Tensor | None,
+    x_shape: list[int],
+    x_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    activation: str | None,
+    compute_dtype: torch.dtype,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mpgemm.functional import _linear_backward
+
+    grads = _linear_backward(
+        grad_out,
+        x2d,
+        weight,
+        derivative_operand,
+        x_shape=x_shape,
+        x_dtype=x_dtype,
+        weight_dtype=weight_dtype,
+        activation=activation,
+        compute_dtype=compute_dtype,
+        need_x=need_x,
+        need_w=need_w,
+        need_b=need_b,
+    )
+    # A gradient not asked for is an empty tensor (an op returns tensors).
+    return tuple(  # type: ignore[return-value]
+        grad_out.new_empty((0,), dtype=torch.float32) if g is None else g for g in grads
+    )
+
+
+@_linear_backward_op.register_fake
+def _(
+    grad_out,
+    x2d,
+    weight,
+    derivative_operand,
+    x_shape,
+    x_dtype,
+    weight_dtype,
+    activation,
+    compute_dtype,
+    need_x,
+    need_w,
+    need_b,
+):
+    none = grad_out.new_empty((0,), dtype=torch.float32)
+    return (
+        grad_out.new_empty(x_shape, dtype=x_dtype) if need_x else none,
+        torch.empty_like(weight, dtype=weight_dtype) if need_w else none.clone(),
+        grad_out.new_empty((weight.shape[0],), dtype=torch.float32) if need_b else none.clone(),
+    )
+
+
+def linear_backward(
+    grad_out: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    derivative_operand: torch.Tensor | None,
+    *,
+    x_shape: Sequence[int],
+    x_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    activation: str | None,
+    compute_dtype: torch.dtype,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``mpgemm.functional._linear_backward`` as ``torch.ops.mpgemm.linear_backward``:
+    a layer's whole backward in one node, so that its run-time choices (dZ once per
+    layer where the TMA kernel takes the GEMMs) are made on the real tensors."""
+    grads = _linear_backward_op(
+        grad_out,
+        x2d,
+        weight,
+        derivative_operand,
+        list(x_shape),
+        x_dtype,
+        weight_dtype,
+        activation,
+        compute_dtype,
+        need_x,
+        need_w,
+        need_b,
+    )
+    return tuple(  # type: ignore[return-value]
+        g if needed else None for g, needed in zip(grads, (need_x, need_w, need_b), strict=True)
+    )
 
 
 # -- loss scaling and the optimizer steps ----------------------------------------------
