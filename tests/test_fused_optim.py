@@ -5,10 +5,10 @@ import copy
 
 import pytest
 import torch
-from accuracy import assert_same_bits
 
 import mpgemm
 from mpgemm import scaling, scaling_ref
+from tests.accuracy import assert_same_bits
 
 SHAPES = [(5000,), (33, 7), (1,), (0,)]
 PARAM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

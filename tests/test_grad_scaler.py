@@ -7,9 +7,9 @@ import pickle
 
 import pytest
 import torch
-from accuracy import assert_same_bits
 
 import mpgemm
+from tests.accuracy import assert_same_bits
 
 SHAPES = [(48, 32), (32,), (10, 48), (10,)]
 # step -> (tensor, flat index, value) injected into the scaled gradients

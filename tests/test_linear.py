@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from accuracy import assert_within_torch_error, nan_padded
 
 import mpgemm
 from mpgemm import functional
 from mpgemm.reference import linear_ref
+from tests.accuracy import assert_within_torch_error, nan_padded
 
 ACTIVATIONS = [None, "relu", "gelu"]
 COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
@@ -202,7 +202,7 @@ def test_a_tensor_subclass_takes_the_reference_path(device):
         pass
 
     pytest.importorskip("triton")
-    from accuracy import launched_kernels
+    from tests.accuracy import launched_kernels
 
     x = torch.randn(8, 16, device=device).as_subclass(Wrapped).requires_grad_()
     w = torch.randn(4, 16, device=device, requires_grad=True)

@@ -5,9 +5,9 @@ import copy
 
 import pytest
 import torch
-from accuracy import assert_same_bits
 
 import mpgemm
+from tests.accuracy import assert_same_bits
 
 # step -> (parameter index, flat index, value) injected into the scaled gradients
 INJECTIONS = {

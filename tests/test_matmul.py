@@ -4,10 +4,10 @@ import itertools
 
 import pytest
 import torch
-from accuracy import assert_within_torch_error, nan_padded
 
 import mpgemm
 from mpgemm.reference import matmul_ref, round_to
+from tests.accuracy import assert_within_torch_error, nan_padded
 
 SIZES = [1, 7, 16, 33, 130, 257]
 # Every size in every position (M, N, K) twice, with other sizes beside it.

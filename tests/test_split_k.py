@@ -5,9 +5,9 @@ same bits run to run."""
 
 import pytest
 import torch
-from accuracy import assert_within_torch_error, launched_kernels, nan_padded
 
 from mpgemm.reference import gemm_ref, round_to
+from tests.accuracy import assert_within_torch_error, launched_kernels, nan_padded
 
 pytest.importorskip("triton")
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
-from accuracy import assert_same_bits, launched_kernels
 
 from mpgemm import scaling_ref
 from mpgemm.scaling import unscale_, update_scale_
+from tests.accuracy import assert_same_bits, launched_kernels
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
