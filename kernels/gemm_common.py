@@ -20,8 +20,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # instead of autotuning every shape it tries (``bench/gpu_check.sh tests``).
 SINGLE_CONFIG = os.environ.get("MPGEMM_SINGLE_CONFIG", "0") == "1"
 
-ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
-PROLOGUES = {None: 0, "relu_mask": 1, "mul": 2}
 
 # An H100's SM count, for devices that have none to ask (the interpreter, recording).
 _HOPPER_SMS = 132
@@ -118,10 +116,10 @@ def store_epilogue(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0)
         acc += widen(bias, INTERPRETED)[None, :]
-    if ACTIVATION == 1:
+    if ACTIVATION == "relu":
         # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
         acc = tl.where(acc < 0.0, 0.0, acc)
-    elif ACTIVATION == 2:
+    elif ACTIVATION == "gelu":
         acc, act_grad = gelu_and_derivative(acc)
         if STORE_ACT_GRAD:
             g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
@@ -149,7 +147,7 @@ def dot_rounded(a, b, acc, compute_dtype: tl.constexpr, INTERPRETED: tl.constexp
 def apply_prologue(a, s, PROLOGUE: tl.constexpr, INTERPRETED: tl.constexpr):
     """A' = A * f(S): the ReLU mask by threshold_backward's rule (zero where the output
     is <= 0, so a NaN output passes its gradient on, as in torch), or a product."""
-    if PROLOGUE == 1:
+    if PROLOGUE == "relu_mask":
         # Compared in FP32: the interpreter compares a BF16 S as its raw bits.
         a = tl.where(widen(s, INTERPRETED) <= 0, 0.0, widen(a, INTERPRETED))
     else:

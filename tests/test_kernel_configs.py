@@ -11,14 +11,16 @@ pytest.importorskip("triton")
 
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 
-LAUNCH_FLAGS = list(itertools.product((0, 1, 2), (0, 1), (0, 1), (False, True)))
+LAUNCH_FLAGS = list(
+    itertools.product((None, "relu_mask", "mul"), (False, True), (False, True), (False, True))
+)
 
 
 def test_every_flag_pruning_reads_is_in_the_autotune_key():
     # A config tuned without a flag must not be reused for a launch that prunes it away.
-    assert set(gemm._PRUNE_FLAGS) <= set(gemm.gemm_kernel.keys)
+    assert set(gemm._PRUNE_FLAGS) <= set(gemm.tuned_gemm_kernel.keys)
     with pytest.raises(KeyError):  # _PRUNE_FLAGS is what pruning really reads
-        gemm._prune_configs(gemm._hopper_configs(), {}, PROLOGUE=0, STORE_ACT_GRAD=0, ROWSUM_A=0)
+        gemm._prune_configs(gemm._hopper_configs(), {}, PROLOGUE=None, STORE_ACT_GRAD=0, ROWSUM_A=0)
 
 
 @pytest.mark.parametrize("prologue, store_act_grad, rowsum_a, aligned", LAUNCH_FLAGS)
@@ -37,7 +39,12 @@ def test_aligned_and_unaligned_launches_tune_over_their_own_tiles():
         {
             str(c)
             for c in gemm._prune_configs(
-                gemm._hopper_configs(), {}, PROLOGUE=0, STORE_ACT_GRAD=0, ROWSUM_A=0, ALIGNED=flag
+                gemm._hopper_configs(),
+                {},
+                PROLOGUE=None,
+                STORE_ACT_GRAD=0,
+                ROWSUM_A=0,
+                ALIGNED=flag,
             )
         }
         for flag in (True, False)
@@ -88,4 +95,4 @@ def test_every_tma_launch_keeps_a_config_within_shared_memory(c_bytes, store_act
 
 def test_what_tma_pruning_reads_is_in_its_autotune_key():
     # C's dtype triton adds to the key.
-    assert "STORE_ACT_GRAD" in gemm_tma.gemm_tma_kernel.keys
+    assert "STORE_ACT_GRAD" in gemm_tma.tuned_gemm_tma_kernel.keys
