@@ -365,18 +365,21 @@ def _launch(
     hyper,
     *,
     strided,
+    block: int = BLOCK,
     block_with_copy: int = BLOCK,
+    num_warps: int = 8,
     **flags,
 ) -> None:
     """One launch over the parallel ``lists`` and the compute ``copies`` (the table's last
     list); the first ``strided`` lists, and the copies, are walked element by element.
-    ``block_with_copy``: the elements per program when a copy is written too (fewer
-    elements, fewer registers per thread)."""
+    ``block``: the elements per program; ``block_with_copy``: the same when a copy is
+    written too (fewer elements, fewer registers per thread). ``bench/sweep_optim.py``
+    times other values of these and ``num_warps`` on a GPU."""
     params = lists[0]
     if copies is None:
         copies = params  # each parameter its own copy: nothing more is written
     has_copy = copies[0].dtype != params[0].dtype
-    block = block_with_copy if has_copy else BLOCK
+    block = block_with_copy if has_copy else block
     table, num_tensors, num_blocks = tensor_table([*lists, copies], block)
     if num_blocks == 0:
         return
@@ -398,7 +401,7 @@ def _launch(
         ALIGNED=is_aligned(walked),
         INTERPRETED=INTERPRET,
         BLOCK=block,
-        num_warps=8,
+        num_warps=num_warps,
         **flags,
     )
 

@@ -117,3 +117,21 @@ def test_plan_counts_compiles_and_fits_every_stage_in_its_limit():
         assert int(match.group(2)) > 0, name
         assert int(match.group(3)) == len(gpu_check.STAGES[name].files) <= gpu_check.MAX_FILES
         assert int(match.group(4)) <= gpu_check.STAGE_SECONDS, match.group(0)
+
+
+def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
+    """bench/sweep_optim.py, the script a GPU session runs for the Adam gap, on tiny
+    shapes through the interpreter: every launch shape writes the default's bits."""
+    run = subprocess.run(
+        [sys.executable, "sweep_optim.py", "--smoke"],
+        cwd=ROOT / "bench",
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    ours = [r for r in rows if r["impl"] == "mpgemm"]
+    assert len(ours) == 18 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
+    assert rows[-1]["impl"] == "torch fused Adam"

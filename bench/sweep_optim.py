@@ -1,0 +1,181 @@
+"""The fused Adam step's launch shape against its speed, for issue 11's gap: on the H100
+the guide MLP's Adam step (FP32 masters writing FP16 compute copies) took 356 us where
+torch's fused Adam took 252. Under triton 3.6 the kernel takes 182 to 218 registers a
+thread (``bench/results/hopper_compile_triton-3.6.0.jsonl``), so one 8-warp program
+fits on an SM at a time, and each program waits on three dependent loads (its table
+row, its tensor's addresses and step, the flag) before it streams: fewer elements per
+program, or fewer warps, may fit more programs on an SM to hide those waits.
+
+For each (elements per program, the same with a copy, warps), this runs
+``mpgemm.scaling.adam_step_`` on the guide MLP's parameters (784-4096-4096-10, FP32,
+weights with FP16 copies: two launches, as in a training step), checks that it wrote
+the same bits as the default shape, and times it on the GPU's clock with L2 flushed
+(``harness.DeviceClock``); then torch.optim.Adam(fused=True) with a grad scale.
+
+    python3 bench/sweep_optim.py [OUT.json]     # on a GPU
+    python3 bench/sweep_optim.py --smoke        # tiny shapes, wall clock, any machine
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import statistics
+import sys
+import time
+
+import torch
+import triton
+from harness import DEVICE, ON_GPU, DeviceClock
+
+from mpgemm.kernels import fused_optim
+from mpgemm.scaling import adam_step_
+
+GUIDE = [(4096, 784), (4096,), (4096, 4096), (4096,), (10, 4096), (10,)]
+SMOKE = [(64, 48), (64,), (10, 64), (10,)]
+# (block, block with a copy, warps); the first is the default.
+SHAPES = [(4096, 2048, 8)] + [
+    shape
+    for shape in itertools.product((1024, 2048, 4096), (1024, 2048, 4096), (4, 8))
+    if shape != (4096, 2048, 8)
+]
+HYPER = dict(
+    lr=1e-3,
+    beta1=0.9,
+    beta2=0.999,
+    eps=1e-8,
+    weight_decay=0.0,
+    decoupled_weight_decay=False,
+    maximize=False,
+)
+
+
+def _state(shapes):
+    """Parameters, gradients (scaled by 2**16), moments, steps and copies, seeded."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rand(shape, scale=1.0):
+        return torch.randn(shape, device=DEVICE, generator=g) * scale
+
+    params = [rand(s) for s in shapes]
+    return dict(
+        params=params,
+        grads=[rand(s, 2.0**16 * 1e-3) for s in shapes],
+        exp_avgs=[rand(s, 1e-3) for s in shapes],
+        exp_avg_sqs=[rand(s, 1e-6).abs() for s in shapes],
+        steps=[torch.full((), 7.0, device=DEVICE) for _ in shapes],
+        copies=[p.half() if p.dim() == 2 else p for p in params],
+    )
+
+
+def _fresh(state):
+    """A copy of ``state`` to step; a bias is its own copy (none is written)."""
+    fresh = {k: [t.clone() for t in v] for k, v in state.items() if k != "copies"}
+    fresh["copies"] = [
+        c.clone() if c.dtype != p.dtype else q
+        for c, p, q in zip(state["copies"], state["params"], fresh["params"], strict=True)
+    ]
+    return fresh
+
+
+def _ours(state, grad_scale, found_inf):
+    adam_step_(
+        state["params"],
+        state["grads"],
+        state["exp_avgs"],
+        state["exp_avg_sqs"],
+        state["steps"],
+        compute_copies=state["copies"],
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        **HYPER,
+    )
+
+
+def _with_shape(block, block_with_copy, num_warps):
+    """fused_optim's launcher with this launch shape, whatever its callers pass."""
+    launch = fused_optim._launch
+
+    @functools.wraps(launch)
+    def shaped(*args, **kwargs):
+        kwargs.update(block=block, block_with_copy=block_with_copy, num_warps=num_warps)
+        return launch(*args, **kwargs)
+
+    return shaped
+
+
+def _time(fn, calls: int) -> float:
+    """Median microseconds of a call: the GPU's clock with L2 flushed, else wall."""
+    times = []
+    clock = DeviceClock(DEVICE) if ON_GPU else time.perf_counter
+    for _ in range(calls):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times) * 1e6
+
+
+def main(argv: list[str]) -> int:
+    smoke = "--smoke" in argv
+    out = next((a for a in argv if not a.startswith("--")), None)
+    shapes, calls = (SMOKE, 3) if smoke else (GUIDE, 30)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    copied = sum(torch.Size(s).numel() for s in shapes if len(s) == 2)
+    # Read p, g, m, v; write p, g (unscaled), m, v; write the FP16 copies.
+    nbytes = numel * 4 * 8 + copied * 2
+    grad_scale = torch.full((), 2.0**16, device=DEVICE)
+    found_inf = torch.zeros((), device=DEVICE)
+    state = _state(shapes)
+    rows, expected = [], None
+    original = fused_optim._launch
+    try:
+        for block, block_with_copy, warps in SHAPES:
+            fused_optim._launch = _with_shape(block, block_with_copy, warps)
+            once = _fresh(state)
+            _ours(once, grad_scale, found_inf)  # compiles, and gives the bits to check
+            if expected is None:
+                expected = once
+            same = all(
+                torch.equal(a, b) for k in once for a, b in zip(once[k], expected[k], strict=True)
+            )
+            work = _fresh(state)
+            us = _time(lambda w=work: _ours(w, grad_scale, found_inf), calls)
+            rows.append(
+                dict(
+                    impl="mpgemm",
+                    block=block,
+                    block_with_copy=block_with_copy,
+                    num_warps=warps,
+                    us=us,
+                    gb_per_s=nbytes / us / 1e3,
+                    same_bits_as_default=same,
+                )
+            )
+    finally:
+        fused_optim._launch = original
+    torch_state = _fresh(state)
+    params = [torch.nn.Parameter(p) for p in torch_state["params"]]
+    for p, grad in zip(params, torch_state["grads"], strict=True):
+        p.grad = grad
+    fused = torch.optim.Adam(params, lr=HYPER["lr"], fused=True)
+    fused.grad_scale, fused.found_inf = grad_scale, found_inf
+    us = _time(fused.step, calls)
+    # Its rate as the bytes ours moves less the copies, which torch's does not write.
+    rows.append(dict(impl="torch fused Adam", us=us, gb_per_s=numel * 4 * 8 / us / 1e3))
+    env = dict(
+        device=torch.cuda.get_device_name() if ON_GPU else "cpu",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        elements=numel,
+    )
+    for row in rows:
+        print(json.dumps(row))
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(env=env, rows=rows), f, indent=1)
+    return 0 if all(r.get("same_bits_as_default", True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
