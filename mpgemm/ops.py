@@ -209,7 +209,8 @@ def linear_backward(
 
 # -- loss scaling and the optimizer steps ----------------------------------------------
 # Each op runs mpgemm.scaling's function of the same name (eagerly, when the compiled
-# graph calls it), which checks its arguments again and dispatches per dtype. They
+# graph calls it), which checks its arguments again and dispatches per dtype; under
+# torch.compile that function calls the op, with the same arguments by name. They
 # return nothing: they write the tensors named in mutates_args. A schema has no optional
 # list of tensors, so an empty list stands for None (an argument the function omits).
 
@@ -219,26 +220,16 @@ def _or_none(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
 
 
 @torch.library.custom_op("mpgemm::unscale_", mutates_args=("src", "found_inf", "dst"))
-def _unscale_op(
+def unscale_(
     src: list[torch.Tensor],
     found_inf: torch.Tensor,
     inv_scale: torch.Tensor | None,
     dst: list[torch.Tensor],
 ) -> None:
+    """``mpgemm.scaling.unscale_`` (``dst`` empty: in place)."""
     from mpgemm import scaling
 
     scaling.unscale_(src, found_inf, inv_scale, dst=_or_none(dst))
-
-
-def unscale_(
-    src: Sequence[torch.Tensor],
-    found_inf: torch.Tensor,
-    inv_scale: torch.Tensor | None,
-    *,
-    dst: Sequence[torch.Tensor] | None = None,
-) -> None:
-    """``mpgemm.scaling.unscale_`` as ``torch.ops.mpgemm.unscale_``."""
-    _unscale_op(list(src), found_inf, inv_scale, [] if dst is None else list(dst))
 
 
 @torch.library.custom_op(
@@ -253,7 +244,7 @@ def update_scale_(
     growth_interval: int,
     skipped_steps: torch.Tensor | None,
 ) -> None:
-    """``mpgemm.scaling.update_scale_`` as ``torch.ops.mpgemm.update_scale_``."""
+    """``mpgemm.scaling.update_scale_``."""
     from mpgemm import scaling
 
     scaling.update_scale_(
@@ -270,7 +261,7 @@ def update_scale_(
 @torch.library.custom_op(
     "mpgemm::sgd_step_", mutates_args=("params", "momentum_buffers", "compute_copies")
 )
-def _sgd_step_op(
+def sgd_step_(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     momentum_buffers: list[torch.Tensor],
@@ -283,6 +274,7 @@ def _sgd_step_op(
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
 ) -> None:
+    """``mpgemm.scaling.sgd_step_`` (empty lists: no buffers, no copies)."""
     from mpgemm import compute_copy, scaling
 
     # The step pre-hook that counts optimizer steps is skipped when traced: count here,
@@ -303,40 +295,10 @@ def _sgd_step_op(
     )
 
 
-def sgd_step_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor] | None,
-    *,
-    compute_copies: Sequence[torch.Tensor] | None = None,
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-) -> None:
-    """``mpgemm.scaling.sgd_step_`` as ``torch.ops.mpgemm.sgd_step_``."""
-    _sgd_step_op(
-        list(params),
-        list(grads),
-        list(momentum_buffers or ()),
-        list(compute_copies or ()),
-        lr,
-        momentum,
-        weight_decay,
-        nesterov,
-        maximize,
-        grad_scale,
-        found_inf,
-    )
-
-
 @torch.library.custom_op(
     "mpgemm::adam_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "compute_copies")
 )
-def _adam_step_op(
+def adam_step_(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
@@ -353,11 +315,10 @@ def _adam_step_op(
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
 ) -> None:
+    """``mpgemm.scaling.adam_step_`` (empty ``compute_copies``: none)."""
     from mpgemm import compute_copy, scaling
 
-    # The step pre-hook that counts optimizer steps is skipped when traced: count here,
-    # where the step runs (this compiled step wrote no compute copy: all are stale).
-    compute_copy.count_step()
+    compute_copy.count_step()  # as in sgd_step_
     scaling.adam_step_(
         params,
         grads,
@@ -374,42 +335,4 @@ def _adam_step_op(
         maximize=maximize,
         grad_scale=grad_scale,
         found_inf=found_inf,
-    )
-
-
-def adam_step_(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    steps: Sequence[torch.Tensor],
-    *,
-    compute_copies: Sequence[torch.Tensor] | None = None,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-) -> None:
-    """``mpgemm.scaling.adam_step_`` as ``torch.ops.mpgemm.adam_step_``."""
-    _adam_step_op(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(steps),
-        list(compute_copies or ()),
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        decoupled_weight_decay,
-        maximize,
-        grad_scale,
-        found_inf,
     )

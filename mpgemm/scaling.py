@@ -150,7 +150,7 @@ def unscale_(
     if inv_scale is not None:
         _check_scalar("unscale_", "inv_scale", inv_scale, device)
     if torch.compiler.is_compiling():
-        ops.unscale_(src, found_inf, inv_scale, dst=dst)
+        ops.unscale_(list(src), found_inf, inv_scale, list(dst or ()))
         return
     lists = [src, src if dst is None else dst]
     _dispatch(
@@ -283,7 +283,13 @@ def sgd_step_(
     ``compute_copies``: per parameter, its compute copy (``mpgemm.compute_copy``) to
     write from the updated value, or the parameter itself for none."""
     if torch.compiler.is_compiling():
-        ops.sgd_step_(params, grads, momentum_buffers, compute_copies=compute_copies, **hyper)
+        ops.sgd_step_(
+            list(params),
+            list(grads),
+            list(momentum_buffers or ()),
+            list(compute_copies or ()),
+            **hyper,
+        )
         return
     copies = params if compute_copies is None else compute_copies
     lists = [params, grads, copies] + ([momentum_buffers] if momentum_buffers is not None else [])
@@ -312,7 +318,13 @@ def adam_step_(
     ``compute_copies`` as for ``sgd_step_``."""
     if torch.compiler.is_compiling():
         ops.adam_step_(
-            params, grads, exp_avgs, exp_avg_sqs, steps, compute_copies=compute_copies, **hyper
+            list(params),
+            list(grads),
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            list(steps),
+            list(compute_copies or ()),
+            **hyper,
         )
         return
     copies = params if compute_copies is None else compute_copies
