@@ -247,8 +247,8 @@ def _launches(run) -> list[tuple]:
     made = []
     phase = "forward"
 
-    def keep(*launch_args):
-        made.append((*launch_args, phase))
+    def keep(kernel, grid, args, kwargs, configs):
+        made.append((kernel, grid, args, kwargs, configs(), phase))
 
     with intercept(keep):
         out = run()
@@ -347,7 +347,7 @@ def compile_job(job: Job) -> dict:
     named = named_arguments(kernel, args, kwargs)
     start = time.perf_counter()
     with _hopper_target():
-        [compiled] = compile_launch(kernel, grid, args, kwargs, [config] if config else [])
+        [compiled] = compile_launch(kernel, grid, args, kwargs, lambda: [config] if config else [])
     seconds = time.perf_counter() - start
     ptx = compiled.asm["ptx"]
     name = jit_function(kernel).fn.__name__

@@ -544,7 +544,7 @@ def triton_gemm(
         s.stride(1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
-        gpu_configs=_prune_configs(GPU_CONFIGS, {}, **flags) if intercepting() else (),
+        gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {}, **flags),
         **flags,
     )
     if splits > 1:

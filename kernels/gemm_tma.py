@@ -44,7 +44,7 @@ from mpgemm.kernels.gemm_common import (
     tile,
     tile_configs,
 )
-from mpgemm.kernels.launches import intercepting, launch
+from mpgemm.kernels.launches import launch
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -325,6 +325,6 @@ def launch_tma_gemm(
         c.stride(1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
-        gpu_configs=(_prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags) if intercepting() else ()),
+        gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags),
         **flags,
     )

@@ -38,8 +38,10 @@ from triton.runtime.autotuner import Autotuner
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # interceptor(kernel, grid, args, kwargs, configs): what launch does instead of running.
-# ``configs`` are an autotuned kernel's configs that survive pruning on a GPU.
-Interceptor = Callable[[object, object, tuple, dict, Sequence[triton.Config]], None]
+# ``configs()`` gives an autotuned kernel's configs that survive pruning on a GPU (a
+# function: pruning costs host time, which only the recording interceptors spend).
+Configs = Callable[[], Sequence[triton.Config]]
+Interceptor = Callable[[object, object, tuple, dict, Configs], None]
 _interceptor: Interceptor | None = None
 
 
@@ -59,12 +61,12 @@ def intercept(interceptor: Interceptor) -> Iterator[None]:
         _interceptor = previous
 
 
-def launch(kernel, grid, *args, gpu_configs: Sequence[triton.Config] = (), **kwargs) -> None:
+def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, unless launches are intercepted.
 
-    ``gpu_configs``: for an autotuned kernel, the configs that pruning keeps for this
-    launch on a GPU (needed only when intercepting; the interpreter tunes over a config
-    of its own)."""
+    ``gpu_configs()``: for an autotuned kernel, the configs that pruning keeps for this
+    launch on a GPU (asked only by interceptors that record or compile; the interpreter
+    tunes over a config of its own)."""
     if _interceptor is None:
         kernel[grid](*args, **kwargs)
     else:
@@ -96,13 +98,13 @@ def launch_options(kernel, args: tuple, kwargs: dict, config: triton.Config | No
     }
 
 
-def compile_launch(kernel, grid, args, kwargs, configs) -> list:
+def compile_launch(kernel, grid, args, kwargs, configs: Configs) -> list:
     """The interceptor that compiles: the JIT's binaries for this launch (one per
     config), as the JIT would build them to run it (``warmup``)."""
     jit = jit_function(kernel)
     return [
         jit.warmup(*args, grid=grid, **launch_options(kernel, args, kwargs, config))
-        for config in (configs or [None])
+        for config in (configs() or [None])
     ]
 
 
@@ -124,7 +126,7 @@ def record_launch(kernel, grid, args, kwargs, configs, *, path: str) -> None:
     if isinstance(kernel, Autotuner):
         dtypes = [str(v.dtype) for v in named.values() if isinstance(v, torch.Tensor)]
         record["tune_key"] = [_plain(named[key]) for key in kernel.keys] + dtypes
-        record["configs"] = len(configs)
+        record["configs"] = len(configs())
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
