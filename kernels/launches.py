@@ -169,9 +169,11 @@ def count_compiles(records: Iterable[dict]) -> int:
     return sum(tuned.values()) + len(binaries) - len(tuned)
 
 
-# torch ops that launch no kernel: allocations without a fill, metadata, host reads.
+# torch ops that launch no kernel: allocations without a fill, metadata, host reads,
+# and _unsafe_view, a view whose schema does not say so (reshape ends in it).
 _NO_KERNEL = frozenset(
     {
+        "_unsafe_view",
         "empty",
         "empty_like",
         "empty_strided",

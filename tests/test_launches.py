@@ -78,6 +78,19 @@ def test_a_training_step_records_its_gemms_and_loss_scaling(tmp_path):
     assert {"_adam_kernel", "_update_scale_kernel"} <= set(kernels)
 
 
+@pytest.mark.unpoisoned
+def test_count_launches_counts_kernels_not_views_or_allocations():
+    a = torch.randn(16, 8)
+    with count_launches() as count:
+        b = torch.empty(8, 16)  # an allocation: none
+        a.view(8, 16).t().add_(1.0)  # two views (none), then an add
+        flat = a.t().reshape(128)  # a transpose can only be flattened by a copy
+        mpgemm.matmul(a.half(), b)  # a cast, then one GEMM launch (stubbed)
+    assert count.torch == {"aten.add_": 1, "aten.clone": 1, "aten._to_copy": 1}, count.torch
+    assert count.triton == {"_gemm_kernel": 1} and count.total == 4
+    assert flat.shape == (128,)
+
+
 def _step_launches(mode, hidden, batch, device):
     """(launches, what launched) in the third step of ``mpgemm train``'s ``mode``: the
     first two build optimizer state and the 16-bit weight copies."""
