@@ -20,7 +20,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # instead of autotuning every shape it tries (``bench/gpu_check.sh tests``).
 SINGLE_CONFIG = os.environ.get("MPGEMM_SINGLE_CONFIG", "0") == "1"
 
-
 # An H100's SM count, for devices that have none to ask (the interpreter, recording).
 _HOPPER_SMS = 132
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels.gemm_common import cdiv
+
 # torch dtype -> element type of the table's pointers
 TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -53,7 +55,7 @@ def tensor_table(
         first_blocks, block_tensor = [], []
         for index, numel in enumerate(numels):
             first_blocks.append(len(block_tensor))
-            block_tensor += [index] * -(-numel // block)  # blocks, rounded up
+            block_tensor += [index] * cdiv(numel, block)
         rows = [t.data_ptr() for lst in lists for t in lst]
         rows += numels + first_blocks + block_tensor
         table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
