@@ -232,19 +232,13 @@ def update_scale_(
             f"on {scale.device}, got {skipped_steps.dtype} of shape "
             f"{tuple(skipped_steps.shape)} on {skipped_steps.device}"
         )
+    impl: Callable
     if torch.compiler.is_compiling():
-        ops.update_scale_(
-            scale,
-            growth_tracker,
-            found_inf,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            skipped_steps,
-        )
-        return
-    use_kernel = backend(scale.device) == "triton"
-    impl = kernels()["update_scale"] if use_kernel else REFERENCES["update_scale"]
+        impl = ops.update_scale_
+    elif backend(scale.device) == "triton":
+        impl = kernels()["update_scale"]
+    else:
+        impl = REFERENCES["update_scale"]
     impl(
         scale,
         growth_tracker,

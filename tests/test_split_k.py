@@ -32,30 +32,16 @@ def test_split_k_weight_gradient_within_the_bar_and_deterministic(
     x = nan_padded(torch.randn(k, n, device=device, dtype=torch.float16))
     s = None if prologue is None else nan_padded(torch.randn(k, m, device=device)).t()
     out = torch.empty(m, n, device=device)  # NaN-poisoned: every element must be written
-
-    def run():
-        return gemm.triton_gemm(
-            dy_t,
-            x,
-            compute_dtype=torch.float16,
-            out_dtype=torch.float32,
-            prologue=prologue,
-            prologue_operand=s,
-            rowsum_a=True,
-            out=out,
-        )
-
-    names, (c, _, r) = launched_kernels(run)
-    assert names == ["_gemm_kernel", "_split_k_reduce_kernel"]
-    ref_c, _, ref_r = gemm_ref(
-        dy_t,
-        x,
+    args = dict(
         compute_dtype=torch.float16,
         out_dtype=torch.float32,
         prologue=prologue,
         prologue_operand=s,
         rowsum_a=True,
     )
+    names, (c, _, r) = launched_kernels(lambda: gemm.triton_gemm(dy_t, x, **args, out=out))
+    assert names == ["_gemm_kernel", "_split_k_reduce_kernel"]
+    ref_c, _, ref_r = gemm_ref(dy_t, x, **args)
     a = dy_t.double()
     if prologue == "relu_mask":
         a = torch.where(s <= 0, 0.0, a)
@@ -64,15 +50,7 @@ def test_split_k_weight_gradient_within_the_bar_and_deterministic(
     exact = round_to(a, torch.float16).double() @ x.double()
     assert_within_torch_error(c, exact, ref_c, "split-K product")
     assert_within_torch_error(r, a.sum(1), ref_r, "split-K row sums")
-    again = gemm.triton_gemm(
-        dy_t,
-        x,
-        compute_dtype=torch.float16,
-        out_dtype=torch.float32,
-        prologue=prologue,
-        prologue_operand=s,
-        rowsum_a=True,
-    )
+    again = gemm.triton_gemm(dy_t, x, **args)
     assert torch.equal(again[0], c) and torch.equal(again[2], r)
 
 
