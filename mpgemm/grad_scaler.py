@@ -239,8 +239,9 @@ class GradScaler:
         """``unscale_(optimizer)`` unless already done, then ``optimizer.step(*args,
         **kwargs)`` unless a gradient was inf/NaN. Returns what ``optimizer.step`` returns
         (None when skipped). Optimizers with ``_step_supports_amp_scaling`` get the scale
-        and the flag as ``optimizer.grad_scale`` / ``optimizer.found_inf`` and skip on the
-        device, without a host synchronisation."""
+        and the flag and skip on the device, without a host synchronisation: mpgemm's as
+        ``step``'s ``grad_scale`` and ``found_inf`` arguments, torch's as the attributes
+        ``optimizer.grad_scale`` / ``optimizer.found_inf``, set for the call."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -258,19 +259,23 @@ class GradScaler:
                 )
             found_inf = self._found_inf(optimizer)
             previous = getattr(optimizer, "grad_scale", None)
-            # The attributes torch's scale-aware optimizers read (as torch's scaler sets).
             if state["stage"] is OptState.UNSCALED:
-                optimizer.grad_scale = previous  # type: ignore[attr-defined]
+                grad_scale = previous
             else:
-                optimizer.grad_scale = (  # type: ignore[attr-defined]
-                    scale if previous is None else scale * previous
-                )
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-            try:
-                result = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
+                grad_scale = scale if previous is None else scale * previous
+            if getattr(optimizer, "_step_takes_scaling_tensors", False):
+                # mpgemm's optimizers take them as arguments. Setting an attribute on an
+                # optimizer fails to compile before torch 2.13 (pytorch#171590).
+                result = optimizer.step(*args, grad_scale=grad_scale, found_inf=found_inf, **kwargs)
+            else:
+                # The attributes torch's scale-aware optimizers read (as torch's scaler sets).
+                optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+                optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+                try:
+                    result = optimizer.step(*args, **kwargs)
+                finally:
+                    del optimizer.grad_scale  # type: ignore[attr-defined]
+                    del optimizer.found_inf  # type: ignore[attr-defined]
             state["stage"] = OptState.STEPPED
             return result
 

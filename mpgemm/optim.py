@@ -4,11 +4,12 @@ Subclasses of torch's optimizers (same arguments, param groups, state and state_
 so LR schedulers and checkpoints work unchanged) whose ``step`` runs one fused kernel
 per parameter dtype (``mpgemm.scaling.sgd_step_`` / ``adam_step_``). They follow
 torch's protocol for scaler-aware optimizers (``_step_supports_amp_scaling``): a
-scaler sets ``grad_scale`` and ``found_inf`` tensors on the optimizer before calling
-``step``, and the kernels unscale the gradients as they read them and leave every
-parameter and state tensor untouched when ``found_inf`` is set, without the host
-reading the flag. A parameter with a compute copy (the 16-bit weight an
-``mpgemm.Linear`` reads, ``mpgemm.compute_copy``) gets it written in the same pass.
+scaler hands ``step`` ``grad_scale`` and ``found_inf`` tensors (``mpgemm.GradScaler`` as
+its keyword arguments, torch's as attributes set on the optimizer), and the kernels
+unscale the gradients as they read them and leave every parameter and state tensor
+untouched when ``found_inf`` is set, without the host reading the flag. A parameter
+with a compute copy (the 16-bit weight an ``mpgemm.Linear`` reads,
+``mpgemm.compute_copy``) gets it written in the same pass.
 Adam's step counts are FP32 tensors on the parameters' device, so a skipped step does
 not advance them either.
 
@@ -61,12 +62,21 @@ class _ScaledStep(torch.optim.Optimizer):
     and ``step`` its ``super()`` calls reach."""
 
     _step_supports_amp_scaling = True
+    # mpgemm.GradScaler passes the scale and the flag as step's keyword arguments.
+    _step_takes_scaling_tensors = True
     # A compiled step counts itself for mpgemm.compute_copy, in the custom op it calls.
     _counts_own_compiled_steps = True
+    # The subclass's kernel for one param group's parameters with a gradient.
+    _step_group: Callable[[dict, list[torch.Tensor], Any, Any], None]
 
-    def _scaling_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        # The kernels divide by the scale as GradScaler.unscale_ would.
-        return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+    def _scaling_tensors(
+        self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        # step's arguments, else the attributes torch's scaler sets. The kernels divide by
+        # the scale as GradScaler.unscale_ would.
+        if grad_scale is None and found_inf is None:
+            return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        return grad_scale, found_inf
 
     @staticmethod
     def _compute_copies(params: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -92,18 +102,26 @@ class _ScaledStep(torch.optim.Optimizer):
             (fused if kernel_ok else rest).append(p)
         return fused, rest
 
-    def _run_step(self, closure: Callable | None, step_group: Callable) -> Any:
+    def step(
+        self,
+        closure: Callable | None = None,
+        *,
+        grad_scale: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> Any:
+        """One step of every param group (``_step_group``, the subclass's kernel);
+        ``grad_scale`` and ``found_inf`` are a scaler's (module docstring)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale, found_inf = self._scaling_tensors()
+        grad_scale, found_inf = self._scaling_tensors(grad_scale, found_inf)
         others = []
         with torch.no_grad():
             for group in self.param_groups:
                 params, rest = self._params_with_grad(group)
                 if params:
-                    step_group(group, params, grad_scale, found_inf)
+                    self._step_group(group, params, grad_scale, found_inf)
                 others.append(rest)
         if any(others):
             self._torch_step(others, grad_scale, found_inf)
@@ -172,9 +190,6 @@ class SGD(_ScaledStep, torch.optim.SGD):
             maximize=maximize,
         )
 
-    def step(self, closure: Callable | None = None) -> Any:
-        return self._run_step(closure, self._step_group)
-
     def _step_group(self, group, params, grad_scale, found_inf) -> None:
         buffers = None
         if group["momentum"] != 0:
@@ -234,9 +249,6 @@ class _FusedAdamStep(_ScaledStep):
             capturable=capturable,
             **extra,
         )
-
-    def step(self, closure: Callable | None = None) -> Any:
-        return self._run_step(closure, self._step_group)
 
     def _step_group(self, group, params, grad_scale, found_inf) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []

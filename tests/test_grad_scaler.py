@@ -233,6 +233,27 @@ def test_step_with_a_fused_optimizer_never_reads_the_flag_on_the_host(device, mo
         assert_same_bits(p.detach(), b, "skipped step")
 
 
+def test_mpgemm_optimizers_get_the_scale_and_flag_as_step_arguments(device, monkeypatch):
+    # Not as attributes: torch.compile before torch 2.13 fails on setting an attribute of
+    # an optimizer (pytorch#171590), which torch's protocol does around the step.
+    params = _params(torch.float32, device)
+    optimizer = mpgemm.optim.Adam(params, lr=1e-3)
+    scaler = mpgemm.GradScaler(device.type, init_scale=2.0**10)
+    for p in params:
+        p.grad = scaler.scale(torch.randn(p.shape, device=device))
+    seen = []
+    step_group = optimizer._step_group
+
+    def spy(group, params, grad_scale, found_inf):
+        attributes = {n for n in ("grad_scale", "found_inf") if n in vars(optimizer)}
+        seen.append((attributes, grad_scale.item(), found_inf.item()))
+        step_group(group, params, grad_scale, found_inf)
+
+    monkeypatch.setattr(optimizer, "_step_group", spy)
+    scaler.step(optimizer)
+    assert seen == [(set(), 2.0**10, 0.0)]
+
+
 def test_disabled_scaler_is_a_pass_through(device):
     scaler = mpgemm.GradScaler(device.type, enabled=False)
     loss = torch.tensor(3.0)
