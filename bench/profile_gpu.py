@@ -25,7 +25,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
-from mpgemm.kernels.gemm import use_kernel
+from mpgemm.kernels import gemm_tma
+from mpgemm.kernels.gemm import triton_gemm, use_kernel
+from mpgemm.kernels.launches import intercept, jit_function, launch_options
 from mpgemm.scaling import unscale_
 
 DEVICE = torch.device("cuda")
@@ -107,22 +109,60 @@ def _empty_kernel(x_ptr):
     pass
 
 
+def _captured_launch(fn) -> tuple:
+    """(kernel, grid, args, kwargs) of the one launch ``fn`` makes, intercepted."""
+    captured = []
+    with intercept(
+        lambda kernel, grid, args, kwargs, configs: captured.append((kernel, grid, args, kwargs))
+    ):
+        fn()
+    (launched,) = captured
+    return launched
+
+
 def launch_costs(out: Path) -> None:
-    """Host microseconds per call, 300 calls queued without a sync between them."""
+    """Host microseconds per call, 300 calls queued without a sync between them: torch's
+    ops, then one eager FP16 GEMM layer by layer, from the whole call down to the JIT
+    function launched with the autotuner's choice."""
     x = torch.zeros(16, device=DEVICE)
     a = torch.randn(512, 512, device=DEVICE).half()
     b = torch.randn(512, 512, device=DEVICE).half()
+    c = torch.empty(512, 512, device=DEVICE).half()
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
 
     def pointer():
         with use_kernel("pointer"):
             mpgemm.matmul(a, b)
 
+    def tma_launcher():
+        gemm_tma.launch_tma_gemm(
+            a, b, c, bias=None, g=None, layout=(False, False), sms=sms, flags=flags
+        )
+
+    mpgemm.matmul(a, b)  # tunes
+    flags = dict(
+        COMPUTE_BF16=False, INTERPRETED=False, HAS_BIAS=False, ACTIVATION=None, STORE_ACT_GRAD=False
+    )
+    kernel, grid, args, kwargs = _captured_launch(tma_launcher)
+    kernel[grid](*args, **kwargs)
+    jit_kwargs = launch_options(kernel, args, kwargs, kernel.best_config)
+    jit = jit_function(kernel)
     cases = {
         "triton empty kernel": lambda: _empty_kernel[(1,)](x),
         "torch add_": lambda: x.add_(1),
         "torch.matmul fp16 512": lambda: torch.matmul(a, b),
         "mpgemm.matmul 512 (tma)": lambda: mpgemm.matmul(a, b),
         "mpgemm.matmul 512 (pointer)": pointer,
+        "  triton_gemm (no autograd, no checks)": lambda: triton_gemm(
+            a, b, compute_dtype=torch.float16, out_dtype=torch.float16
+        ),
+        "  launch_tma_gemm (output given)": tma_launcher,
+        "  two TMA descriptors": lambda: (
+            gemm_tma._descriptor(a, False),
+            gemm_tma._descriptor(b, False),
+        ),
+        "  autotuner[grid](captured arguments)": lambda: kernel[grid](*args, **kwargs),
+        "  JIT[grid](captured arguments, best config)": lambda: jit[grid](*args, **jit_kwargs),
     }
     lines = ["## launch costs (host us per call, 300 queued calls, median of 5 runs)"]
     for name, fn in cases.items():
