@@ -64,13 +64,47 @@ def intercept(interceptor: Interceptor) -> Iterator[None]:
 def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, unless launches are intercepted.
 
-    ``gpu_configs()``: for an autotuned kernel, the configs that pruning keeps for this
-    launch on a GPU (asked only by interceptors that record or compile; the interpreter
-    tunes over a config of its own)."""
-    if _interceptor is None:
-        kernel[grid](*args, **kwargs)
-    else:
+    An autotuned kernel goes through its autotuner once per launch kind (``_kind``);
+    later launches of the kind run the JIT function with the config it chose
+    (``_chosen``). ``gpu_configs()``: for an autotuned kernel, the configs that pruning
+    keeps for this launch on a GPU (asked only by interceptors that record or compile;
+    the interpreter tunes over a config of its own)."""
+    if _interceptor is not None:
         _interceptor(kernel, grid, args, kwargs, gpu_configs)
+    elif not isinstance(kernel, Autotuner):
+        kernel[grid](*args, **kwargs)
+    elif (config := _chosen.get(kind := _kind(kernel, args, kwargs))) is not None:
+        kernel.fn.run(
+            *args, grid=grid, warmup=False, **launch_options(kernel, args, kwargs, config)
+        )
+    else:
+        kernel[grid](*args, **kwargs)
+        _chosen[kind] = kernel.best_config
+
+
+# The config an autotuner chose, by launch kind. Going through the autotuner took 36 us
+# of host time per GEMM on the H100 (its key, read over every argument, and the
+# pre-hook's arguments), more than the JIT launch behind it (28.5 us):
+# bench/results/h100-2026-11-22/run5-at-4d25c67/host/profile.md.
+_chosen: dict[tuple, triton.Config] = {}
+
+
+def _kind(kernel: Autotuner, args: tuple, kwargs: dict) -> tuple:
+    """What an autotuner's choice may depend on, at least as finely as its own key (its
+    key arguments' values and the dtype of every tensor): the kernel, every scalar
+    argument, every tensor's (or descriptor's) dtype and the constexprs."""
+    return (
+        kernel,
+        *(
+            a.dtype
+            if isinstance(a, torch.Tensor)
+            else a.base.dtype
+            if isinstance(a, TensorDescriptor)
+            else a
+            for a in args
+        ),
+        *kwargs.items(),
+    )
 
 
 def jit_function(kernel):
@@ -88,14 +122,10 @@ def launch_options(kernel, args: tuple, kwargs: dict, config: triton.Config | No
     GEMM's sets its descriptors' block shapes)."""
     if config is None:
         return dict(kwargs)
+    options = config.all_kwargs()
     if config.pre_hook is not None:
-        config.pre_hook({**named_arguments(kernel, args, kwargs), **config.all_kwargs()})
-    return {
-        **kwargs,
-        **config.kwargs,
-        "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
-    }
+        config.pre_hook({**named_arguments(kernel, args, kwargs), **options})
+    return {**kwargs, **options}
 
 
 def compile_launch(kernel, grid, args, kwargs, configs: Configs) -> list:

@@ -189,3 +189,31 @@ def test_a_recorded_tma_launch_names_its_descriptors_by_dtype(tmp_path):
     assert record["configs"] == len(
         gemm_tma._prune_configs(gemm_tma.GPU_CONFIGS, {"c_ptr": c}, STORE_ACT_GRAD=False)
     )
+
+
+def test_an_autotuner_runs_once_per_launch_kind_then_its_choice_directly(device, monkeypatch):
+    """After the autotuner has chosen for a launch kind, launches of the kind run the
+    JIT function with its config; a new kind (here a dtype) goes through it again."""
+    from triton.runtime.autotuner import Autotuner
+
+    from mpgemm.kernels import launches
+
+    monkeypatch.setattr(launches, "_chosen", {})
+    runs = []
+    tuner_run = Autotuner.run
+
+    def counted(self, *args, **kwargs):
+        runs.append(self)
+        return tuner_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Autotuner, "run", counted)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(s, generator=g).to(device, torch.float16) for s in ((64, 48), (48, 32)))
+    first = mpgemm.matmul(a, b)
+    assert len(runs) == 1
+    again = mpgemm.matmul(a, b)
+    assert len(runs) == 1
+    assert torch.equal(first, again)
+    assert torch.isfinite(again).all()  # written: allocations are NaN-poisoned
+    mpgemm.matmul(a, b, out_dtype=torch.float32)
+    assert len(runs) == 2
