@@ -56,19 +56,22 @@ def tensor_table(
         for index, numel in enumerate(numels):
             first_blocks.append(len(block_tensor))
             block_tensor += [index] * cdiv(numel, block)
-        rows = [t.data_ptr() for lst in lists for t in lst]
+        rows = [ptr for lst in lists for ptr in addresses[id(lst)]]
         rows += numels + first_blocks + block_tensor
         table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
         return table, len(tensors), len(block_tensor)
 
-    key = (device, block, tuple(numels), *(tuple(t.data_ptr() for t in lst) for lst in lists))
+    # An in-place op passes one list twice: its addresses are read once.
+    addresses = {id(lst): tuple(t.data_ptr() for t in lst) for lst in lists}
+    key = (device, block, tuple(numels), *(addresses[id(lst)] for lst in lists))
     return _cached(key, build)
 
 
 def is_aligned(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
     """Whether every tensor starts on a 16-byte boundary (the caching allocator's
     blocks do; views at an offset may not): the kernels' ``ALIGNED`` flag."""
-    return all(t.data_ptr() % 16 == 0 for lst in lists for t in lst)
+    distinct = {id(lst): lst for lst in lists}.values()  # an in-place op's list once
+    return all(t.data_ptr() % 16 == 0 for lst in distinct for t in lst)
 
 
 def scalar_table(values: Sequence[float], device: torch.device) -> torch.Tensor:

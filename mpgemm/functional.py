@@ -68,12 +68,15 @@ def backend(device: torch.device | str) -> str:
     return "reference"
 
 
+# The only tensor types that reach the kernels, which read memory from ``data_ptr``.
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass:
-    only such tensors reach the kernels, which read memory from ``data_ptr``. Any other
-    (a DTensor, a user's subclass) takes the reference path, whose torch ops it
-    handles."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter)
+    """Whether ``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass.
+    Any other (a DTensor, a user's subclass) takes the reference path, whose torch ops
+    it handles."""
+    return type(t) in PLAIN_TYPES
 
 
 def _gemm(device: torch.device, *tensors: torch.Tensor | None) -> Callable:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeGuard
 import torch
 
 from mpgemm import ops, scaling_ref
-from mpgemm.functional import backend, is_plain
+from mpgemm.functional import PLAIN_TYPES, backend
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -71,34 +71,52 @@ def _dispatch(
 
     The first ``strided`` lists are addressed elementwise; a position whose tensors are
     not all flat with equal strides, or of a dtype the kernels do not take, goes to the
-    reference implementation."""
+    reference implementation. Asked of every tensor of every step, so written as plain
+    loops: with generators, 200 gradients cost 1.5 ms of host time on the H100
+    (``bench/results/h100-2026-11-22/run5-at-4d25c67/host``)."""
     if not lists[0]:
         return
-    lists = [[t if is_plain(t) else _local(t) for t in lst] for lst in lists]
+    # An in-place op passes one list twice: each distinct list is converted once.
+    local = {id(lst): _local_list(lst) for lst in lists}
+    lists = [local[id(lst)] for lst in lists]
     device = lists[0][0].device
     use_kernels = backend(device) == "triton"
     groups: dict[tuple, list[int]] = defaultdict(list)
     for index, tensors in enumerate(zip(*lists, strict=True)):
         kernel_ok = use_kernels and _kernel_takes(tensors[:strided])
-        key = (kernel_ok, *(t.dtype for t in tensors))
-        groups[key].append(index)
+        groups[(kernel_ok, *[t.dtype for t in tensors])].append(index)
     for (kernel_ok, *_), indices in groups.items():
         impl = kernels()[name] if kernel_ok else REFERENCES[name]
         call(impl, [[lst[i] for i in indices] for lst in lists])
 
 
+def _local_list(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """``tensors`` with each DTensor replaced by its local shard (``_local``)."""
+    for t in tensors:
+        if type(t) not in PLAIN_TYPES:
+            return [_local(t) for t in tensors]
+    return tensors
+
+
 def _kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether a kernel can walk these parallel tensors as flat arrays: plain tensors
-    of its dtypes, flat, with equal strides. Asked of every tensor of every step, so
-    contiguous tensors of one shape (the usual case) are answered without is_flat."""
+    of its dtypes and one shape, flat, with equal strides (contiguous tensors of one
+    shape, the usual case, are answered without is_flat)."""
     first = tensors[0]
-    contiguous = all(t.is_contiguous() for t in tensors)
-    if not contiguous:
-        stride = first.stride()
-        if not all(is_flat(t) and t.stride() == stride for t in tensors):
-            return False
+    if type(first) not in PLAIN_TYPES or first.dtype not in KERNEL_DTYPES:
+        return False
     shape = first.shape
-    return all(is_plain(t) and t.dtype in KERNEL_DTYPES and t.shape == shape for t in tensors)
+    contiguous = first.is_contiguous()
+    for t in tensors[1:]:
+        if t is first:  # an in-place op's source and destination
+            continue
+        if type(t) not in PLAIN_TYPES or t.dtype not in KERNEL_DTYPES or t.shape != shape:
+            return False
+        contiguous = contiguous and t.is_contiguous()
+    if contiguous:
+        return True
+    stride = first.stride()
+    return all(is_flat(t) and t.stride() == stride for t in tensors)
 
 
 # Each op's two implementations, by the op's name: the reference (torch ops, any
@@ -195,7 +213,8 @@ def _reduce_over_shards(src: Sequence[torch.Tensor], found_inf: torch.Tensor) ->
     """DTensor gradients (FSDP2's shards): each rank checked its own shards, so the flag
     is MAX-reduced over every mesh dimension the gradients are not replicated on, as
     torch's DTensor handler of ``_amp_foreach_non_finite_check_and_unscale_`` does."""
-    sharded = next((t for t in src if _is_dtensor(t)), None)
+    dtensor = _dtensor_type()
+    sharded = None if dtensor is None else next((t for t in src if isinstance(t, dtensor)), None)
     if sharded is None:
         return
     from torch.distributed.tensor import Replicate
