@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 
@@ -84,7 +84,8 @@ def _dispatch(
     groups: dict[tuple, list[int]] = defaultdict(list)
     for index, tensors in enumerate(zip(*lists, strict=True)):
         kernel_ok = use_kernels and _kernel_takes(tensors[:strided])
-        groups[(kernel_ok, *[t.dtype for t in tensors])].append(index)
+        key = (kernel_ok, *[t.dtype for t in tensors])
+        groups[key].append(index)
     for (kernel_ok, *_), indices in groups.items():
         impl = kernels()[name] if kernel_ok else REFERENCES[name]
         call(impl, [[lst[i] for i in indices] for lst in lists])
@@ -214,7 +215,9 @@ def _reduce_over_shards(src: Sequence[torch.Tensor], found_inf: torch.Tensor) ->
     is MAX-reduced over every mesh dimension the gradients are not replicated on, as
     torch's DTensor handler of ``_amp_foreach_non_finite_check_and_unscale_`` does."""
     dtensor = _dtensor_type()
-    sharded = None if dtensor is None else next((t for t in src if isinstance(t, dtensor)), None)
+    if dtensor is None:
+        return
+    sharded = next((cast("DTensor", t) for t in src if isinstance(t, dtensor)), None)
     if sharded is None:
         return
     from torch.distributed.tensor import Replicate
