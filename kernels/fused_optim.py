@@ -44,6 +44,7 @@ from mpgemm.kernels.tensor_table import (
 
 @triton.jit
 def _unscaled_grad(
+    g,
     g_ptr,
     mask,
     grad_scale_ptr,
@@ -52,10 +53,11 @@ def _unscaled_grad(
     MAXIMIZE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """The block's gradient in FP32, divided by the loss scale and rounded to its own
-    dtype as ``GradScaler.unscale_`` would leave it (and left so in the gradient tensor, as
-    torch's optimizers leave it after ``scaler.step``), negated to maximise."""
-    g = widen(load_block(g_ptr, mask), INTERPRETED)
+    """The block's gradient ``g``, as loaded from ``g_ptr``, in FP32, divided by the loss
+    scale and rounded to its own dtype as ``GradScaler.unscale_`` would leave it (and left
+    so in the gradient tensor, as torch's optimizers leave it after ``scaler.step``),
+    negated to maximise."""
+    g = widen(g, INTERPRETED)
     if HAS_GRAD_SCALE:
         # GradScaler.unscale_'s multiplier: the reciprocal taken in double (FP64
         # division is IEEE on the GPU: div.rn.f64) and rounded once to FP32. Taken here
@@ -108,14 +110,19 @@ def _sgd_block(
     HAS_GRAD_SCALE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    # Every load is issued before the first store, which the compiler may not move them
+    # past (it cannot tell that the tensors do not overlap): their latencies overlap.
     p = widen(load_block(p_ptr, mask), INTERPRETED)
+    g = load_block(g_ptr, mask)
+    if HAS_MOMENTUM:
+        buf = widen(load_block(buf_ptr, mask), INTERPRETED)
     g = _unscaled_grad(
-        g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
+        g, g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
     )
     if weight_decay != 0:
         g = g + weight_decay.to(tl.float32) * p
     if HAS_MOMENTUM:
-        buf = widen(load_block(buf_ptr, mask), INTERPRETED) * momentum.to(tl.float32) + g
+        buf = buf * momentum.to(tl.float32) + g
         tl.store(buf_ptr, cast_rne(buf, PARAM_DTYPE, INTERPRETED), mask=mask)
         if NESTEROV:
             g = g + momentum.to(tl.float32) * buf
@@ -150,17 +157,20 @@ def _sgd_kernel(
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 4, BLOCK)
-    p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE, ALIGNED) + offsets
-    g_ptr = table_pointer(table_ptr, num_tensors, tensor, 1, GRAD_DTYPE, ALIGNED) + offsets
-    buf_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE, ALIGNED) + offsets
-    c_ptr = table_pointer(table_ptr, num_tensors, tensor, 3, COPY_DTYPE, ALIGNED) + offsets
+    take_step = True
+    if HAS_FOUND_INF:
+        # Read first: its latency overlaps the table's.
+        take_step = tl.load(found_inf_ptr) == 0.0
+    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 4, BLOCK)
+    p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
+    g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
+    buf_ptr = (
+        table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
+    )
+    c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, COPY_DTYPE, ALIGNED) + offsets
     lr = tl.load(hyper_ptr)
     momentum = tl.load(hyper_ptr + 1)
     weight_decay = tl.load(hyper_ptr + 2)
-    take_step = True
-    if HAS_FOUND_INF:
-        take_step = tl.load(found_inf_ptr) == 0.0
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
@@ -221,8 +231,7 @@ def _adam_block(
     beta2,
     eps,
     weight_decay,
-    step_size,
-    bias_correction2_sqrt,
+    step,
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
@@ -232,17 +241,26 @@ def _adam_block(
     HAS_GRAD_SCALE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    # Every load is issued first (the compiler may not move one past a store: it cannot
+    # tell that the tensors do not overlap), then the double-precision bias corrections,
+    # a long dependent chain, run while the loads are in flight.
     p = widen(load_block(p_ptr, mask), INTERPRETED)
+    g = load_block(g_ptr, mask)
+    m = widen(load_block(m_ptr, mask), INTERPRETED)
+    v = widen(load_block(v_ptr, mask), INTERPRETED)
+    # The step count, already advanced for this step, gives the bias corrections, in
+    # double as torch takes them.
+    t = step.to(tl.float64)
+    step_size = (lr / (1.0 - tl.exp(t * tl.log(beta1)))).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(tl.float32)
     g = _unscaled_grad(
-        g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
+        g, g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
     )
     if weight_decay != 0:
         if DECOUPLED_WEIGHT_DECAY:
             p = p * (1.0 - lr * weight_decay).to(tl.float32)
         else:
             g = g + weight_decay.to(tl.float32) * p
-    m = widen(load_block(m_ptr, mask), INTERPRETED)
-    v = widen(load_block(v_ptr, mask), INTERPRETED)
     # torch.lerp's two forms, each exact at its end of the weight range
     weight = (1.0 - beta1).to(tl.float32)
     if weight < 0.5:
@@ -282,26 +300,22 @@ def _adam_kernel(
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 6, BLOCK)
-    p_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, PARAM_DTYPE, ALIGNED) + offsets
-    g_ptr = table_pointer(table_ptr, num_tensors, tensor, 1, GRAD_DTYPE, ALIGNED) + offsets
-    m_ptr = table_pointer(table_ptr, num_tensors, tensor, 2, PARAM_DTYPE, ALIGNED) + offsets
-    v_ptr = table_pointer(table_ptr, num_tensors, tensor, 3, PARAM_DTYPE, ALIGNED) + offsets
-    c_ptr = table_pointer(table_ptr, num_tensors, tensor, 5, COPY_DTYPE, ALIGNED) + offsets
+    take_step = True
+    if HAS_FOUND_INF:
+        # Read first: its latency overlaps the table's.
+        take_step = tl.load(found_inf_ptr) == 0.0
+    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 6, BLOCK)
+    p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
+    g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
+    m_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
+    v_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, PARAM_DTYPE, ALIGNED) + offsets
+    c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 5, COPY_DTYPE, ALIGNED) + offsets
     lr = tl.load(hyper_ptr)
     beta1 = tl.load(hyper_ptr + 1)
     beta2 = tl.load(hyper_ptr + 2)
     eps = tl.load(hyper_ptr + 3)
     weight_decay = tl.load(hyper_ptr + 4)
-    # The step count, already advanced for this step, gives the bias corrections, in
-    # double as torch takes them.
-    t = tl.load(table_pointer(table_ptr, num_tensors, tensor, 4, tl.float32, False))
-    t = t.to(tl.float64)
-    step_size = (lr / (1.0 - tl.exp(t * tl.log(beta1)))).to(tl.float32)
-    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(tl.float32)
-    take_step = True
-    if HAS_FOUND_INF:
-        take_step = tl.load(found_inf_ptr) == 0.0
+    step = tl.load(table_pointer(table_ptr, num_tensors, tensor, 0, 4, tl.float32, False))
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
@@ -318,8 +332,7 @@ def _adam_kernel(
                 beta2,
                 eps,
                 weight_decay,
-                step_size,
-                bias_correction2_sqrt,
+                step,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
@@ -343,8 +356,7 @@ def _adam_kernel(
                 beta2,
                 eps,
                 weight_decay,
-                step_size,
-                bias_correction2_sqrt,
+                step,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
@@ -366,20 +378,17 @@ def _launch(
     *,
     strided,
     block: int = BLOCK,
-    block_with_copy: int = BLOCK,
     num_warps: int = 8,
     **flags,
 ) -> None:
     """One launch over the parallel ``lists`` and the compute ``copies`` (the table's last
     list); the first ``strided`` lists, and the copies, are walked element by element.
-    ``block``: the elements per program; ``block_with_copy``: the same when a copy is
-    written too (fewer elements, fewer registers per thread). ``bench/sweep_optim.py``
-    times other values of these and ``num_warps`` on a GPU."""
+    ``block``: the elements per program. ``bench/sweep_optim.py`` times other values of
+    it and ``num_warps`` on a GPU."""
     params = lists[0]
     if copies is None:
         copies = params  # each parameter its own copy: nothing more is written
     has_copy = copies[0].dtype != params[0].dtype
-    block = block_with_copy if has_copy else block
     table, num_tensors, num_blocks = tensor_table([*lists, copies], block)
     if num_blocks == 0:
         return
@@ -471,11 +480,12 @@ def triton_adam_step_(
         grad_scale,
         (lr, beta1, beta2, eps, weight_decay),
         strided=4,
-        # Adam writing a copy (and the unscaled gradient) spills under Triton 3.6 with
-        # 16 elements per thread (188 bytes at 8 warps) or a 128-register cap (12 bytes
-        # at 16 warps); 2048-element blocks at 8 warps take 172 registers and none
-        # (python -m mpgemm.kernels.aot).
-        block_with_copy=2048,
+        # 8 elements per thread: under Triton 3.6 Adam takes 88 registers a thread (100
+        # writing a copy), so two 8-warp programs fit on an SM, one program's loads in
+        # flight while the other waits on its table; 16 per thread take 153 (one program)
+        # (python -m mpgemm.kernels.aot). On the H100, two programs per SM moved the
+        # guide's step from 54% to 82% of DRAM bandwidth (bench/results/h100-2026-11-22).
+        block=2048,
         DECOUPLED_WEIGHT_DECAY=decoupled_weight_decay,
         MAXIMIZE=maximize,
     )

@@ -110,17 +110,21 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def table_block(table_ptr, num_tensors, NUM_LISTS: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's block: ``(tensor index, element offsets, mask, full)``; ``full``
-    when the whole block lies inside the tensor, so that it can go unmasked."""
+    """This program's block: ``(tensor index, start, offsets, mask, full)``. ``start``
+    (int64) is the block's first element in its tensor, for ``table_pointer``;
+    ``offsets`` (int32, ``arange(BLOCK)``) and ``mask`` are relative to it, so that each
+    element's index costs one 32-bit register whatever the tensor's size. ``full`` when
+    the whole block lies inside the tensor, so that it can go unmasked."""
     pid = tl.program_id(0)
     tensor = tl.load(table_ptr + (NUM_LISTS + 2) * num_tensors + pid)
     numel = tl.load(table_ptr + NUM_LISTS * num_tensors + tensor)
     first = tl.load(table_ptr + (NUM_LISTS + 1) * num_tensors + tensor)
     start = (pid - first) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
     # Blocks start at multiples of BLOCK: with aligned bases, loads can be 16 bytes wide.
-    offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
-    return tensor, offsets, offsets < numel, start + BLOCK <= numel
+    start = tl.multiple_of(start, BLOCK)
+    offsets = tl.arange(0, BLOCK)
+    remaining = tl.minimum(numel - start, BLOCK).to(tl.int32)
+    return tensor, start, offsets, offsets < remaining, remaining == BLOCK
 
 
 @triton.jit
@@ -128,14 +132,16 @@ def table_pointer(
     table_ptr,
     num_tensors,
     tensor,
+    start,
     list_index: tl.constexpr,
     DTYPE: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    """The address of tensor ``tensor`` of list ``list_index``, as a ``DTYPE`` pointer;
-    ``ALIGNED`` promises it is a multiple of 16 bytes (``is_aligned``)."""
+    """The address of element ``start`` of tensor ``tensor`` of list ``list_index``, as a
+    ``DTYPE`` pointer; ``ALIGNED`` promises that the tensor's address is a multiple of 16
+    bytes (``is_aligned``), and so is the block's (``start`` is a multiple of BLOCK)."""
     address = tl.load(table_ptr + list_index * num_tensors + tensor)
-    pointer = address.to(tl.pointer_type(DTYPE), bitcast=True)
+    pointer = address.to(tl.pointer_type(DTYPE), bitcast=True) + start
     if ALIGNED:
         pointer = tl.multiple_of(pointer, 16)
     return pointer

@@ -72,9 +72,9 @@ def _unscale_kernel(
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    tensor, offsets, mask, full = table_block(table_ptr, num_tensors, 2, BLOCK)
-    src = table_pointer(table_ptr, num_tensors, tensor, 0, SRC_DTYPE, ALIGNED) + offsets
-    dst = table_pointer(table_ptr, num_tensors, tensor, 1, DST_DTYPE, ALIGNED) + offsets
+    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 2, BLOCK)
+    src = table_pointer(table_ptr, num_tensors, tensor, start, 0, SRC_DTYPE, ALIGNED) + offsets
+    dst = table_pointer(table_ptr, num_tensors, tensor, start, 1, DST_DTYPE, ALIGNED) + offsets
     # Whole blocks go unmasked, which lets the compiler vectorise their loads.
     if full:
         _unscale_block(src, dst, None, found_inf_ptr, inv_scale_ptr, DST_DTYPE, WRITE, INTERPRETED)
