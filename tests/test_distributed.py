@@ -1,6 +1,7 @@
 """Under torch.distributed every rank takes the same skip decision: two CPU processes
 on the gloo backend, an inf gradient on one rank only."""
 
+import gc
 import os
 import socket
 
@@ -48,7 +49,20 @@ def _worker(rank, port, out_dir):
         )
         skipped, scale = _train(model, optimizer, rank)
         results[case] = (skipped, scale, [p.detach().clone() for p in model.parameters()])
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    _save_and_leave(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _save_and_leave(results, path):
+    """Save, then tear the process group down with nothing left for exit to free.
+
+    A CI run once aborted rank 0 at the end of the FSDP2 test ("terminate called
+    without an active exception"). FSDP2's modules and states reference one another,
+    so only the garbage collector frees them, and left alone it may do so during
+    interpreter shutdown, where freeing gloo's objects can abort (pytorch#179291).
+    They are collected here instead, and the ranks meet before either shuts down."""
+    torch.save(results, path)
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -127,7 +141,6 @@ def _fsdp_worker(rank, port, out_dir, path):
     # The reference path (torch ops) or the kernels through the interpreter.
     os.environ["TRITON_INTERPRET"] = "1" if path == "interpreter" else "0"
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard  # FSDP2 (torch >= 2.6)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -136,14 +149,19 @@ def _fsdp_worker(rank, port, out_dir, path):
     mesh = init_device_mesh("cpu", (WORLD,))
     results = {}
     for case in ("loss_scale_optimizer", "grad_scaler"):
-        model = _mlp()
-        for layer in model:
-            if isinstance(layer, mpgemm.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        results[case] = _fsdp_train(model, rank, WORLD, case)
-    torch.save(results, os.path.join(out_dir, f"{path}{rank}.pt"))
-    dist.destroy_process_group()
+        results[case] = _fsdp_case(mesh, rank, case)
+    _save_and_leave(results, os.path.join(out_dir, f"{path}{rank}.pt"))
+
+
+def _fsdp_case(mesh, rank, case):
+    from torch.distributed.fsdp import fully_shard  # FSDP2 (torch >= 2.6)
+
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, mpgemm.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _fsdp_train(model, rank, WORLD, case)
 
 
 def _interpreter_runs_the_gemms() -> bool:
