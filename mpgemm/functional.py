@@ -180,10 +180,7 @@ class LinearFunction(torch.autograd.Function):
     dx = dZ @ W (in x's dtype) and dW = dZ.T @ x (in W's dtype, FP32 for master weights,
     laid out like W), with the bias gradient, the FP32 column sum of dZ, computed by
     the dW GEMM as it reads dZ. Where the TMA kernel runs the GEMMs (it fuses neither),
-    dZ and the bias gradient are computed once beforehand, with the same math. A large
-    layer without activation whose dY is FP32 or has unaligned rows (a classifier head
-    with FP32 logits) gets dY rounded once into aligned rows and its bias gradient
-    summed from dY beforehand too (``_round_first``).
+    dZ and the bias gradient are computed once beforehand, with the same math.
     """
 
     @staticmethod
@@ -266,11 +263,6 @@ def _linear_backward(
         # dZ (and the bias gradient, its FP32 column sums) once for both GEMMs.
         dz_t, grad_b = _derivative_before_gemms(dy, s, prologue, compute_dtype, need_b)
         dy, s, prologue = dz_t.t(), None, None
-    elif prologue is None and (need_x or need_w) and _round_first(gemm, dy, x2d, compute_dtype):
-        # The bias gradient from dY as it came (FP32 sums), then dY rounded once for both
-        # GEMMs, which would each round it as they load it anyway.
-        grad_b = torch.sum(dy, dim=0, dtype=torch.float32) if need_b else None
-        dy = _in_aligned_rows(dy, compute_dtype)
 
     grad_x = grad_w = None
     if need_x:
@@ -313,38 +305,6 @@ def _derivative_first(
     from mpgemm.kernels.gemm import takes_tma
 
     return takes_tma(dy, weight, compute_dtype)
-
-
-# The size (rows x input features) from which a backward rounds dY first: the two torch
-# launches it costs (the rounding, the bias gradient) take about 16 us of host time; the
-# unaligned weight gradient they spare took 150 us more GPU time than an aligned one
-# would at the guide's 8192 x 4096 (2**25), about 18 us at this size.
-_ROUND_FIRST_MIN = 2**22
-
-
-def _round_first(
-    gemm: Callable, dy: torch.Tensor, x2d: torch.Tensor, compute_dtype: torch.dtype
-) -> bool:
-    """Whether the backward rounds dY (no activation) to the compute dtype, in rows of
-    a multiple of 16 elements, before its GEMMs: where the kernels run them, dY is not
-    so already and the GEMMs are large enough to pay for it. A 10-class head's FP32 dY
-    has 10-element rows, which leave both of its GEMMs unaligned (scalar loads) and the
-    input gradient off the TMA kernel: on the H100 the guide head's weight gradient took
-    192 us against cuBLAS's 38 (bench/results/h100-2026-11-22/run5-at-4d25c67/prof)."""
-    if gemm is gemm_ref or dy.shape[0] * x2d.shape[1] < _ROUND_FIRST_MIN:
-        return False
-    from mpgemm.kernels.gemm import operands_aligned
-
-    return dy.dtype != compute_dtype or not operands_aligned([dy], dy.stride())
-
-
-def _in_aligned_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` (2-D) in ``dtype``, in a buffer whose rows are padded to a multiple of 16
-    elements (the JIT's aligned specialisation, and TMA's 16-byte rows); the padding is
-    never read: the kernels mask, and TMA fills, past the view's columns."""
-    rows, cols = t.shape
-    padded = torch.empty((rows, -(-cols // 16) * 16), device=t.device, dtype=dtype)
-    return padded[:, :cols].copy_(t)
 
 
 def _derivative_before_gemms(dy, s, prologue, compute_dtype, bias_grad):

@@ -78,36 +78,6 @@ def test_linear_forward_and_backward_match_fp64(activation, has_bias, compute_dt
         assert_within_torch_error(g, g64, g_ref, f"grad {name}")
 
 
-@pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
-def test_a_heads_fp32_gradient_rounded_first_matches_fp64(compute_dtype, device, monkeypatch):
-    """A 10-class head with FP32 logits: its FP32 dY is rounded once into padded rows
-    before the GEMMs (``functional._round_first``; the size bar lowered to reach it
-    here), with the bias gradient summed from dY as it came."""
-    monkeypatch.setattr(functional, "_ROUND_FIRST_MIN", 0)
-    rounded = []
-    in_aligned_rows = functional._in_aligned_rows
-
-    def spy(t, dtype):
-        rounded.append(tuple(t.shape))
-        return in_aligned_rows(t, dtype)
-
-    monkeypatch.setattr(functional, "_in_aligned_rows", spy)
-    x = nan_padded(torch.randn(130, 257, device=device))
-    w = nan_padded(torch.randn(10, 257, device=device) / 257**0.5)
-    b = torch.randn(10, device=device)
-    grad_out = torch.randn(130, 10, device=device)
-
-    (y, grads), (y64, grads64), (y_ref, grads_ref) = run_three_ways(
-        x, w, b, None, compute_dtype, torch.float32, grad_out
-    )
-
-    if mpgemm.backend(x.device) == "triton":
-        assert rounded == [(130, 10)]
-    assert_within_torch_error(y, y64, y_ref, "output")
-    for name, g, g64, g_ref in zip("xwb", grads, grads64, grads_ref, strict=True):
-        assert_within_torch_error(g, g64, g_ref, f"grad {name}")
-
-
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_kernels_agree_with_the_reference_path(activation, device, monkeypatch):
     """The kernels and gemm_ref (what CPU tensors run without the interpreter) compute
