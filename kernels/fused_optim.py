@@ -72,6 +72,16 @@ def _unscaled_grad(
 
 
 @triton.jit
+def _takes_step(found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
+    """Whether this step is taken: the flag is zero (or there is none). Kernels read it
+    first, so that its latency overlaps their table's."""
+    take_step = True
+    if HAS_FOUND_INF:
+        take_step = tl.load(found_inf_ptr) == 0.0
+    return take_step
+
+
+@triton.jit
 def _store_param(
     p_ptr,
     c_ptr,
@@ -157,10 +167,7 @@ def _sgd_kernel(
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    take_step = True
-    if HAS_FOUND_INF:
-        # Read first: its latency overlaps the table's.
-        take_step = tl.load(found_inf_ptr) == 0.0
+    take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
     tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 4, BLOCK)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
@@ -300,10 +307,7 @@ def _adam_kernel(
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    take_step = True
-    if HAS_FOUND_INF:
-        # Read first: its latency overlaps the table's.
-        take_step = tl.load(found_inf_ptr) == 0.0
+    take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
     tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 6, BLOCK)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
