@@ -133,6 +133,8 @@ def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     ours = [r for r in rows if r["impl"] == "mpgemm"]
-    # (block, warps): 1024, 2048 and 4096 elements a program, 4 or 8 warps
-    assert len(ours) == 6 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
+    # (block, warps): 1024, 2048 and 4096 elements a program, 4 or 8 warps; with the
+    # weights' FP16 copies and without copies
+    assert len(ours) == 12 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
+    assert [r["copies"] for r in ours] == [True] * 6 + [False] * 6
     assert rows[-1]["impl"] == "torch fused Adam"
