@@ -136,6 +136,12 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     if half == torch.bfloat16:
         # BF16 changes only the MMA's input type: its step and plain product suffice.
         return
+    # Launches of at most 16 columns take the 16-wide tiles: a 10-class head (its
+    # forward, unaligned; its weight gradient, C.T = B.T @ A.T, either way), and,
+    # unaligned, a 15 -> 16 layer's GEMMs with GELU's epilogue, prologue and row sums.
+    yield "step: head, 10 classes", module(half, activation=None, out_dtype=f32, shape=(m, k, 10))
+    if not aligned:
+        yield "step: 15 -> 16 gelu", module(half, activation="gelu", shape=(m, 15, 16))
     # mpgemm.linear and matmul on what they are given: FP32 operands rounded in the kernel.
     yield "functional fp32 weight", functional(half, f32, bias=True, activation="relu")
     yield "functional fp32 operands", functional(f32, f32, bias=True, activation=None, grad=False)

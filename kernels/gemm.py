@@ -17,9 +17,14 @@ Operands may arrive as FP32 (master weights, a first layer's input), FP16 or BF1
 and are rounded to the compute dtype in registers, so no cast kernel runs.
 Every operand is addressed through its strides: a transposed view needs no copy.
 
+A product of at most 16 rows and more columns (a classifier head's weight gradient: 10
+classes by 4096 features) runs in the pointer kernel as C.T = B.T @ A.T on tiles 16
+columns wide (``NARROW_N``): its tiles are at least 64 rows high (wgmma's M), so unswapped
+all but 10 rows of each A tile would be padding. R is then B's column sums (``K_SUMS``).
+
 Split-K: a launch with no epilogue (the backward GEMMs) whose tile grid would leave
 most SMs idle splits K over ``split_k_for`` programs per tile; each writes its FP32
-partial C (and row sums), and ``_split_k_reduce_kernel`` adds them in split order and
+partial C (and sums), and ``_split_k_reduce_kernel`` adds them in split order and
 rounds once, so the result is the same run to run.
 """
 
@@ -71,17 +76,21 @@ def _hopper_configs() -> list[triton.Config]:
         # for unaligned operands only (fits_registers)
         (128, 64, 32, 3, 8),
         (64, 128, 32, 3, 8),
+        # for at most NARROW_N columns only
+        (128, 16, 64, 4, 4),
+        (64, 16, 64, 4, 4),
     ]
     return tile_configs(tiles)
 
 
 def _single_config() -> list[triton.Config]:
-    # One tile for every aligned launch kind and one for every unaligned one
-    # (``fits_registers``): pruning leaves each launch one, so none is timed.
+    # One tile for every aligned launch kind, one for every unaligned one and one for
+    # the narrow ones (``fits_registers``): pruning leaves each launch one, so none is
+    # timed.
     return [
         config
         for config in _hopper_configs()
-        if tile(config) in {(128, 128, 32, 8), (64, 128, 32, 8)}
+        if tile(config) in {(128, 128, 32, 8), (64, 128, 32, 8), (128, 16, 64, 4)}
     ]
 
 
@@ -98,6 +107,11 @@ _PROLOGUE_TILES = {(128, 128, 32, 8), (64, 128, 64, 8)}
 # 64x64x32 with 4 warps, with a prologue and row sums). They serve unaligned launches
 # only, so that aligned ones compile no more configs than before.
 _UNALIGNED_TILES = {(128, 64, 32, 8), (64, 128, 32, 8)}
+# A launch of at most this many columns takes tiles this wide (wgmma's N goes in steps
+# of 8), aligned or not; only such launches take them. (64x16x128 spilled with
+# unaligned operands under Triton 3.6.)
+NARROW_N = 16
+_NARROW_TILES = {(128, 16, 64, 4), (64, 16, 64, 4)}
 
 
 def fits_registers(
@@ -105,20 +119,25 @@ def fits_registers(
     *,
     prologue: str | None,
     store_act_grad: bool,
-    rowsum_a: bool,
+    k_sums: str | None,
     aligned: bool,
+    narrow: bool,
 ) -> bool:
-    """Whether ``config`` compiles without register spills for such a launch on Hopper.
+    """Whether ``config`` suits such a launch on Hopper and compiles without register
+    spills for it.
 
-    Unaligned operands (``operands_aligned``) get their own tiles. Aligned launches
-    with a derivative prologue or row sums get the tiles that leave room for them;
-    storing GELU's derivative beside the output needs an accumulator of fewer than 128
-    registers per thread. Measured with ``python -m mpgemm.kernels.aot``, which compiles
-    every launch kind aligned and unaligned."""
+    A launch of at most ``NARROW_N`` columns (``narrow``) takes the narrow tiles, and
+    only it does. Unaligned operands (``operands_aligned``) get their own tiles.
+    Aligned launches with a derivative prologue or sums over K get the tiles that leave
+    room for them; storing GELU's derivative beside the output needs an accumulator of
+    fewer than 128 registers per thread. Measured with ``python -m mpgemm.kernels.aot``,
+    which compiles every launch kind aligned and unaligned."""
     shape = tile(config)
+    if narrow or shape in _NARROW_TILES:
+        return narrow and shape in _NARROW_TILES
     if not aligned or shape in _UNALIGNED_TILES:
         return not aligned and shape in _UNALIGNED_TILES
-    if prologue or rowsum_a:
+    if prologue or k_sums:
         return shape in _PROLOGUE_TILES
     if store_act_grad:
         return shape[0] * shape[1] // (32 * shape[3]) < 128
@@ -134,13 +153,16 @@ def operands_aligned(tensors, strides) -> bool:
     )
 
 
-# The launch flags fits_registers decides by, as the kernel names them.
-_PRUNE_FLAGS = ("PROLOGUE", "STORE_ACT_GRAD", "ROWSUM_A", "ALIGNED")
+# The launch flags fits_registers decides by, as the kernel names them, and the width it
+# reads from the autotune key (``narrow``).
+_PRUNE_FLAGS = ("PROLOGUE", "STORE_ACT_GRAD", "K_SUMS", "ALIGNED")
+_PRUNE_ARGS = ("N_BUCKET",)
 
 
 def _prune_configs(configs, named_args, **kwargs):
     flags = {name.lower(): kwargs[name] for name in _PRUNE_FLAGS}
-    return [config for config in configs if fits_registers(config, **flags)]
+    narrow = named_args["N_BUCKET"] <= NARROW_N
+    return [config for config in configs if fits_registers(config, narrow=narrow, **flags)]
 
 
 # The configs a GPU autotunes over, and those this process does.
@@ -187,12 +209,14 @@ def _gemm_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     STORE_ACT_GRAD: tl.constexpr,
-    ROWSUM_A: tl.constexpr,
+    # R: None, or the FP32 sums over K of "a" (A's rows: R is (M,)) or of "b" (B's
+    # columns: R is (N,))
+    K_SUMS: tl.constexpr,
     # operands_aligned(): the JIT specialises on alignment anyway; as an argument it
     # lets the autotune key and pruning see it too
     ALIGNED: tl.constexpr,
     # programs per tile along K (split_k_for); above 1, C and R are FP32 partials,
-    # (SPLIT_K, M, N) and (SPLIT_K, M), and there is no epilogue
+    # (SPLIT_K, M, N) and (SPLIT_K, R's length), and there is no epilogue
     SPLIT_K: tl.constexpr,
     # tiling
     BLOCK_M: tl.constexpr,
@@ -200,7 +224,7 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # N == 0 still gets one column of programs when the row sums are wanted.
+    # N == 0 still gets one column of programs when A's row sums are wanted.
     pid_m, pid_n = grouped_tile(
         tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.maximum(tl.cdiv(N, BLOCK_N), 1), GROUP_M
     )
@@ -216,7 +240,10 @@ def _gemm_kernel(
         k_lo = pid_k * k_share
         k_hi = tl.minimum(K, k_lo + k_share)
         c_ptr += pid_k.to(tl.int64) * M * N
-        r_ptr += pid_k.to(tl.int64) * M
+        if K_SUMS == "b":
+            r_ptr += pid_k.to(tl.int64) * N
+        else:
+            r_ptr += pid_k.to(tl.int64) * M
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -234,7 +261,10 @@ def _gemm_kernel(
 
     compute_dtype = tl.bfloat16 if COMPUTE_BF16 else tl.float16
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    rowsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if K_SUMS == "b":
+        sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        sums = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         mask_k = offs_k < k_hi - k0
         a_mask = mask_m[:, None] & mask_k[None, :]
@@ -243,10 +273,14 @@ def _gemm_kernel(
         if PROLOGUE is not None:
             a = apply_prologue(a, tl.load(s_ptrs, mask=a_mask, other=0.0), PROLOGUE, INTERPRETED)
             s_ptrs += BLOCK_K * stride_sk
-        if ROWSUM_A:
-            # Only the first column of programs owns the row sums.
+        # Only the first column of programs owns A's row sums, the first row B's
+        # column sums (from the operand as loaded, before its rounding).
+        if K_SUMS == "a":
             if pid_n == 0:
-                rowsum += tl.sum(widen(a, INTERPRETED), axis=1)
+                sums += tl.sum(widen(a, INTERPRETED), axis=1)
+        elif K_SUMS == "b":
+            if pid_m == 0:
+                sums += tl.sum(widen(b, INTERPRETED), axis=0)
         acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -270,29 +304,33 @@ def _gemm_kernel(
         STORE_ACT_GRAD,
         INTERPRETED,
     )
-    if ROWSUM_A:
+    if K_SUMS == "a":
         if pid_n == 0:
-            tl.store(r_ptr + rows, rowsum, mask=mask_m)
+            tl.store(r_ptr + rows, sums, mask=mask_m)
+    elif K_SUMS == "b":
+        if pid_m == 0:
+            tl.store(r_ptr + cols, sums, mask=mask_n)
 
 
 @triton.jit
 def _split_k_reduce_kernel(
     partial_ptr,
     c_ptr,
-    partial_rowsum_ptr,
+    partial_sums_ptr,
     r_ptr,
     M,
     N,
     stride_cm,
     stride_cn,
     SPLIT_K: tl.constexpr,
-    ROWSUM_A: tl.constexpr,
+    K_SUMS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """C = sum over the splits of the FP32 partial products, in split order (so a result
-    is the same run to run), rounded once to C's dtype; likewise the row sums."""
+    is the same run to run), rounded once to C's dtype; likewise R, A's row sums
+    (``K_SUMS`` "a") or B's column sums ("b")."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -306,12 +344,21 @@ def _split_k_reduce_kernel(
         )
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-    if ROWSUM_A:
+    if K_SUMS == "a":
         if pid_n == 0:
-            rowsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                rowsum += tl.load(partial_rowsum_ptr + split * M + rows, mask=rows < M, other=0.0)
-            tl.store(r_ptr + rows, rowsum, mask=rows < M)
+            _reduce_sums(partial_sums_ptr, r_ptr, rows, M, SPLIT_K)
+    elif K_SUMS == "b":
+        if pid_m == 0:
+            _reduce_sums(partial_sums_ptr, r_ptr, cols, N, SPLIT_K)
+
+
+@triton.jit
+def _reduce_sums(partial_ptr, r_ptr, offs, length, SPLIT_K: tl.constexpr):
+    """R[offs] = the sum of the (SPLIT_K, length) partial sums over the splits, in order."""
+    total = tl.zeros(offs.shape, dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        total += tl.load(partial_ptr + split * length + offs, mask=offs < length, other=0.0)
+    tl.store(r_ptr + offs, total, mask=offs < length)
 
 
 # Every flag that changes the code or the pruned config list is part of the key
@@ -325,7 +372,7 @@ _AUTOTUNE_KEY = [
     "HAS_BIAS",
     "ACTIVATION",
     "STORE_ACT_GRAD",
-    "ROWSUM_A",
+    "K_SUMS",
     "ALIGNED",
     "SPLIT_K",
 ]
@@ -475,14 +522,6 @@ def triton_gemm(
     if M == 0 or (N == 0 and not rowsum_a):
         return c, g, r
 
-    # Unused pointer arguments get a live tensor so that no null pointer is formed.
-    s = prologue_operand if prologue_operand is not None else a
-    epilogue = bias is not None or activation is not None or store_act_grad
-    splits = 1 if epilogue else split_k_for(M, N, K, a.device)
-    result, row_sums = c, r
-    if splits > 1:  # the kernel writes FP32 partials; the reduction writes c and r
-        c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
-        r = torch.empty((splits, M), device=a.device, dtype=torch.float32) if rowsum_a else None
     flags = dict(
         COMPUTE_BF16=compute_dtype == torch.bfloat16,
         INTERPRETED=INTERPRET,
@@ -490,6 +529,8 @@ def triton_gemm(
         ACTIVATION=activation,
         STORE_ACT_GRAD=store_act_grad,
     )
+    epilogue = bias is not None or activation is not None or store_act_grad
+    splits = 1 if epilogue else split_k_for(M, N, K, a.device)
     layout = _tma_layout(a, b, compute_dtype, splits)
     if layout is not None:
         if prologue is not None or rowsum_a:
@@ -498,12 +539,53 @@ def triton_gemm(
         gemm_tma.launch_tma_gemm(
             a, b, c, bias=bias, g=g, layout=layout, sms=multiprocessors(a.device), flags=flags
         )
-        return c, g, r
+    elif M <= NARROW_N < N and not epilogue and prologue is None:
+        # C.T = B.T @ A.T: R, A's row sums, are then B.T's column sums.
+        k_sums = "b" if rowsum_a else None
+        _launch_pointer(b.t(), a.t(), c.t(), r=r, k_sums=k_sums, splits=splits, flags=flags)
+    else:
+        _launch_pointer(
+            a,
+            b,
+            c,
+            bias=bias,
+            g=g,
+            r=r,
+            s=prologue_operand,
+            prologue=prologue,
+            k_sums="a" if rowsum_a else None,
+            splits=splits,
+            flags=flags,
+        )
+    return c, g, r
 
-    grid = lambda meta: (  # noqa: E731
-        cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1),
-        splits,
-    )
+
+def _launch_pointer(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    r: torch.Tensor | None,
+    k_sums: str | None,
+    splits: int,
+    flags: dict,
+    bias: torch.Tensor | None = None,
+    g: torch.Tensor | None = None,
+    s: torch.Tensor | None = None,
+    prologue: str | None = None,
+) -> None:
+    """The pointer kernel's launch (and split-K's reduction) writing C, G and R, which
+    ``triton_gemm`` has allocated; R has A's rows (``k_sums`` "a") or B's columns
+    ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T."""
+    M, K = a.shape
+    N = b.shape[1]
+    result, sums = c, r
+    if splits > 1:  # the kernel writes FP32 partials; the reduction writes c and r
+        c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
+        if r is not None:
+            r = torch.empty((splits, r.shape[0]), device=a.device, dtype=torch.float32)
+    # Unused pointer arguments get a live tensor so that no null pointer is formed.
+    s = s if s is not None else a
     operands = [t for t in (a, b, c, bias, s, g, r) if t is not None]
     strides = [
         *a.stride(),
@@ -512,12 +594,18 @@ def triton_gemm(
         *s.stride(),
         *(g.stride() if g is not None else ()),
     ]
-    flags.update(
+    flags = dict(
+        flags,
         PROLOGUE=prologue,
-        ROWSUM_A=rowsum_a,
+        K_SUMS=k_sums,
         ALIGNED=operands_aligned(operands, strides),
         SPLIT_K=splits,
     )
+    n_bucket = size_bucket(N)
+
+    def grid(meta):
+        return (cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1), splits)
+
     launch(
         tuned_gemm_kernel,
         grid,
@@ -532,7 +620,7 @@ def triton_gemm(
         N,
         K,
         size_bucket(M),
-        size_bucket(N),
+        n_bucket,
         size_bucket(K),
         a.stride(0),
         a.stride(1),
@@ -544,7 +632,7 @@ def triton_gemm(
         s.stride(1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
-        gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {}, **flags),
+        gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"N_BUCKET": n_bucket}, **flags),
         **flags,
     )
     if splits > 1:
@@ -555,16 +643,15 @@ def triton_gemm(
             c,
             result,
             r if r is not None else c,
-            row_sums if row_sums is not None else c,
+            sums if sums is not None else c,
             M,
             N,
             result.stride(0),
             result.stride(1),
             SPLIT_K=splits,
-            ROWSUM_A=rowsum_a,
+            K_SUMS=k_sums,
             INTERPRETED=INTERPRET,
             BLOCK_M=block,
             BLOCK_N=block,
             num_warps=4,
         )
-    return result, g, row_sums

@@ -219,16 +219,18 @@ def test_a_training_step_feeds_16_bit_operands_and_fuses_the_forward_activation(
         step()
     # 3 forward GEMMs, then 2 + 2 + 1 backward (the input needs no gradient).
     assert len(launches) == 8
-    # B is always 16-bit (weight copies, rounded inputs, 16-bit activations); A too,
-    # except the gradient of the FP32 logits, read once in FP32 by the head's two
-    # backward GEMMs: converted in registers by the pointer kernel, it does not hold
-    # back the MMAs (the compile check), and the head's bias gradient is summed from it
-    # in FP32. Every other GEMM (sizes multiples of 8) is the TMA kernel's.
-    half = torch.float16
-    assert all(b == half for _, _, b in launches), launches
-    fp32_a = [(name, a) for name, a, _ in launches if a != half]
-    assert fp32_a == [("_gemm_kernel", torch.float32)] * 2, launches
-    assert [name for name, a, _ in launches if a == half] == ["_gemm_tma_kernel"] * 6
+    # Every operand is 16-bit (weight copies, rounded inputs, 16-bit activations) but
+    # the gradient of the FP32 logits, read once in FP32 by each of the head's two
+    # backward GEMMs in the pointer kernel: as A of the input gradient (converted in
+    # registers, it does not hold back the MMAs: the compile check), and as B of the
+    # weight gradient, which runs as its transpose (x.T @ dY: the head has 10 rows) and
+    # sums the head's bias gradient from it in FP32. Every other GEMM (sizes multiples
+    # of 8) is the TMA kernel's.
+    half, single = torch.float16, torch.float32
+    fp32 = [launch for launch in launches if single in launch]
+    assert fp32 == [("_gemm_kernel", single, half), ("_gemm_kernel", half, single)], launches
+    rest = [launch for launch in launches if single not in launch]
+    assert rest == [("_gemm_tma_kernel", half, half)] * 6, launches
     # ReLU is fused into the forward GEMMs' epilogue. Its derivative is one pass per
     # hidden layer, before the TMA kernel's backward GEMMs (which fuse no prologue).
     names = log.names()

@@ -3,7 +3,8 @@ compile it there, aligned and unaligned, with the ptxas inside the triton wheel:
 with wgmma, no register spills and shared memory an H100 block may have; the plain
 16-bit forward GEMM and every GEMM of a training step with its MMAs in flight while the
 next tiles load (async wgmma, at least one group pending) when aligned, those with
-16-bit operands in the TMA kernel;
+16-bit operands in the TMA kernel, but a 10-class head's weight gradient (run as its
+transpose on 16-wide tiles);
 the loss-scaling kernels with no spills, vector loads and no approximate FP32 math. This
 runs the GPU compiler, which the interpreter never does, and needs no GPU."""
 
@@ -63,20 +64,37 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     )
 
     # Every GEMM of a converted MLP's training step (16-bit weight copies, an FP32 input
-    # rounded once, fused activations) keeps its MMAs in flight when aligned.
+    # rounded once, fused activations) has 16-bit operands, but for the head's backward
+    # ones, which read the FP32 logits' gradient.
     step = [r for r in gemms if r["launch"].startswith("step:")]
     assert {r["layout"] for r in step} == {"forward", "grad_input", "grad_weight"}
-    assert all(r["b_dtype"] != "fp32" for r in step)
-    assert all(r["wgmma_pending"] >= 1 for r in step if r["specialization"] == "aligned")
-    # Aligned, every one with 16-bit operands is the TMA kernel's; the head's backward
-    # GEMMs read the FP32 logits' gradient, in the pointer kernel.
+    fp32 = [r for r in step if "fp32" in (r["a_dtype"], r["b_dtype"])]
+    assert fp32 and all(
+        r["launch"].startswith("step: head")
+        and r["layout"] != "forward"
+        and [r["a_dtype"], r["b_dtype"]].count("fp32") == 1
+        for r in fp32
+    )
+    # A 10-class head's weight gradient (10 rows) runs as its transpose, x.T @ dY, on
+    # 16-wide tiles whose rows are all real (the FP32 dY is B, its column sums the bias
+    # gradient). dY's 10-column rows are converted into shared memory each step, which
+    # the MMA then waits for: the one step GEMM without MMAs in flight, aligned.
+    swapped = [r for r in step if r["b_dtype"] == "fp32"]
+    assert swapped and all(
+        r["launch"].startswith("step: head, ")
+        and r["layout"] == "grad_weight"
+        and "BLOCK_N: 16," in r["config"]
+        and r["flags"]["K_SUMS"] == "b"
+        for r in swapped
+    )
     aligned = [r for r in step if r["specialization"] == "aligned"]
-    assert all((r["kernel"] == "_gemm_tma_kernel") == (r["a_dtype"] != "fp32") for r in aligned)
+    assert all(r["wgmma_pending"] >= 1 for r in aligned if r["b_dtype"] != "fp32")
+    # Aligned, every one with 16-bit operands is the TMA kernel's.
+    assert all((r["kernel"] == "_gemm_tma_kernel") == (r not in fp32) for r in aligned)
 
     # The guide MLP head's weight gradient is split along K, and summed by a reduction.
     split = [r for r in step if r["flags"].get("SPLIT_K", 1) > 1]
-    assert split and all(r["layout"] == "grad_weight" for r in split)
-    assert all(r["wgmma_pending"] >= 1 for r in split)
+    assert split and all(r in swapped for r in split)
     assert any(r["kernel"] == "_split_k_reduce_kernel" and r["ok"] for r in reports)
 
     for dtype in ("float16", "bfloat16"):

@@ -12,44 +12,51 @@ pytest.importorskip("triton")
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 
 LAUNCH_FLAGS = list(
-    itertools.product((None, "relu_mask", "mul"), (False, True), (False, True), (False, True))
-)
-
-
-def test_every_flag_pruning_reads_is_in_the_autotune_key():
-    # A config tuned without a flag must not be reused for a launch that prunes it away.
-    assert set(gemm._PRUNE_FLAGS) <= set(gemm.tuned_gemm_kernel.keys)
-    with pytest.raises(KeyError):  # _PRUNE_FLAGS is what pruning really reads
-        gemm._prune_configs(gemm._hopper_configs(), {}, PROLOGUE=None, STORE_ACT_GRAD=0, ROWSUM_A=0)
-
-
-@pytest.mark.parametrize("prologue, store_act_grad, rowsum_a, aligned", LAUNCH_FLAGS)
-def test_every_launch_keeps_a_config(prologue, store_act_grad, rowsum_a, aligned):
-    flags = dict(
-        PROLOGUE=prologue, STORE_ACT_GRAD=store_act_grad, ROWSUM_A=rowsum_a, ALIGNED=aligned
+    itertools.product(
+        (None, "relu_mask", "mul"), (False, True), (None, "a", "b"), (False, True), (16, 4096)
     )
-    assert gemm._prune_configs(gemm._hopper_configs(), {}, **flags)
+)
+WIDE = {"N_BUCKET": 4096}
+
+
+def test_everything_pruning_reads_is_in_the_autotune_key():
+    # A config tuned without a flag must not be reused for a launch that prunes it away.
+    assert set(gemm._PRUNE_FLAGS + gemm._PRUNE_ARGS) <= set(gemm.tuned_gemm_kernel.keys)
+    # _PRUNE_FLAGS and _PRUNE_ARGS are what pruning really reads: without any, it fails.
+    flags = dict(PROLOGUE=None, STORE_ACT_GRAD=0, K_SUMS=None, ALIGNED=True)
+    assert gemm._prune_configs(gemm._hopper_configs(), WIDE, **flags)
+    for missing in gemm._PRUNE_FLAGS:
+        with pytest.raises(KeyError):
+            gemm._prune_configs(
+                gemm._hopper_configs(), WIDE, **{k: v for k, v in flags.items() if k != missing}
+            )
+    with pytest.raises(KeyError):
+        gemm._prune_configs(gemm._hopper_configs(), {}, **flags)
+
+
+@pytest.mark.parametrize("prologue, store_act_grad, k_sums, aligned, n_bucket", LAUNCH_FLAGS)
+def test_every_launch_keeps_a_config(prologue, store_act_grad, k_sums, aligned, n_bucket):
+    flags = dict(PROLOGUE=prologue, STORE_ACT_GRAD=store_act_grad, K_SUMS=k_sums, ALIGNED=aligned)
+    width = {"N_BUCKET": n_bucket}
+    kept = gemm._prune_configs(gemm._hopper_configs(), width, **flags)
+    assert kept
+    # At most 16 columns: the 16-wide tiles, and only then.
+    assert all((c.kwargs["BLOCK_N"] == 16) == (n_bucket <= gemm.NARROW_N) for c in kept)
     # The tests stage's configs (MPGEMM_SINGLE_CONFIG=1) leave every launch one: no
     # autotuning, one compile per kernel.
-    assert len(gemm._prune_configs(gemm._single_config(), {}, **flags)) == 1
+    assert len(gemm._prune_configs(gemm._single_config(), width, **flags)) == 1
 
 
-def test_aligned_and_unaligned_launches_tune_over_their_own_tiles():
-    aligned, unaligned = (
-        {
-            str(c)
-            for c in gemm._prune_configs(
-                gemm._hopper_configs(),
-                {},
-                PROLOGUE=None,
-                STORE_ACT_GRAD=0,
-                ROWSUM_A=0,
-                ALIGNED=flag,
-            )
-        }
-        for flag in (True, False)
-    )
+def test_aligned_unaligned_and_narrow_launches_tune_over_their_own_tiles():
+    def kept(aligned, n_bucket):
+        flags = dict(PROLOGUE=None, STORE_ACT_GRAD=0, K_SUMS=None, ALIGNED=aligned)
+        configs = gemm._prune_configs(gemm._hopper_configs(), {"N_BUCKET": n_bucket}, **flags)
+        return {str(c) for c in configs}
+
+    aligned, unaligned = kept(True, 4096), kept(False, 4096)
     assert len(aligned) == 8 and len(unaligned) == 2 and not aligned & unaligned
+    narrow = kept(True, 16)
+    assert len(narrow) == 2 and kept(False, 8) == narrow and not narrow & (aligned | unaligned)
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,8 @@ def test_a_recorded_launch_runs_nothing_and_says_what_it_compiles(tmp_path):
     flags = {name: record["specialization"][name] for name in gemm._PRUNE_FLAGS}
     assert flags["ALIGNED"] is True
     # Every config the GPU would tune over for it (8 of them; 1 in the tests stage).
-    assert record["configs"] == len(gemm._prune_configs(gemm.GPU_CONFIGS, {}, **flags))
+    width = {"N_BUCKET": record["tune_key"][1]}
+    assert record["configs"] == len(gemm._prune_configs(gemm.GPU_CONFIGS, width, **flags))
     assert record["specialization"]["a_ptr"] == ["torch.float32", True]
     assert record["specialization"]["stride_ak"] == "1"
 
@@ -171,8 +172,8 @@ def test_precompile_fills_the_compile_cache_from_threads(tmp_path):
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    flags = dict(PROLOGUE=None, STORE_ACT_GRAD=False, ROWSUM_A=False, ALIGNED=True)
-    expected = len(gemm._prune_configs(gemm.GPU_CONFIGS, {}, **flags))
+    flags = dict(PROLOGUE=None, STORE_ACT_GRAD=False, K_SUMS=None, ALIGNED=True)
+    expected = len(gemm._prune_configs(gemm.GPU_CONFIGS, {"N_BUCKET": 32}, **flags))
     assert len(list(tmp_path.rglob("*.cubin"))) == expected
 
 

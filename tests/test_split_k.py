@@ -12,6 +12,7 @@ from tests.accuracy import assert_within_torch_error, launched_kernels, nan_padd
 pytest.importorskip("triton")
 
 from mpgemm.kernels import gemm  # noqa: E402
+from mpgemm.kernels.launches import intercept, jit_function  # noqa: E402
 
 
 def test_the_heads_weight_gradient_is_split_and_large_grids_are_not():
@@ -68,3 +69,37 @@ def test_split_k_leaves_launches_with_an_epilogue_whole(device, monkeypatch):
         )
     )
     assert names == ["_gemm_kernel"]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("m, swapped", [(1, True), (10, True), (16, True), (17, False)])
+def test_a_product_of_few_rows_runs_as_its_transpose_within_the_bar(
+    device, monkeypatch, splits, m, swapped
+):
+    """At most 16 rows (a head's weight gradient, 10 classes): the kernel computes
+    C.T = B.T @ A.T (its rows are B's columns) and the row sums of A as the column
+    sums of A.T; C is written through the transposed strides of the output given."""
+    monkeypatch.setattr(gemm, "split_k_for", lambda m, n, k, device: splits)
+    n, k = 70, 300
+    dy_t = nan_padded(torch.randn(k, m, device=device), transposed=True).t()  # dY.T
+    x = nan_padded(torch.randn(k, n, device=device, dtype=torch.float16))
+    out = torch.empty(m, n, device=device)  # NaN-poisoned: every element must be written
+    args = dict(compute_dtype=torch.float16, out_dtype=torch.float32, rowsum_a=True)
+    launched = []
+
+    def run_and_keep(kernel, grid, launch_args, kwargs, configs):
+        named = dict(zip(jit_function(kernel).arg_names, launch_args, strict=False))
+        launched.append({**named, **kwargs})
+        kernel[grid](*launch_args, **kwargs)
+
+    with intercept(run_and_keep):
+        c, _, r = gemm.triton_gemm(dy_t, x, **args, out=out)
+    gemm_launch = launched[0]
+    assert gemm_launch["M"] == (n if swapped else m)
+    assert gemm_launch["K_SUMS"] == ("b" if swapped else "a")
+    assert len(launched) == (2 if splits > 1 else 1)
+    ref_c, _, ref_r = gemm_ref(dy_t, x, **args)
+    exact = round_to(dy_t, torch.float16).double() @ x.double()
+    assert c is out
+    assert_within_torch_error(c, exact, ref_c, "product")
+    assert_within_torch_error(r, dy_t.double().sum(1), ref_r, "row sums")
