@@ -1,7 +1,9 @@
 """Where a step's time goes on a GPU (issue 11's profiles): for the guide and small MLP
-steps (mpgemm and autocast + fused Adam), the unscale of 200 tensors and a 512^3 FP16
-product, prints the host time to enqueue one call, the wall time of a synchronised
-call, torch.profiler's kernel table, and cProfile's top host functions.
+steps (mpgemm and autocast + fused Adam), the unscale of 200 tensors, a 512^3 FP16
+product and the guide head's weight gradient three ways (``head dW``, ``head dW
+unswapped``, ``head dW torch``), prints the host time to enqueue one call, the wall
+time of a synchronised call, torch.profiler's kernel table, and cProfile's top host
+functions.
 
     python3 bench/profile_gpu.py [OUT_DIR]
 """
@@ -25,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
-from mpgemm.kernels import gemm_tma
+from mpgemm.kernels import gemm, gemm_tma
 from mpgemm.kernels.gemm import triton_gemm, use_kernel
 from mpgemm.kernels.launches import intercept, jit_function, launch_options
 from mpgemm.scaling import unscale_
@@ -240,6 +242,9 @@ def main() -> None:
         "unscale 200": lambda: _unscale(),
         "matmul 512": lambda: _matmul(512),
         "matmul 4096": lambda: _matmul(4096),
+        "head dW": lambda: _head_weight_gradient("mpgemm"),
+        "head dW unswapped": lambda: _head_weight_gradient("unswapped"),
+        "head dW torch": lambda: _head_weight_gradient("torch"),
     }
     if only is None or "launch" in only:
         launch_costs(out)
@@ -254,6 +259,31 @@ def _unscale():
     grads = [torch.randn(500_000, device=DEVICE) for _ in range(200)]
     found, inv = torch.zeros((), device=DEVICE), torch.ones((), device=DEVICE)
     return lambda: unscale_(grads, found, inv)
+
+
+def _head_weight_gradient(how: str):
+    """The guide head's weight and bias gradients from the FP32 logits' gradient dY
+    (8192 x 10) and the FP16 hidden output x (8192 x 4096): mpgemm's (x.T @ dY on 16-wide
+    tiles, the bias gradient from dY's column sums), the same launch unswapped (dY.T @ x,
+    as before 8f82757: NARROW_N set to 0), or torch's under autocast (dY cast to FP16,
+    cuBLAS, the product cast to FP32; the bias gradient a sum)."""
+    dy = torch.randn(8192, 10, device=DEVICE)
+    x = torch.randn(8192, 4096, device=DEVICE).half()
+    out = torch.empty(10, 4096, device=DEVICE)
+    args = dict(compute_dtype=torch.float16, out_dtype=torch.float32, rowsum_a=True, out=out)
+    if how == "torch":
+        return lambda: (torch.matmul(dy.t().half(), x).float(), dy.sum(0))
+    if how == "mpgemm":
+        return lambda: triton_gemm(dy.t(), x, **args)
+
+    def unswapped():
+        narrow, gemm.NARROW_N = gemm.NARROW_N, 0
+        try:
+            return triton_gemm(dy.t(), x, **args)
+        finally:
+            gemm.NARROW_N = narrow
+
+    return unswapped
 
 
 def _matmul(s: int):
