@@ -228,7 +228,7 @@ STAGES = {
             _bench_commands,
             _bench_workloads,
             precompile=True,
-            run_s=90,
+            run_s=105,
         ),
         Stage(
             "train",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -62,3 +63,56 @@ def peak_memory_mb(fn, setup=None) -> float | None:
     fn(*args)
     synchronize()
     return torch.cuda.max_memory_allocated() / 2**20
+
+
+def _sleep_cycles_per_second() -> float:
+    """The rate of ``torch.cuda._sleep``, which spins for a number of GPU clock cycles,
+    timed by CUDA events (after a first sleep has brought the clock up)."""
+    cycles = 20_000_000
+    torch.cuda._sleep(cycles)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
+# The longest the GPU is kept waiting for a call's host work: a call that still has
+# not finished enqueueing by then waits for the GPU itself (a sync), and gets no time.
+_MAX_WAIT_S = 0.5
+
+
+def kernel_time(fn, setup=None, rounds: int = ROUNDS) -> float | None:
+    """The median GPU time of ``fn``'s work (``fn(*setup()[0])``) in seconds, with its host
+    latency hidden: L2 is flushed as by ``DeviceClock``, then the GPU is kept busy
+    (``torch.cuda._sleep``) for twice the host time the call took, so that everything
+    ``fn`` enqueues is queued before the start event runs. ``DeviceClock`` times the
+    same round from an idle GPU (the eager latency: host and GPU). A round whose start
+    event ran before the host had finished enqueueing is run again with a longer wait;
+    None if even ``_MAX_WAIT_S`` is not enough."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=DEVICE)
+    rate = _sleep_cycles_per_second()
+    wait = 1e-3
+    times = []
+    while len(times) < rounds:
+        if wait > _MAX_WAIT_S:
+            return None
+        args = setup()[0] if setup else ()
+        flush.zero_()
+        torch.cuda._sleep(int(rate * wait))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        begin = time.perf_counter()
+        fn(*args)
+        host = time.perf_counter() - begin
+        started_early = start.query()  # the GPU reached the start event before fn queued
+        end.record()
+        end.synchronize()
+        wait = max(wait, 2 * host)
+        if started_early:
+            wait *= 2
+            continue
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]

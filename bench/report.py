@@ -26,7 +26,9 @@ def _is_ours(impl: str) -> bool:
 
 def add_derived_metrics(benchmarks: list[dict]) -> None:
     """Add ``tflops``, ``gb_per_s`` and, to each mpgemm variant's results, ``ratio_to``
-    each baseline of the same group and case (baseline time / mpgemm time)."""
+    each baseline of the same group and case (baseline time / mpgemm time), and
+    ``kernel_ratio_to`` likewise from the GPU times with the host's latency hidden
+    (``kernel_ms``), where both have one."""
     cases: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for bench in benchmarks:
         info = bench["extra_info"]
@@ -39,11 +41,18 @@ def add_derived_metrics(benchmarks: list[dict]) -> None:
     for impls in cases.values():
         for name, ours in impls.items():
             if _is_ours(name):
-                ours["extra_info"]["ratio_to"] = {
+                info = ours["extra_info"]
+                info["ratio_to"] = {
                     impl: bench["stats"]["median"] / ours["stats"]["median"]
                     for impl, bench in impls.items()
                     if not _is_ours(impl)
                 }
+                if info.get("kernel_ms"):
+                    info["kernel_ratio_to"] = {
+                        impl: bench["extra_info"]["kernel_ms"] / info["kernel_ms"]
+                        for impl, bench in impls.items()
+                        if not _is_ours(impl) and bench["extra_info"].get("kernel_ms")
+                    }
 
 
 def _rows(benchmarks: list[dict], only_main: bool = False) -> dict[str, list[dict]]:
@@ -65,34 +74,37 @@ def markdown(data: dict) -> str:
     ]
     for group, rows in _rows(data["benchmarks"]).items():
         baselines = sorted({b for r in rows for b in r["extra_info"].get("ratio_to", {})})
+        # GPU times with the host's latency hidden, where the run measured them.
+        kernel = any("kernel_ms" in r["extra_info"] for r in rows)
         rate = "TFLOP/s" if any("tflops" in r["extra_info"] for r in rows) else "GB/s"
-        lines += [
-            f"### {group}",
-            "",
-            "| case | impl | ms | "
-            + rate
-            + " | peak MiB | "
-            + " | ".join(f"x {b}" for b in baselines)
-            + " |",
-            "|---" * (5 + len(baselines)) + "|",
-        ]
+        headers = ["case", "impl", "ms", rate, "peak MiB", *(f"x {b}" for b in baselines)]
+        if kernel:
+            headers += ["kernel ms", *(f"x {b} (kernel)" for b in baselines)]
+        lines += [f"### {group}", "", f"| {' | '.join(headers)} |", "|---" * len(headers) + "|"]
         for row in rows:
             info = row["extra_info"]
             value = info.get("tflops", info.get("gb_per_s"))
-            ratios = [info.get("ratio_to", {}).get(b) for b in baselines]
-            peak = info.get("peak_memory_mb")
-            lines.append(
-                f"| {info['case']} | {info['impl']} | {row['stats']['median'] * 1e3:.3f} | "
-                + ("-" if value is None else f"{value:.3g}")
-                + " | "
-                + ("-" if peak is None else f"{peak:.0f}")
-                + " | "
-                + " | ".join("-" if r is None else f"{r:.2f}" for r in ratios)
-                + " |"
-            )
+            cells = [
+                info["case"],
+                info["impl"],
+                f"{row['stats']['median'] * 1e3:.3f}",
+                _cell(value, ".3g"),
+                _cell(info.get("peak_memory_mb"), ".0f"),
+                *(_cell(info.get("ratio_to", {}).get(b), ".2f") for b in baselines),
+            ]
+            if kernel:
+                cells += [
+                    _cell(info.get("kernel_ms"), ".3f"),
+                    *(_cell(info.get("kernel_ratio_to", {}).get(b), ".2f") for b in baselines),
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += _counts(data["benchmarks"], group)
     return "\n".join(lines)
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _counts(benchmarks: list[dict], group: str) -> list[str]:

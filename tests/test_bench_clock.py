@@ -41,3 +41,25 @@ def test_device_clock_times_a_round_like_cuda_events():
     assert 0.8 < measured / reference < 1.25, (measured, before, reference)
     # The next round starts where the last one ended: the flush is not counted.
     assert clock() == pytest.approx(start + measured)
+
+
+def test_kernel_time_hides_the_hosts_latency():
+    """A call that spends 5 ms on the host before a 50 ms kernel: timed from an idle GPU
+    (DeviceClock) it takes both; kernel_time gives the kernel's time alone."""
+    import time
+
+    harness = _harness()
+
+    def call():
+        time.sleep(5e-3)
+        torch.cuda._sleep(SLEEP_CYCLES)
+
+    call()
+    clock = harness.DeviceClock(torch.device("cuda"))
+    start = clock()
+    call()
+    eager = clock() - start
+    kernel = harness.kernel_time(call, rounds=3)
+    alone = harness.kernel_time(lambda: torch.cuda._sleep(SLEEP_CYCLES), rounds=3)
+    assert eager > kernel + 4e-3, (eager, kernel)
+    assert 0.9 < kernel / alone < 1.1, (kernel, alone)

@@ -1,0 +1,51 @@
+"""bench/report.py: speedups over the baselines of the same run, from the rounds timed
+from an idle GPU and from the GPU times with the host's latency hidden."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def _report():
+    path = Path(__file__).resolve().parents[1] / "bench" / "report.py"
+    spec = importlib.util.spec_from_file_location("bench_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench(impl, median_s, kernel_ms=None):
+    info = {"case": "2048x2048x2048", "impl": impl, "flops": 2 * 2048**3}
+    if kernel_ms is not None:
+        info["kernel_ms"] = kernel_ms
+    return {"group": "gemm", "stats": {"median": median_s}, "extra_info": info}
+
+
+def test_speedups_from_idle_rounds_and_from_kernel_times():
+    report = _report()
+    # Eager: 0.18 ms against cuBLAS's 0.03; the kernels: 0.036 ms against 0.03.
+    ours, cublas, fp32 = (
+        _bench("mpgemm", 180e-6, 0.036),
+        _bench("torch_fp16", 30e-6, 0.030),
+        _bench("fp32", 300e-6),  # a baseline without a kernel time: no kernel ratio
+    )
+    benchmarks = [ours, cublas, fp32]
+    report.add_derived_metrics(benchmarks)
+    info = ours["extra_info"]
+    assert info["ratio_to"] == pytest.approx({"torch_fp16": 30 / 180, "fp32": 300 / 180})
+    assert info["kernel_ratio_to"] == pytest.approx({"torch_fp16": 0.030 / 0.036})
+    assert "ratio_to" not in cublas["extra_info"]  # baselines get no ratios
+    table = report.markdown({"machine_info": {}, "benchmarks": benchmarks})
+    header, _, row = table.splitlines()[5:8]
+    assert header.split(" | ")[-3:] == ["kernel ms", "x fp32 (kernel)", "x torch_fp16 (kernel) |"]
+    assert row.split(" | ")[-3:] == ["0.036", "-", "0.83 |"]
+
+
+def test_a_run_without_kernel_times_keeps_its_table():
+    report = _report()
+    benchmarks = [_bench("mpgemm", 180e-6), _bench("torch_fp16", 30e-6)]
+    report.add_derived_metrics(benchmarks)
+    assert "kernel_ratio_to" not in benchmarks[0]["extra_info"]
+    table = report.markdown({"machine_info": {}, "benchmarks": benchmarks})
+    assert "kernel" not in table and "| 2048x2048x2048 | mpgemm | 0.180 |" in table
