@@ -1,9 +1,10 @@
 """Where a step's time goes on a GPU (issue 11's profiles): for the guide and small MLP
 steps (mpgemm and autocast + fused Adam), the unscale of 200 tensors, a 512^3 FP16
-product and the guide head's weight gradient three ways (``head dW``, ``head dW
-unswapped``, ``head dW torch``), prints the host time to enqueue one call, the wall
-time of a synchronised call, torch.profiler's kernel table, and cProfile's top host
-functions.
+product, the guide's 4096-wide input gradient with dZ in either layout (``matmul
+8192x4096x4096``, ``... A.T``, ``torch ... A.T``) and the guide head's weight gradient
+three ways (``head dW``, ``head dW unswapped``, ``head dW torch``), prints the host time
+to enqueue one call, the wall time of a synchronised call, torch.profiler's kernel
+table, and cProfile's top host functions.
 
     python3 bench/profile_gpu.py [OUT_DIR]
 """
@@ -242,6 +243,9 @@ def main() -> None:
         "unscale 200": lambda: _unscale(),
         "matmul 512": lambda: _matmul(512),
         "matmul 4096": lambda: _matmul(4096),
+        "matmul 8192x4096x4096": lambda: _layer_product("mpgemm", transposed_a=False),
+        "matmul 8192x4096x4096 A.T": lambda: _layer_product("mpgemm", transposed_a=True),
+        "torch 8192x4096x4096 A.T": lambda: _layer_product("torch", transposed_a=True),
         "head dW": lambda: _head_weight_gradient("mpgemm"),
         "head dW unswapped": lambda: _head_weight_gradient("unswapped"),
         "head dW torch": lambda: _head_weight_gradient("torch"),
@@ -259,6 +263,20 @@ def _unscale():
     grads = [torch.randn(500_000, device=DEVICE) for _ in range(200)]
     found, inv = torch.zeros((), device=DEVICE), torch.ones((), device=DEVICE)
     return lambda: unscale_(grads, found, inv)
+
+
+def _layer_product(how: str, *, transposed_a: bool):
+    """The guide's 4096-wide layer's input gradient, dZ @ W (8192 x 4096 x 4096, FP16),
+    with dZ as the backward lays it out (A.T: unit stride down M, the transpose of the
+    weight gradient's A) or row-major as a forward's A; mpgemm's TMA kernel or cuBLAS.
+    In run5's step profile this launch took 413 us against 353 for the forward's."""
+    a = torch.randn(8192, 4096, device=DEVICE).half()
+    if transposed_a:
+        a = a.t().contiguous().t()
+    b = torch.randn(4096, 4096, device=DEVICE).half()
+    if how == "torch":
+        return lambda: torch.matmul(a, b)
+    return lambda: mpgemm.matmul(a, b)
 
 
 def _head_weight_gradient(how: str):
