@@ -86,27 +86,45 @@ def _interpreter_configs() -> list[triton.Config]:
 
 # Shared memory a block may have on an H100 (227 KB).
 SMEM_BYTES = 232448
+# The most shared memory the epilogue's layout conversion may take at once: a larger
+# tile of the widest output (128x256 of FP32: 128 KB, which with 3 stages of 48 KB would
+# not fit) is stored in two halves.
+EPILOGUE_SCRATCH = tl.constexpr(64 * 1024)
+
+
+def stores_in_halves(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> bool:
+    """Whether the kernel stores each tile in two halves: a whole tile of its widest
+    output (C, or GELU's FP32 derivative) would take more than EPILOGUE_SCRATCH bytes
+    of shared memory in the epilogue's layout conversion."""
+    bm, bn, _, _ = tile(config)
+    return bm * bn * (4 if store_act_grad else c_bytes) > EPILOGUE_SCRATCH
 
 
 def smem_estimate(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> int:
     """An upper bound on the shared memory ``config`` takes: each stage holds a tile of
-    A and B (16-bit), and the epilogue converts the
-    accumulator's layout through at most BLOCK_M x BLOCK_N elements of its widest
-    output; 1 KB for the barriers. Checked against the compiled binaries by
+    A and B (16-bit), and the epilogue converts the accumulator's layout through at most
+    BLOCK_M x BLOCK_N elements of its widest output, half of them where it stores in
+    halves; 1 KB for the barriers. Checked against the compiled binaries by
     ``python -m mpgemm.kernels.aot`` (a binary over SMEM_BYTES is a defect there)."""
     bm, bn, bk, _ = tile(config)
     stage = (bm + bn) * bk * 2
-    widest = max(c_bytes, 4 if store_act_grad else 0)
-    return config.num_stages * stage + bm * bn * widest + 1024
+    scratch = bm * bn * (4 if store_act_grad else c_bytes)
+    if stores_in_halves(config, c_bytes=c_bytes, store_act_grad=store_act_grad):
+        scratch //= 2
+    return config.num_stages * stage + scratch + 1024
 
 
-def fits(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> bool:
+def fits(config: triton.Config, *, c_bytes: int, store_act_grad: bool, epilogue: bool) -> bool:
     """Whether ``config`` compiles for such a launch on Hopper within the shared memory
-    and without register spills: storing GELU's derivative beside the output needs an
-    accumulator of fewer than 128 registers per thread (measured with
-    ``python -m mpgemm.kernels.aot``)."""
+    and without register spills (measured with ``python -m mpgemm.kernels.aot``):
+    storing GELU's derivative beside the output needs an accumulator of fewer than 128
+    registers per thread, and a tile stored in halves leaves no registers for a bias or
+    an activation (``epilogue``: 128x256 of FP32 logits plus a bias spilled 24 bytes
+    under Triton 3.6); weight gradients, FP32 and without either, take it."""
     bm, bn, _, warps = tile(config)
     if store_act_grad and bm * bn // (32 * warps) >= 128:
+        return False
+    if epilogue and stores_in_halves(config, c_bytes=c_bytes, store_act_grad=store_act_grad):
         return False
     return smem_estimate(config, c_bytes=c_bytes, store_act_grad=store_act_grad) <= SMEM_BYTES
 
@@ -119,6 +137,7 @@ def _prune_configs(configs, named_args, **kwargs):
             config,
             c_bytes=named_args["c_ptr"].element_size(),
             store_act_grad=kwargs["STORE_ACT_GRAD"],
+            epilogue=kwargs["HAS_BIAS"] or kwargs["ACTIVATION"] is not None,
         )
     ]
 
@@ -192,26 +211,42 @@ def _gemm_tma_kernel(
             b = _load_tile(b_desc, off_k, off_n, B_T)
             acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        store_epilogue(
-            acc,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            c_ptr,
-            bias_ptr,
-            g_ptr,
-            stride_cm,
-            stride_cn,
-            stride_gm,
-            stride_gn,
-            stride_bias,
-            HAS_BIAS,
-            ACTIVATION,
-            STORE_ACT_GRAD,
-            INTERPRETED,
-        )
+        # The stores take the accumulator through shared memory (a layout conversion):
+        # where a whole tile of the widest output would need more than EPILOGUE_SCRATCH
+        # bytes for it, the tile is stored in two halves of BLOCK_N / 2 columns.
+        wide: tl.constexpr = 4 if STORE_ACT_GRAD else c_ptr.dtype.element_ty.primitive_bitwidth // 8
+        halves: tl.constexpr = 2 if BLOCK_M * BLOCK_N * wide > EPILOGUE_SCRATCH else 1
+        if halves == 2:
+            first, second = tl.split(
+                tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            )
+        for h in tl.static_range(halves):
+            if halves == 1:
+                part = acc
+            elif h == 0:
+                part = first
+            else:
+                part = second
+            offs_n = off_n + h * (BLOCK_N // halves) + tl.arange(0, BLOCK_N // halves)
+            store_epilogue(
+                part,
+                offs_m,
+                offs_n,
+                M,
+                N,
+                c_ptr,
+                bias_ptr,
+                g_ptr,
+                stride_cm,
+                stride_cn,
+                stride_gm,
+                stride_gn,
+                stride_bias,
+                HAS_BIAS,
+                ACTIVATION,
+                STORE_ACT_GRAD,
+                INTERPRETED,
+            )
 
 
 _AUTOTUNE_KEY = [

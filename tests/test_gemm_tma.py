@@ -4,7 +4,8 @@ GELU's derivative; the input gradient with a derivative prologue; the weight gra
 reading dY.T with the bias gradient's row sums) against FP64 with torch's own 16-bit
 product as the bar, operands NaN-padded so that a descriptor reaching outside its
 matrix fails, outputs NaN-poisoned, and fewer programs than tiles so the persistent loop
-walks several; and which launches the default sends to it."""
+walks several, with each tile stored whole or in two halves; and which launches the
+default sends to it."""
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ from tests.accuracy import assert_within_torch_error, launched_kernels, nan_padd
 
 pytest.importorskip("triton")
 
-from mpgemm.kernels import gemm  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 
 COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
 # M, K, N: ragged against the interpreter's 32x32x32 tiles and the H100's.
@@ -69,9 +72,13 @@ KINDS = [
 ]
 
 
+@pytest.mark.parametrize("epilogue", ["whole", "halves"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
-def test_every_launch_kind_within_the_bar(kind, compute_dtype, device):
+def test_every_launch_kind_within_the_bar(kind, compute_dtype, epilogue, device, monkeypatch):
+    if epilogue == "halves":
+        # The interpreter's 32x32 tiles store in halves too (an H100's 128x256 FP32 ones do).
+        monkeypatch.setattr(gemm_tma, "EPILOGUE_SCRATCH", tl.constexpr(1024))
     torch.manual_seed(0)
     a, b, kwargs = _operands(kind, compute_dtype, device)
     out_dtype = torch.float32 if kind.startswith("grad_weight") else compute_dtype

@@ -78,28 +78,41 @@ def test_operands_aligned(pointers, strides, expected):
     assert gemm.operands_aligned([Pointer(p) for p in pointers], strides) is expected
 
 
+# (HAS_BIAS, ACTIVATION, STORE_ACT_GRAD) of the TMA kernel's launch kinds.
+TMA_EPILOGUES = [
+    (False, None, False),
+    (True, None, False),
+    (True, "relu", False),
+    (True, "gelu", False),
+    (True, "gelu", True),
+]
+
+
 @pytest.mark.parametrize("c_bytes", [2, 4])
-@pytest.mark.parametrize("store_act_grad", [False, True])
-def test_every_tma_launch_keeps_a_config_within_shared_memory(c_bytes, store_act_grad):
+@pytest.mark.parametrize("has_bias, activation, store_act_grad", TMA_EPILOGUES)
+def test_every_tma_launch_keeps_a_config_within_shared_memory(
+    c_bytes, has_bias, activation, store_act_grad
+):
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
-    kept = gemm_tma._prune_configs(
-        gemm_tma._hopper_configs(), {"c_ptr": c}, STORE_ACT_GRAD=store_act_grad
-    )
+    flags = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STORE_ACT_GRAD=store_act_grad)
+    kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), {"c_ptr": c}, **flags)
     assert kept and all(
         gemm_tma.smem_estimate(k, c_bytes=c_bytes, store_act_grad=store_act_grad)
         <= gemm_tma.SMEM_BYTES
         for k in kept
     )
-    assert (
-        len(
-            gemm_tma._prune_configs(
-                gemm_tma._single_config(), {"c_ptr": c}, STORE_ACT_GRAD=store_act_grad
-            )
-        )
-        == 1
-    )
+    # Tiles stored in halves serve plain products only (an FP32 weight gradient's).
+    halves = [
+        k
+        for k in kept
+        if gemm_tma.stores_in_halves(k, c_bytes=c_bytes, store_act_grad=store_act_grad)
+    ]
+    assert bool(halves) == (c_bytes == 4 and not has_bias and activation is None)
+    single = gemm_tma._prune_configs(gemm_tma._single_config(), {"c_ptr": c}, **flags)
+    assert len(single) == 1
 
 
 def test_what_tma_pruning_reads_is_in_its_autotune_key():
     # C's dtype triton adds to the key.
-    assert "STORE_ACT_GRAD" in gemm_tma.tuned_gemm_tma_kernel.keys
+    keys = gemm_tma.tuned_gemm_tma_kernel.keys
+    assert {"STORE_ACT_GRAD", "HAS_BIAS", "ACTIVATION"} <= set(keys)
