@@ -103,7 +103,11 @@ def run_case(benchmark):
             seconds = kernel_time(fn, setup)
             benchmark.extra_info["kernel_ms"] = None if seconds is None else seconds * 1e3
         if benchmark.stats is not None:  # a line per case in the log as the suite runs
-            print(f"\n{case} {impl}: median {benchmark.stats.stats.median * 1e3:.3f} ms")
+            kernel = benchmark.extra_info.get("kernel_ms")
+            print(
+                f"\n{case} {impl}: median {benchmark.stats.stats.median * 1e3:.3f} ms"
+                + ("" if kernel is None else f", kernel {kernel:.3f} ms")
+            )
 
     return run
 
