@@ -44,15 +44,16 @@ def test_device_clock_times_a_round_like_cuda_events():
 
 
 def test_kernel_time_hides_the_hosts_latency():
-    """A call that spends 5 ms on the host before a 50 ms kernel: timed from an idle GPU
-    (DeviceClock) it takes both; kernel_time gives the kernel's time alone."""
+    """A call that spends 20 ms on the host before a kernel of about 5 ms: timed from an
+    idle GPU (DeviceClock) it takes both; kernel_time gives the kernel's time alone."""
     import time
 
     harness = _harness()
+    cycles = SLEEP_CYCLES // 10
 
     def call():
-        time.sleep(5e-3)
-        torch.cuda._sleep(SLEEP_CYCLES)
+        time.sleep(20e-3)
+        torch.cuda._sleep(cycles)
 
     call()
     clock = harness.DeviceClock(torch.device("cuda"))
@@ -60,6 +61,7 @@ def test_kernel_time_hides_the_hosts_latency():
     call()
     eager = clock() - start
     kernel = harness.kernel_time(call, rounds=3)
-    alone = harness.kernel_time(lambda: torch.cuda._sleep(SLEEP_CYCLES), rounds=3)
-    assert eager > kernel + 4e-3, (eager, kernel)
-    assert 0.9 < kernel / alone < 1.1, (kernel, alone)
+    alone = harness.kernel_time(lambda: torch.cuda._sleep(cycles), rounds=3)
+    assert eager > kernel + 15e-3, (eager, kernel)
+    # (_sleep counts cycles, and the GPU's clock varies: the bounds of the test above.)
+    assert 0.8 < kernel / alone < 1.25, (kernel, alone)
