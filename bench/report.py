@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -65,12 +66,99 @@ def _rows(benchmarks: list[dict], only_main: bool = False) -> dict[str, list[dic
     return groups
 
 
+def _geomean(values: list[float]) -> float | None:
+    return math.prod(values) ** (1 / len(values)) if values else None
+
+
+def _ratio(by: dict, group: str, case: str, impl: str, baseline: str, kind: str = "ratio_to"):
+    bench = by.get((group, case, impl))
+    return None if bench is None else bench["extra_info"].get(kind, {}).get(baseline)
+
+
+def targets(benchmarks: list[dict]) -> list[str]:
+    """Issue 11's targets as this run measured them (speedups: baseline time / mpgemm
+    time, above 1 is faster). Peak memory against autocast is ``mpgemm train``'s."""
+    by = {(b["group"], b["extra_info"]["case"], b["extra_info"]["impl"]): b for b in benchmarks}
+    large = [
+        case
+        for group, case, impl in by
+        if group == "gemm" and impl == MPGEMM and min(map(int, case.split("x"))) >= 2048
+    ]
+
+    def gemm_geomean(kind: str) -> float | None:
+        ratios = [_ratio(by, "gemm", c, MPGEMM, "torch_fp16", kind) for c in large]
+        return _geomean([r for r in ratios if r is not None])
+
+    syncs = [
+        b["extra_info"]["host_syncs"]
+        for b in benchmarks
+        if b["group"] == "step" and _is_ours(b["extra_info"]["impl"])
+        if b["extra_info"].get("host_syncs") is not None
+    ]
+    rows = [
+        (
+            "FP16 GEMM, geomean over " + (", ".join(large) or "no case") + ", from an idle GPU",
+            "torch_fp16",
+            gemm_geomean("ratio_to"),
+            ">= 1.0x",
+        ),
+        (
+            "the same, kernel times (host latency hidden)",
+            "torch_fp16",
+            gemm_geomean("kernel_ratio_to"),
+            ">= 1.0x",
+        ),
+        (
+            "guide MLP step, eager",
+            "autocast_fused",
+            _ratio(by, "step", "guide", MPGEMM, "autocast_fused"),
+            ">= 1.3x",
+        ),
+        (
+            "guide MLP step, CUDA graph",
+            "autocast_fused",
+            _ratio(by, "step", "guide", "mpgemm_cuda_graph", "autocast_fused"),
+            ">= 1.3x",
+        ),
+        ("small MLP step, eager", "fp32", _ratio(by, "step", "small", MPGEMM, "fp32"), ">= 1.0x"),
+        (
+            "small MLP step, CUDA graph",
+            "fp32",
+            _ratio(by, "step", "small", "mpgemm_cuda_graph", "fp32"),
+            ">= 1.0x",
+        ),
+    ]
+    for case in sorted(c for g, c, impl in by if g == "unscale" and impl == MPGEMM):
+        rows += [
+            (
+                f"unscale + inf check, {case}",
+                "torch",
+                _ratio(by, "unscale", case, MPGEMM, "torch"),
+                ">= 1.0x",
+            ),
+            (
+                f"unscale + inf check, {case}: share of a copy's bandwidth",
+                "device_copy",
+                _ratio(by, "unscale", case, MPGEMM, "device_copy"),
+                ">= 0.8",
+            ),
+        ]
+    lines = ["### targets", "", "| target | baseline | measured | goal |", "|---|---|---|---|"]
+    lines += [
+        f"| {what} | {base} | {_cell(value, '.2f')} | {goal} |" for what, base, value, goal in rows
+    ]
+    most = max(syncs) if syncs else None
+    lines += [f"| host synchronisations per mpgemm step (most) | - | {_cell(most, 'd')} | 0 |", ""]
+    return lines
+
+
 def markdown(data: dict) -> str:
     env = data["machine_info"].get("mpgemm", {})
     lines = [
         "Device: " + ", ".join(f"{k} {v}" for k, v in env.items()),
         f"Run: {data.get('datetime', '?')}",
         "",
+        *targets(data["benchmarks"]),
     ]
     for group, rows in _rows(data["benchmarks"]).items():
         baselines = sorted({b for r in rows for b in r["extra_info"].get("ratio_to", {})})

@@ -15,11 +15,11 @@ def _report():
     return module
 
 
-def _bench(impl, median_s, kernel_ms=None):
-    info = {"case": "2048x2048x2048", "impl": impl, "flops": 2 * 2048**3}
+def _bench(impl, median_s, kernel_ms=None, case="2048x2048x2048", group="gemm"):
+    info = {"case": case, "impl": impl, "flops": 1e9}
     if kernel_ms is not None:
         info["kernel_ms"] = kernel_ms
-    return {"group": "gemm", "stats": {"median": median_s}, "extra_info": info}
+    return {"group": group, "stats": {"median": median_s}, "extra_info": info}
 
 
 def test_speedups_from_idle_rounds_and_from_kernel_times():
@@ -36,8 +36,9 @@ def test_speedups_from_idle_rounds_and_from_kernel_times():
     assert info["ratio_to"] == pytest.approx({"torch_fp16": 30 / 180, "fp32": 300 / 180})
     assert info["kernel_ratio_to"] == pytest.approx({"torch_fp16": 0.030 / 0.036})
     assert "ratio_to" not in cublas["extra_info"]  # baselines get no ratios
-    table = report.markdown({"machine_info": {}, "benchmarks": benchmarks})
-    header, _, row = table.splitlines()[5:8]
+    table = report.markdown({"machine_info": {}, "benchmarks": benchmarks}).splitlines()
+    start = table.index("### gemm")
+    header, _, row = table[start + 2 : start + 5]
     assert header.split(" | ")[-3:] == ["kernel ms", "x fp32 (kernel)", "x torch_fp16 (kernel) |"]
     assert row.split(" | ")[-3:] == ["0.036", "-", "0.83 |"]
 
@@ -48,4 +49,34 @@ def test_a_run_without_kernel_times_keeps_its_table():
     report.add_derived_metrics(benchmarks)
     assert "kernel_ratio_to" not in benchmarks[0]["extra_info"]
     table = report.markdown({"machine_info": {}, "benchmarks": benchmarks})
-    assert "kernel" not in table and "| 2048x2048x2048 | mpgemm | 0.180 |" in table
+    gemm = table[table.index("### gemm") :]
+    assert "kernel" not in gemm and "| 2048x2048x2048 | mpgemm | 0.180 |" in gemm
+
+
+def test_the_targets_read_from_the_same_run():
+    report = _report()
+    benchmarks = [
+        # GEMM: the geometric mean over shapes with every dimension >= 2048 only.
+        _bench("mpgemm", 4e-3, 1.0, case="2048x4096x8192"),
+        _bench("torch_fp16", 1e-3, 0.5, case="2048x4096x8192"),
+        _bench("mpgemm", 1e-3, 1.0, case="8192x8192x8192"),
+        _bench("torch_fp16", 1e-3, 2.0, case="8192x8192x8192"),
+        _bench("mpgemm", 9e-3, case="512x512x512"),
+        _bench("torch_fp16", 1e-3, case="512x512x512"),
+        _bench("mpgemm", 2e-3, case="guide", group="step"),
+        _bench("autocast_fused", 3e-3, case="guide", group="step"),
+    ]
+    benchmarks[-2]["extra_info"]["host_syncs"] = 0
+    report.add_derived_metrics(benchmarks)
+    rows = {
+        line.split(" | ")[0]: line.split(" | ")[2]
+        for line in report.targets(benchmarks)
+        if line.startswith("| ")
+    }
+    gemm = next(k for k in rows if k.startswith("| FP16 GEMM"))
+    assert "2048x4096x8192, 8192x8192x8192," in gemm and "512x512x512" not in gemm
+    assert rows[gemm] == "0.50"  # sqrt(1/4 x 1)
+    assert rows["| the same, kernel times (host latency hidden)"] == "1.00"  # sqrt(0.5 x 2)
+    assert rows["| guide MLP step, eager"] == "1.50"
+    assert rows["| small MLP step, eager"] == "-"  # not in this run
+    assert rows["| host synchronisations per mpgemm step (most)"] == "0"
