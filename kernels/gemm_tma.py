@@ -89,15 +89,29 @@ SMEM_BYTES = 232448
 # The most shared memory the epilogue's layout conversion may take at once: a larger
 # tile of the widest output (128x256 of FP32: 128 KB, which with 3 stages of 48 KB would
 # not fit) is stored in two halves.
-EPILOGUE_SCRATCH = tl.constexpr(64 * 1024)
+EPILOGUE_SCRATCH = 64 * 1024
+
+
+@triton.constexpr_function
+def epilogue_bytes(block_m: int, block_n: int, c_bytes: int, store_act_grad: bool) -> int:
+    """The bytes of a whole tile of the widest output (C, or GELU's FP32 derivative),
+    which the stores take through shared memory for their layout conversion. Called by
+    the kernel at compile time and by the host's pruning: one rule for both."""
+    return block_m * block_n * (4 if store_act_grad else c_bytes)
+
+
+@triton.constexpr_function
+def epilogue_parts(block_m: int, block_n: int, c_bytes: int, store_act_grad: bool) -> int:
+    """In how many parts the kernel stores a tile: 1, or 2 halves of BLOCK_N / 2 columns
+    where a whole tile's conversion would take more than EPILOGUE_SCRATCH bytes."""
+    whole = epilogue_bytes(block_m, block_n, c_bytes, store_act_grad)
+    return 2 if whole > EPILOGUE_SCRATCH else 1
 
 
 def stores_in_halves(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> bool:
-    """Whether the kernel stores each tile in two halves: a whole tile of its widest
-    output (C, or GELU's FP32 derivative) would take more than EPILOGUE_SCRATCH bytes
-    of shared memory in the epilogue's layout conversion."""
+    """Whether the kernel stores each tile of ``config`` in two halves."""
     bm, bn, _, _ = tile(config)
-    return bm * bn * (4 if store_act_grad else c_bytes) > EPILOGUE_SCRATCH
+    return epilogue_parts(bm, bn, c_bytes, store_act_grad) == 2
 
 
 def smem_estimate(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> int:
@@ -108,9 +122,9 @@ def smem_estimate(config: triton.Config, *, c_bytes: int, store_act_grad: bool) 
     ``python -m mpgemm.kernels.aot`` (a binary over SMEM_BYTES is a defect there)."""
     bm, bn, bk, _ = tile(config)
     stage = (bm + bn) * bk * 2
-    scratch = bm * bn * (4 if store_act_grad else c_bytes)
-    if stores_in_halves(config, c_bytes=c_bytes, store_act_grad=store_act_grad):
-        scratch //= 2
+    scratch = epilogue_bytes(bm, bn, c_bytes, store_act_grad) // epilogue_parts(
+        bm, bn, c_bytes, store_act_grad
+    )
     return config.num_stages * stage + scratch + 1024
 
 
@@ -211,11 +225,11 @@ def _gemm_tma_kernel(
             b = _load_tile(b_desc, off_k, off_n, B_T)
             acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         offs_m = off_m + tl.arange(0, BLOCK_M)
-        # The stores take the accumulator through shared memory (a layout conversion):
-        # where a whole tile of the widest output would need more than EPILOGUE_SCRATCH
-        # bytes for it, the tile is stored in two halves of BLOCK_N / 2 columns.
-        wide: tl.constexpr = 4 if STORE_ACT_GRAD else c_ptr.dtype.element_ty.primitive_bitwidth // 8
-        halves: tl.constexpr = 2 if BLOCK_M * BLOCK_N * wide > EPILOGUE_SCRATCH else 1
+        # The stores take the accumulator through shared memory (a layout conversion),
+        # a whole tile or two halves of BLOCK_N / 2 columns (epilogue_parts).
+        halves: tl.constexpr = epilogue_parts(
+            BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty.primitive_bitwidth // 8, STORE_ACT_GRAD
+        )
         if halves == 2:
             first, second = tl.split(
                 tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
