@@ -1,7 +1,8 @@
 """``mpgemm.matmul`` and ``mpgemm.linear``: checks, dispatch and the autograd function.
 
 Both ops run through ``LinearFunction``: ``matmul(a, b)`` is ``linear(a, b.T)`` on a
-transposed view, so one forward and one backward serve both.
+transposed view, so one forward and one backward serve both. A layer's activation adds
+``ActivationFunction`` to the graph, for its derivative.
 """
 
 from __future__ import annotations
@@ -19,12 +20,6 @@ from mpgemm.reference import gemm_ref
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 VALID_ACTIVATIONS = (None, "relu", "gelu")
-
-# The backward prologue that applies each activation's derivative to the output gradient:
-# ReLU's from its saved output, as torch's threshold_backward does (zero where y <= 0; a
-# positive z that underflows to 0 in a 16-bit y gets no gradient, as under autocast),
-# GELU's by multiplying with the act'(z) its forward epilogue stored.
-_DERIVATIVE_PROLOGUE = {None: None, "relu": "relu_mask", "gelu": "mul"}
 
 
 def _triton_gemm() -> Callable | None:
@@ -168,29 +163,42 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class LinearFunction(torch.autograd.Function):
-    """y = act(x @ W.T + bias) with 16-bit operands and FP32 accumulation.
+    """act(x @ W.T + bias) with 16-bit operands and FP32 accumulation: the layer's GEMMs.
+    With an activation and a gradient to compute, ``ActivationFunction`` follows it in
+    the graph (``_linear``) and owns the derivative and the bias gradient.
 
     x: (*, K) float32/float16/bfloat16; W: (N, K), any strides; bias: (N,) or None;
     weight_copy: None, or W in the compute dtype (``mpgemm.Linear``'s current copy of
-    its FP32 master), which the GEMMs then read in W's place.
-    Forward: one GEMM with bias, activation and the output cast in the epilogue. An FP32
-    x that the weight gradient needs is rounded to the compute dtype once, and the
-    rounded x is what is saved (the GEMMs would round it anyway; half the memory).
-    Backward: dZ = dY * act'(z) is applied as the GEMMs load dY, then
-    dx = dZ @ W (in x's dtype) and dW = dZ.T @ x (in W's dtype, FP32 for master weights,
-    laid out like W), with the bias gradient, the FP32 column sum of dZ, computed by
-    the dW GEMM as it reads dZ. Where the TMA kernel runs the GEMMs (it fuses neither),
-    dZ and the bias gradient are computed once beforehand, with the same math.
+    its FP32 master), which the GEMMs then read in W's place; store_act_grad: also
+    return G = act'(z) in FP32 (GELU's derivative, for ``ActivationFunction``).
+    Forward: one GEMM with bias, activation and the output cast in the epilogue; returns
+    (y, G or None). An FP32 x that the weight gradient needs is rounded to the compute
+    dtype once, and the rounded x is what is saved (the GEMMs would round it anyway;
+    half the memory).
+    Backward, from the gradient at its output (dZ where an activation's node precedes
+    it, dY otherwise): dx = dZ @ W (in x's dtype) and dW = dZ.T @ x (in W's dtype, FP32
+    for master weights, laid out like W), with the bias gradient, the FP32 column sums
+    of dZ, computed by the dW GEMM as it reads dZ (where the TMA kernel runs it, which
+    fuses no sums, by one pass beforehand).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, compute_dtype, out_dtype, weight_copy=None):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        activation,
+        compute_dtype,
+        out_dtype,
+        weight_copy=None,
+        store_act_grad=False,
+    ):
         gemm = _gemm(x.device, x, weight, bias, weight_copy)
         x2d = _as_rows(x)
         if ctx.needs_input_grad[1] and x.dtype == torch.float32:
             x2d = x2d.to(compute_dtype)
         w = weight if weight_copy is None else weight_copy
-        save_gelu_derivative = activation == "gelu" and any(ctx.needs_input_grad[:3])
         out, act_grad, _ = gemm(
             x2d,
             w.t(),
@@ -198,123 +206,143 @@ class LinearFunction(torch.autograd.Function):
             out_dtype=out_dtype,
             bias=bias,
             activation=activation,
-            store_act_grad=save_gelu_derivative,
+            store_act_grad=store_act_grad,
         )
-        out = out.view(*x.shape[:-1], weight.shape[0])
-        # What the derivative prologue reads: ReLU's own output, GELU's stored act'(z).
-        derivative_operand = {None: None, "relu": out, "gelu": act_grad}[activation]
-        ctx.save_for_backward(x2d, w, derivative_operand)
+        shape = (*x.shape[:-1], weight.shape[0])
+        if act_grad is not None:
+            act_grad = act_grad.view(shape)
+            ctx.mark_non_differentiable(act_grad)
+        ctx.save_for_backward(x2d, w)
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
-        ctx.activation, ctx.compute_dtype = activation, compute_dtype
+        ctx.compute_dtype = compute_dtype
         ctx.has_bias = bias is not None
-        return out
+        # Detached: a tensor of its own over C's memory. A view of a tensor made in here
+        # may not be changed in place (autograd forbids it); nn.Linear's output may.
+        return out.view(shape).detach(), act_grad
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
-        x2d, weight, derivative_operand = ctx.saved_tensors
+    def backward(ctx, grad_z, _):
+        x2d, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Compiled, the whole backward is one op (mpgemm.ops.linear_backward), which
-        # runs this same function: its choices (dZ once per layer where the TMA kernel
-        # takes the GEMMs) need the real tensors.
+        # runs this same function: its choices (the bias gradient fused or not) need the
+        # real tensors.
         backward = _linear_backward
         if torch.compiler.is_compiling():
             from mpgemm.ops import linear_backward as backward
         grad_x, grad_w, grad_b = backward(
-            grad_out,
+            grad_z,
             x2d,
             weight,
-            derivative_operand,
             x_shape=ctx.x_shape,
             x_dtype=ctx.x_dtype,
             weight_dtype=ctx.weight_dtype,
-            activation=ctx.activation,
             compute_dtype=ctx.compute_dtype,
             need_x=need_x,
             need_w=need_w,
             need_b=need_b and ctx.has_bias,
         )
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+class ActivationFunction(torch.autograd.Function):
+    """y = act(z + bias) in the autograd graph, after ``LinearFunction`` (given the bias
+    detached), whose epilogue has already computed y: the forward passes y on (the same
+    memory); the backward turns dY into dZ = dY * act'(z) for the GEMMs' backward, and
+    sums the bias gradient (``activation_backward``).
+
+    A node of its own, as torch's activations are: the engine holds a node's incoming
+    gradient until the node returns, and its saved tensors until then too, so with the
+    derivative inside the layer's node dY and y would outlive the layer's GEMMs (two
+    activations' worth more at the backward's peak than under autocast, whose ReLU frees
+    both first). y: the layer's output; act_grad: GELU's stored act'(z), else None."""
+
+    @staticmethod
+    def forward(ctx, y, act_grad, bias, activation, compute_dtype):
+        out = y.detach()  # y's memory, as this node's output
+        # ReLU's mask reads the output as saved here: an in-place change of it then
+        # fails the backward, as it does after torch.relu.
+        ctx.save_for_backward(out if activation == "relu" else act_grad)
+        ctx.activation, ctx.compute_dtype = activation, compute_dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        (saved,) = ctx.saved_tensors
+        backward = activation_backward
+        if torch.compiler.is_compiling():  # one opaque op, as for the GEMMs' backward
+            from mpgemm.ops import activation_backward as backward
+        grad_z, grad_b = backward(
+            grad_y, saved, ctx.activation, ctx.compute_dtype, bias_grad=ctx.needs_input_grad[2]
+        )
+        return grad_z, None, grad_b, None, None
+
+
+def activation_backward(
+    grad_y: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+    compute_dtype: torch.dtype,
+    *,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dZ, bias gradient or None): dZ = dY * act'(z) and, if ``bias_grad``, its FP32
+    sums over all but the last dimension, taken before dZ is rounded.
+
+    ReLU (``saved`` = y): zero where y <= 0, by torch's threshold_backward (a NaN y
+    passes its gradient on; a positive z that underflowed to 0 in a 16-bit y gets none,
+    as under autocast), exact in dY's dtype. GELU (``saved`` = act'(z), FP32): the
+    product in FP32, rounded once to ``compute_dtype``."""
+    if activation == "relu":
+        grad_z = exact = torch.ops.aten.threshold_backward(grad_y, saved, 0)
+    elif bias_grad:
+        exact = torch.mul(grad_y, saved)  # FP32, for the sums
+        grad_z = exact.to(compute_dtype)
+    else:  # one pass: computed in FP32, rounded as it is stored
+        return torch.mul(grad_y, saved, out=torch.empty_like(grad_y, dtype=compute_dtype)), None
+    if not bias_grad:
+        return grad_z, None
+    return grad_z, torch.sum(_as_rows(exact), dim=0, dtype=torch.float32)
 
 
 def _linear_backward(
-    grad_out: torch.Tensor,
+    grad_z: torch.Tensor,
     x2d: torch.Tensor,
     weight: torch.Tensor,
-    derivative_operand: torch.Tensor | None,
     *,
     x_shape: Sequence[int],
     x_dtype: torch.dtype,
     weight_dtype: torch.dtype,
-    activation: str | None,
     compute_dtype: torch.dtype,
     need_x: bool,
     need_w: bool,
     need_b: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dx, dW, bias gradient), each None unless needed: ``LinearFunction``'s backward
-    from what its forward saved (x2d, the GEMMs' W, the derivative's operand)."""
-    gemm = _implementation(grad_out.device, grad_out, x2d, weight, derivative_operand)
-    dy = _as_rows(grad_out)
-    s = None if derivative_operand is None else _as_rows(derivative_operand)
-    prologue = _DERIVATIVE_PROLOGUE[activation]
-    grad_b = None
-    if prologue is not None and _derivative_first(gemm, dy, weight, compute_dtype):
-        # dZ (and the bias gradient, its FP32 column sums) once for both GEMMs.
-        dz_t, grad_b = _derivative_before_gemms(dy, s, prologue, compute_dtype, need_b)
-        dy, s, prologue = dz_t.t(), None, None
-
-    grad_x = grad_w = None
+    from dZ and what its forward saved (x2d, the GEMMs' W)."""
+    gemm = _implementation(grad_z.device, grad_z, x2d, weight)
+    dz = _as_rows(grad_z)
+    grad_x = grad_w = grad_b = None
     if need_x:
-        grad_x, _, _ = gemm(
-            dy,
-            weight,
-            compute_dtype=compute_dtype,
-            out_dtype=x_dtype,
-            prologue=prologue,
-            prologue_operand=s,
-        )
+        grad_x, _, _ = gemm(dz, weight, compute_dtype=compute_dtype, out_dtype=x_dtype)
         grad_x = grad_x.view(x_shape)
-    if need_w or (need_b and grad_b is None):
+    if need_w or need_b:
         # A frozen weight still lets its GEMM sum the bias gradient: B gets no columns.
         x_operand = x2d if need_w else x2d[:, :0]
         # Laid out like the weight (its copy is), in the weight's own dtype.
         grad_w = torch.empty_like(weight, dtype=weight_dtype) if need_w else None
-        product, _, row_sums = gemm(
-            dy.t(),
+        product, _, grad_b = gemm(
+            dz.t(),
             x_operand,
             compute_dtype=compute_dtype,
             out_dtype=weight_dtype,
-            prologue=prologue,
-            prologue_operand=None if s is None else s.t(),
-            rowsum_a=need_b and grad_b is None,
+            rowsum_a=need_b,
             out=grad_w,
         )
         grad_w = product if need_w else None
-        grad_b = row_sums if grad_b is None else grad_b
     return grad_x, grad_w, grad_b
-
-
-def _derivative_first(
-    gemm: Callable, dy: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype
-) -> bool:
-    """Whether the backward applies act' to dY before its GEMMs: where the TMA kernel
-    runs them, which fuses no prologue (the pointer kernel and the reference do)."""
-    if gemm is gemm_ref:
-        return False
-    from mpgemm.kernels.gemm import takes_tma
-
-    return takes_tma(dy, weight, compute_dtype)
-
-
-def _derivative_before_gemms(dy, s, prologue, compute_dtype, bias_grad):
-    """(dZ.T, bias gradient or None): dZ = dY * act'(z) in the compute dtype and the
-    FP32 column sums of dZ before its rounding, the math of the GEMMs' prologue and row
-    sums, laid out as dY.T for the weight gradient's A."""
-    from mpgemm.kernels.gemm import prologue_and_rowsum
-
-    r = torch.empty(dy.shape[1], device=dy.device, dtype=torch.float32) if bias_grad else None
-    return prologue_and_rowsum(dy.t(), prologue, s.t(), compute_dtype, r), r
 
 
 # ---------------------------------------------------------------------------------------
@@ -375,9 +403,28 @@ def _linear(
             f"{op}: bias of shape {tuple(bias.shape)} does not match weight of shape "
             f"{tuple(weight.shape)}; expected ({weight.shape[0]},)"
         )
-    return LinearFunction.apply(
-        input, weight, bias, activation, compute_dtype, out_dtype or compute_dtype, weight_copy
+    out_dtype = out_dtype or compute_dtype
+    tensors = (input, weight, bias)
+    if activation is None or not (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    ):
+        out, _ = LinearFunction.apply(
+            input, weight, bias, activation, compute_dtype, out_dtype, weight_copy
+        )
+        return out
+    # The GEMMs' node uses the bias's values; the activation's node owns its gradient.
+    detached = None if bias is None else bias.detach()
+    out, act_grad = LinearFunction.apply(
+        input,
+        weight,
+        detached,
+        activation,
+        compute_dtype,
+        out_dtype,
+        weight_copy,
+        activation == "gelu",
     )
+    return ActivationFunction.apply(out, act_grad, bias, activation, compute_dtype)
 
 
 def matmul(
@@ -403,4 +450,5 @@ def matmul(
             f"{op}: a of shape {tuple(a.shape)} and b of shape {tuple(b.shape)} cannot be "
             "multiplied: b must be 2-D (K, N) with K equal to a's last dimension"
         )
-    return LinearFunction.apply(a, b.t(), None, None, compute_dtype, out_dtype or compute_dtype)
+    out, _ = LinearFunction.apply(a, b.t(), None, None, compute_dtype, out_dtype or compute_dtype)
+    return out

@@ -1,7 +1,8 @@
 """mpgemm's ops as torch custom ops, for ``torch.compile``: ``torch.ops.mpgemm.gemm``
-(a forward GEMM), ``linear_backward`` (a layer's backward), and the loss-scaling ops and
-optimizer steps of ``mpgemm.scaling`` (``unscale_``, ``update_scale_``, ``sgd_step_``,
-``adam_step_``).
+(a forward GEMM), ``linear_backward`` (a layer's GEMMs' backward),
+``activation_backward`` (its activation's derivative and bias gradient), and the
+loss-scaling ops and optimizer steps of ``mpgemm.scaling`` (``unscale_``,
+``update_scale_``, ``sgd_step_``, ``adam_step_``).
 
 Traced code calls an op instead of the implementation (``functional._gemm``, the
 functions of ``mpgemm.scaling``): the compiler sees one opaque node, so it keeps the
@@ -19,7 +20,15 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["adam_step_", "gemm", "linear_backward", "sgd_step_", "unscale_", "update_scale_"]
+__all__ = [
+    "activation_backward",
+    "adam_step_",
+    "gemm",
+    "linear_backward",
+    "sgd_step_",
+    "unscale_",
+    "update_scale_",
+]
 
 
 @torch.library.custom_op("mpgemm::gemm", mutates_args=())
@@ -112,14 +121,12 @@ def gemm(
 
 @torch.library.custom_op("mpgemm::linear_backward", mutates_args=())
 def _linear_backward_op(
-    grad_out: torch.Tensor,
+    grad_z: torch.Tensor,
     x2d: torch.Tensor,
     weight: torch.Tensor,
-    derivative_operand: torch.Tensor | None,
     x_shape: list[int],
     x_dtype: torch.dtype,
     weight_dtype: torch.dtype,
-    activation: str | None,
     compute_dtype: torch.dtype,
     need_x: bool,
     need_w: bool,
@@ -128,14 +135,12 @@ def _linear_backward_op(
     from mpgemm.functional import _linear_backward
 
     grads = _linear_backward(
-        grad_out,
+        grad_z,
         x2d,
         weight,
-        derivative_operand,
         x_shape=x_shape,
         x_dtype=x_dtype,
         weight_dtype=weight_dtype,
-        activation=activation,
         compute_dtype=compute_dtype,
         need_x=need_x,
         need_w=need_w,
@@ -143,60 +148,55 @@ def _linear_backward_op(
     )
     # A gradient not asked for is an empty tensor (an op returns tensors).
     return tuple(  # type: ignore[return-value]
-        grad_out.new_empty((0,), dtype=torch.float32) if g is None else g for g in grads
+        grad_z.new_empty((0,), dtype=torch.float32) if g is None else g for g in grads
     )
 
 
 @_linear_backward_op.register_fake
 def _(
-    grad_out,
+    grad_z,
     x2d,
     weight,
-    derivative_operand,
     x_shape,
     x_dtype,
     weight_dtype,
-    activation,
     compute_dtype,
     need_x,
     need_w,
     need_b,
 ):
-    none = grad_out.new_empty((0,), dtype=torch.float32)
+    none = grad_z.new_empty((0,), dtype=torch.float32)
     return (
-        grad_out.new_empty(x_shape, dtype=x_dtype) if need_x else none,
+        grad_z.new_empty(x_shape, dtype=x_dtype) if need_x else none,
         torch.empty_like(weight, dtype=weight_dtype) if need_w else none.clone(),
-        grad_out.new_empty((weight.shape[0],), dtype=torch.float32) if need_b else none.clone(),
+        grad_z.new_empty((weight.shape[0],), dtype=torch.float32) if need_b else none.clone(),
     )
 
 
 def linear_backward(
-    grad_out: torch.Tensor,
+    grad_z: torch.Tensor,
     x2d: torch.Tensor,
     weight: torch.Tensor,
-    derivative_operand: torch.Tensor | None,
     *,
     x_shape: Sequence[int],
     x_dtype: torch.dtype,
     weight_dtype: torch.dtype,
-    activation: str | None,
     compute_dtype: torch.dtype,
     need_x: bool,
     need_w: bool,
     need_b: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``mpgemm.functional._linear_backward`` as ``torch.ops.mpgemm.linear_backward``:
-    a layer's whole backward in one node, so that its run-time choices (dZ once per
-    layer where the TMA kernel takes the GEMMs) are made on the real tensors."""
+    a layer's GEMMs' backward in one node, so that its run-time choices (the bias
+    gradient fused into the weight gradient's GEMM or summed beforehand) are made on the
+    real tensors."""
     grads = _linear_backward_op(
-        grad_out,
+        grad_z,
         x2d,
         weight,
-        derivative_operand,
         list(x_shape),
         x_dtype,
         weight_dtype,
-        activation,
         compute_dtype,
         need_x,
         need_w,
@@ -205,6 +205,42 @@ def linear_backward(
     return tuple(  # type: ignore[return-value]
         g if needed else None for g, needed in zip(grads, (need_x, need_w, need_b), strict=True)
     )
+
+
+@torch.library.custom_op("mpgemm::activation_backward", mutates_args=())
+def _activation_backward_op(
+    grad_y: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+    compute_dtype: torch.dtype,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from mpgemm.functional import activation_backward as implementation
+
+    grad_z, grad_b = implementation(grad_y, saved, activation, compute_dtype, bias_grad=bias_grad)
+    return grad_z, grad_y.new_empty((0,), dtype=torch.float32) if grad_b is None else grad_b
+
+
+@_activation_backward_op.register_fake
+def _(grad_y, saved, activation, compute_dtype, bias_grad):
+    dtype = grad_y.dtype if activation == "relu" else compute_dtype
+    n = grad_y.shape[-1] if bias_grad else 0
+    return torch.empty_like(grad_y, dtype=dtype), grad_y.new_empty((n,), dtype=torch.float32)
+
+
+def activation_backward(
+    grad_y: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+    compute_dtype: torch.dtype,
+    *,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``mpgemm.functional.activation_backward`` as ``torch.ops.mpgemm.
+    activation_backward``: opaque, so that the bias gradient's FP32 sums are eager's,
+    bit for bit (inductor would fuse the product into a reduction of its own order)."""
+    grad_z, grad_b = _activation_backward_op(grad_y, saved, activation, compute_dtype, bias_grad)
+    return grad_z, grad_b if bias_grad else None
 
 
 # -- loss scaling and the optimizer steps ----------------------------------------------

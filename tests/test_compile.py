@@ -60,37 +60,6 @@ def test_kernels_compile_whole_and_match_eager_bit_for_bit(device):
     assert all(torch.equal(got, want) for got, want in grads)
 
 
-def test_compiled_backward_takes_each_derivative_once_per_layer_as_eager_does(monkeypatch):
-    """Where the TMA kernel takes a layer's backward GEMMs (it fuses no prologue), dZ =
-    dY * act'(z) is computed once for both; compiled, the whole backward is one op
-    (torch.ops.mpgemm.linear_backward) that makes the same choice at run time (as two
-    GEMM ops, each computed dZ). Launches are stubbed: only the choices are counted."""
-    pytest.importorskip("triton")
-    from mpgemm.kernels import gemm as gemm_module
-    from mpgemm.kernels.launches import intercept
-
-    real = gemm_module.prologue_and_rowsum
-    calls = []
-
-    def counted(a, prologue, *args):
-        calls.append(prologue)
-        return real(a, prologue, *args)
-
-    monkeypatch.setattr(gemm_module, "prologue_and_rowsum", counted)
-    x = torch.randn(32, 64)
-    per_mode = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        model = _model("cpu")
-        forward = torch.compile(model, fullgraph=True) if compiled else model
-        calls.clear()
-        with intercept(lambda *launch: None):
-            forward(x).float().sum().backward()
-        per_mode.append(list(calls))
-    # Backward runs from the head: the GELU layer's derivative, then the ReLU layer's.
-    assert per_mode[0] == per_mode[1] == ["mul", "relu_mask"]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_reduce_overhead_replays_match_eager_bit_for_bit():
     """mode="reduce-overhead" records the compiled forward and backward as CUDA graphs

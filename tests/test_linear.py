@@ -2,6 +2,7 @@
 computation (linear_ref through autograd) as the bar; and kernels against the
 reference path, which must agree to FP32 rounding."""
 
+import gc
 import itertools
 
 import pytest
@@ -225,3 +226,81 @@ def test_double_backward_raises_instead_of_a_wrong_second_derivative(device):
     assert gx.grad_fn is None
     with pytest.raises(RuntimeError, match="does not require grad"):
         gx.sum().backward()
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_a_layers_gemms_run_backward_after_its_activation_freed_dy_and_y(
+    activation, device, monkeypatch
+):
+    """The activation's derivative is a node of its own, as torch's activations are: by
+    the time a layer's GEMMs run backward, its output y, the gradient dY that reached it
+    and GELU's stored act'(z) are freed, as autocast's ReLU and GELU free theirs (inside
+    the layer's node, the engine would hold dY and y until its GEMMs were done)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    x = torch.randn(64, 32, device=device, requires_grad=True)
+    w1 = torch.randn(48, 32, device=device, requires_grad=True)
+    w2 = torch.randn(16, 48, device=device, requires_grad=True)
+    y = mpgemm.linear(x, w1, activation=activation)
+    watched = {"y": StorageWeakRef(y.untyped_storage())}
+    if activation == "gelu":
+        (act_grad,) = y.grad_fn.saved_tensors
+        watched["act'(z)"] = StorageWeakRef(act_grad.untyped_storage())
+        del act_grad
+
+    def watch_dy(dy):
+        watched["dY"] = StorageWeakRef(dy.untyped_storage())
+
+    y.register_hook(watch_dy)
+    out = mpgemm.linear(y, w2)
+    del y
+    alive_at_gemms = []
+    real = functional._linear_backward
+
+    def spy(*args, **kwargs):
+        # The interpreter leaves a launch's operands in a reference cycle: collected,
+        # what remains is what autograd holds.
+        gc.collect()
+        alive_at_gemms.append(sorted(name for name, ref in watched.items() if not ref.expired()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "_linear_backward", spy)
+    out.float().sum().backward()
+    # The second layer's GEMMs (y still needed, dY not made yet), then the first's.
+    held = sorted(["y"] + (["act'(z)"] if activation == "gelu" else []))
+    assert alive_at_gemms == [held, []]
+    assert x.grad is not None and w1.grad is not None
+
+
+def test_an_output_changed_in_place_is_handled_as_torch_handles_it(device):
+    """Like torch.matmul's and F.linear's, an output may be changed in place (``y +=
+    residual``, an in-place ReLU after the layer) and the gradient follows the change;
+    GELU's too (its derivative reads the stored act'(z), as F.gelu reads its input).
+    ReLU's derivative reads its output, so changing that fails the backward, as after
+    torch.relu."""
+    x = torch.randn(8, 32, device=device)
+    w = torch.randn(16, 32, device=device) / 32**0.5
+    x64, w64 = leaves(x.double(), w.double())
+    cases = {
+        "matmul": (lambda a, b: mpgemm.matmul(a, b.t(), out_dtype=torch.float32), F.linear),
+        "linear": (lambda a, b: mpgemm.linear(a, b, out_dtype=torch.float32), F.linear),
+        "gelu": (
+            lambda a, b: mpgemm.linear(a, b, activation="gelu", out_dtype=torch.float32),
+            lambda a, b: F.gelu(F.linear(a, b)),
+        ),
+    }
+    for name, (ours, theirs) in cases.items():
+        xl, wl = leaves(x, w)
+        y = ours(xl, wl)
+        y.mul_(2)
+        y.sum().backward()
+        x64.grad = w64.grad = None
+        (2 * theirs(x64, w64)).sum().backward()
+        for got, want in ((xl.grad, x64.grad), (wl.grad, w64.grad)):
+            torch.testing.assert_close(got, want.float(), rtol=2e-2, atol=2e-2, msg=name)
+
+    xl, wl = leaves(x, w)
+    y = mpgemm.linear(xl, wl, activation="relu", out_dtype=torch.float32)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
