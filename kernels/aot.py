@@ -123,7 +123,8 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     yield "step: first layer", module(f32, activation="relu", grad_x=False)
     yield "step: hidden relu", module(half, activation="relu")
     yield "step: hidden gelu", module(half, activation="gelu")
-    # No activation: the weight gradient sums the bias gradient with no prologue.
+    # No activation: the weight gradient's GEMM sums the bias gradient (an activated
+    # layer's is summed by its activation's node, with the derivative).
     yield "step: hidden linear", module(half, activation=None)
     yield "step: head", module(half, activation=None, out_dtype=f32)
     if aligned:
@@ -138,7 +139,7 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
         return
     # Launches of at most 16 columns take the 16-wide tiles: a 10-class head (its
     # forward, unaligned; its weight gradient, C.T = B.T @ A.T, either way), and,
-    # unaligned, a 15 -> 16 layer's GEMMs with GELU's epilogue, prologue and row sums.
+    # unaligned, a 15 -> 16 layer's GEMMs with GELU's epilogue.
     yield "step: head, 10 classes", module(half, activation=None, out_dtype=f32, shape=(m, k, 10))
     if not aligned:
         yield "step: 15 -> 16 gelu", module(half, activation="gelu", shape=(m, 15, 16))

@@ -7,11 +7,9 @@ one of two kernels of the same math: the TMA persistent kernel
 16-bit activations), and the pointer kernel here for the rest (FP32 or unaligned
 operands, split K). ``use_kernel`` forces one, for tests and benchmarks.
 
-    A'  = A * f(S)                     prologue (backward only): f is the ReLU mask
-                                        (S > 0) or the identity, S the saved tensor
-    C   = act(round(A') @ round(B) + bias)   round() = to the compute dtype
-    G   = act'(round(A') @ round(B) + bias)  (optional, GELU only, FP32: saved for backward)
-    R   = sum_k A'[:, k]               (optional, FP32: the bias gradient)
+    C   = act(round(A) @ round(B) + bias)    round() = to the compute dtype
+    G   = act'(round(A) @ round(B) + bias)   (optional, GELU only, FP32: saved for backward)
+    R   = sum_k A[:, k]                      (optional, FP32: the bias gradient)
 
 Operands may arrive as FP32 (master weights, a first layer's input), FP16 or BF16
 and are rounded to the compute dtype in registers, so no cast kernel runs.
@@ -42,7 +40,6 @@ from mpgemm.kernels import gemm_tma
 from mpgemm.kernels.gemm_common import (
     INTERPRET,
     SINGLE_CONFIG,
-    apply_prologue,
     cdiv,
     dot_rounded,
     grouped_tile,
@@ -99,12 +96,12 @@ def _interpreter_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps) of the tiles that leave registers for a prologue or
-# row sums (A and S pass through registers): the others spill under Triton 3.6.
-_PROLOGUE_TILES = {(128, 128, 32, 8), (64, 128, 64, 8)}
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps) of the tiles that leave registers for sums over K
+# (the summed operand passes through registers): the others spilled under Triton 3.6.
+_SUMS_TILES = {(128, 128, 32, 8), (64, 128, 64, 8)}
 # The tiles for unaligned operands: scalar loads and their 64-bit addresses take
 # registers, and every other tile spills in some launch kind under Triton 3.9 (even
-# 64x64x32 with 4 warps, with a prologue and row sums). They serve unaligned launches
+# 64x64x32 with 4 warps, with row sums). They serve unaligned launches
 # only, so that aligned ones compile no more configs than before.
 _UNALIGNED_TILES = {(128, 64, 32, 8), (64, 128, 32, 8)}
 # A launch of at most this many columns takes tiles this wide (wgmma's N goes in steps
@@ -117,7 +114,6 @@ _NARROW_TILES = {(128, 16, 64, 4), (64, 16, 64, 4)}
 def fits_registers(
     config: triton.Config,
     *,
-    prologue: str | None,
     store_act_grad: bool,
     k_sums: str | None,
     aligned: bool,
@@ -128,17 +124,17 @@ def fits_registers(
 
     A launch of at most ``NARROW_N`` columns (``narrow``) takes the narrow tiles, and
     only it does. Unaligned operands (``operands_aligned``) get their own tiles.
-    Aligned launches with a derivative prologue or sums over K get the tiles that leave
-    room for them; storing GELU's derivative beside the output needs an accumulator of
-    fewer than 128 registers per thread. Measured with ``python -m mpgemm.kernels.aot``,
-    which compiles every launch kind aligned and unaligned."""
+    Aligned launches with sums over K get the tiles that leave room for them; storing
+    GELU's derivative beside the output needs an accumulator of fewer than 128 registers
+    per thread. Measured with ``python -m mpgemm.kernels.aot``, which compiles every
+    launch kind aligned and unaligned."""
     shape = tile(config)
     if narrow or shape in _NARROW_TILES:
         return narrow and shape in _NARROW_TILES
     if not aligned or shape in _UNALIGNED_TILES:
         return not aligned and shape in _UNALIGNED_TILES
-    if prologue or k_sums:
-        return shape in _PROLOGUE_TILES
+    if k_sums:
+        return shape in _SUMS_TILES
     if store_act_grad:
         return shape[0] * shape[1] // (32 * shape[3]) < 128
     return True
@@ -155,7 +151,7 @@ def operands_aligned(tensors, strides) -> bool:
 
 # The launch flags fits_registers decides by, as the kernel names them, and the width it
 # reads from the autotune key (``narrow``).
-_PRUNE_FLAGS = ("PROLOGUE", "STORE_ACT_GRAD", "K_SUMS", "ALIGNED")
+_PRUNE_FLAGS = ("STORE_ACT_GRAD", "K_SUMS", "ALIGNED")
 _PRUNE_ARGS = ("N_BUCKET",)
 
 
@@ -179,7 +175,6 @@ def _gemm_kernel(
     b_ptr,
     c_ptr,
     bias_ptr,
-    s_ptr,
     g_ptr,
     r_ptr,
     # problem size: A is (M, K), B is (K, N), C is (M, N)
@@ -197,15 +192,12 @@ def _gemm_kernel(
     stride_bn,
     stride_cm,
     stride_cn,
-    stride_sm,
-    stride_sk,
     stride_gm,
     stride_gn,
     stride_bias,
     # what to compute
     COMPUTE_BF16: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     STORE_ACT_GRAD: tl.constexpr,
@@ -256,8 +248,6 @@ def _gemm_kernel(
     ks = k_lo + offs_k
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
-    if PROLOGUE is not None:
-        s_ptrs = s_ptr + rows[:, None] * stride_sm + ks[None, :] * stride_sk
 
     compute_dtype = tl.bfloat16 if COMPUTE_BF16 else tl.float16
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -267,12 +257,8 @@ def _gemm_kernel(
         sums = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         mask_k = offs_k < k_hi - k0
-        a_mask = mask_m[:, None] & mask_k[None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if PROLOGUE is not None:
-            a = apply_prologue(a, tl.load(s_ptrs, mask=a_mask, other=0.0), PROLOGUE, INTERPRETED)
-            s_ptrs += BLOCK_K * stride_sk
         # Only the first column of programs owns A's row sums, the first row B's
         # column sums (from the operand as loaded, before its rounding).
         if K_SUMS == "a":
@@ -368,7 +354,6 @@ _AUTOTUNE_KEY = [
     "N_BUCKET",
     "K_BUCKET",
     "COMPUTE_BF16",
-    "PROLOGUE",
     "HAS_BIAS",
     "ACTIVATION",
     "STORE_ACT_GRAD",
@@ -461,35 +446,6 @@ def _tma_layout(a, b, compute_dtype, splits) -> tuple[bool, bool] | None:
     return layout
 
 
-def prologue_and_rowsum(
-    a: torch.Tensor,
-    prologue: str | None,
-    s: torch.Tensor | None,
-    compute_dtype: torch.dtype,
-    r: torch.Tensor | None,
-) -> torch.Tensor:
-    """What the TMA kernel does not fuse, by torch ops, each a pass over A in A's layout:
-    A' = A * f(S) in the compute dtype (the pointer kernel's prologue: the ReLU mask by
-    threshold_backward's rule, or the product in FP32 rounded once, as its dot rounds it)
-    and R = the FP32 row sums of A' before that rounding, written into ``r``."""
-    if prologue == "relu_mask":
-        # Exact: a masked 16-bit value stays one. threshold_backward is one pass.
-        a = (
-            torch.ops.aten.threshold_backward(a, s, 0)
-            if s.dtype == a.dtype
-            else torch.where(s <= 0, 0.0, a)
-        )
-        exact = a
-    elif prologue == "mul":
-        exact = torch.mul(a if s.dtype == torch.float32 else a.float(), s)  # FP32
-        a = exact.to(compute_dtype)
-    else:
-        exact = a
-    if r is not None:
-        torch.sum(exact, dim=1, dtype=torch.float32, out=r)
-    return a
-
-
 def triton_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -499,17 +455,14 @@ def triton_gemm(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     store_act_grad: bool = False,
-    prologue: str | None = None,
-    prologue_operand: torch.Tensor | None = None,
     rowsum_a: bool = False,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the kernel; see the module docstring for the math.
 
     a: (M, K), b: (K, N), any strides, float32/float16/bfloat16. bias: (N,), any stride
-    (an expanded scalar included).
-    prologue_operand: (M, K), the S of the prologue. out: an (M, N) tensor of
-    out_dtype to write C into (any strides), else a contiguous one is allocated.
+    (an expanded scalar included). out: an (M, N) tensor of out_dtype to write C into
+    (any strides), else a contiguous one is allocated.
     Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,).
     The caller has validated shapes, dtypes and devices.
     """
@@ -533,13 +486,12 @@ def triton_gemm(
     splits = 1 if epilogue else split_k_for(M, N, K, a.device)
     layout = _tma_layout(a, b, compute_dtype, splits)
     if layout is not None:
-        if prologue is not None or rowsum_a:
-            a = prologue_and_rowsum(a, prologue, prologue_operand, compute_dtype, r)
-            layout = gemm_tma.tma_layout(a, b, compute_dtype)
+        if rowsum_a:  # the TMA kernel fuses no sums: one pass over A beforehand
+            torch.sum(a, dim=1, dtype=torch.float32, out=r)
         gemm_tma.launch_tma_gemm(
             a, b, c, bias=bias, g=g, layout=layout, sms=multiprocessors(a.device), flags=flags
         )
-    elif M <= NARROW_N < N and not epilogue and prologue is None:
+    elif M <= NARROW_N < N and not epilogue:
         # C.T = B.T @ A.T: R, A's row sums, are then B.T's column sums.
         k_sums = "b" if rowsum_a else None
         _launch_pointer(b.t(), a.t(), c.t(), r=r, k_sums=k_sums, splits=splits, flags=flags)
@@ -551,8 +503,6 @@ def triton_gemm(
             bias=bias,
             g=g,
             r=r,
-            s=prologue_operand,
-            prologue=prologue,
             k_sums="a" if rowsum_a else None,
             splits=splits,
             flags=flags,
@@ -571,8 +521,6 @@ def _launch_pointer(
     flags: dict,
     bias: torch.Tensor | None = None,
     g: torch.Tensor | None = None,
-    s: torch.Tensor | None = None,
-    prologue: str | None = None,
 ) -> None:
     """The pointer kernel's launch (and split-K's reduction) writing C, G and R, which
     ``triton_gemm`` has allocated; R has A's rows (``k_sums`` "a") or B's columns
@@ -584,19 +532,10 @@ def _launch_pointer(
         c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
         if r is not None:
             r = torch.empty((splits, r.shape[0]), device=a.device, dtype=torch.float32)
-    # Unused pointer arguments get a live tensor so that no null pointer is formed.
-    s = s if s is not None else a
-    operands = [t for t in (a, b, c, bias, s, g, r) if t is not None]
-    strides = [
-        *a.stride(),
-        *b.stride(),
-        *c.stride()[-2:],
-        *s.stride(),
-        *(g.stride() if g is not None else ()),
-    ]
+    operands = [t for t in (a, b, c, bias, g, r) if t is not None]
+    strides = [*a.stride(), *b.stride(), *c.stride()[-2:], *(g.stride() if g is not None else ())]
     flags = dict(
         flags,
-        PROLOGUE=prologue,
         K_SUMS=k_sums,
         ALIGNED=operands_aligned(operands, strides),
         SPLIT_K=splits,
@@ -612,8 +551,8 @@ def _launch_pointer(
         a,
         b,
         c,
+        # Unused pointer arguments get a live tensor so that no null pointer is formed.
         bias if bias is not None else c,
-        s,
         g if g is not None else c,
         r if r is not None else c,
         M,
@@ -628,8 +567,6 @@ def _launch_pointer(
         b.stride(1),
         c.stride(-2),
         c.stride(-1),
-        s.stride(0),
-        s.stride(1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
         gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"N_BUCKET": n_bucket}, **flags),

@@ -140,15 +140,3 @@ def dot_rounded(a, b, acc, compute_dtype: tl.constexpr, INTERPRETED: tl.constexp
     else:
         acc = tl.dot(a, b, acc)
     return acc
-
-
-@triton.jit
-def apply_prologue(a, s, PROLOGUE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A' = A * f(S): the ReLU mask by threshold_backward's rule (zero where the output
-    is <= 0, so a NaN output passes its gradient on, as in torch), or a product."""
-    if PROLOGUE == "relu_mask":
-        # Compared in FP32: the interpreter compares a BF16 S as its raw bits.
-        a = tl.where(widen(s, INTERPRETED) <= 0, 0.0, widen(a, INTERPRETED))
-    else:
-        a = widen(a, INTERPRETED) * widen(s, INTERPRETED)
-    return a

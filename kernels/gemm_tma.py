@@ -4,10 +4,10 @@ operands, read by the Tensor Memory Accelerator.
     C   = act(A @ B + bias)            A, B already in the compute dtype, FP32 accumulation
     G   = act'(A @ B + bias)           (optional, GELU only)
 
-The backward's derivative prologue and the bias gradient's row sums are not fused here:
-``triton_gemm`` applies them to A beforehand (on an H100, pulling each A tile through
-registers for them made these launches 2.7x to 8x slower than cuBLAS, where the plain
-launches matched it: bench/results/h100-2026-11-22/profile).
+The bias gradient's row sums are not fused here: ``triton_gemm`` sums A beforehand (on
+an H100, pulling each A tile through registers for a derivative prologue and the sums
+made these launches 2.7x to 8x slower than cuBLAS, where the plain launches matched it:
+bench/results/h100-2026-11-22/profile).
 
 A and B are read through tensor descriptors: each tile is one bulk copy
 (``cp.async.bulk.tensor``) into shared memory, out-of-bounds elements arrive as zeros

@@ -176,7 +176,7 @@ def convert(
 
     ``fuse_activations``: a converted layer followed directly, in an ``nn.Sequential``,
     by ``nn.ReLU`` or ``nn.GELU()`` (the exact form) computes that activation in its
-    GEMM's epilogue (and its derivative as the backward GEMMs load the gradient), and
+    GEMM's epilogue (its derivative in an autograd node of the layer's own), and
     the activation module becomes ``nn.Identity``, so ``state_dict`` keys and indexing
     are unchanged. Hooks registered on the activation module no longer run.
     """

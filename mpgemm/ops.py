@@ -40,13 +40,11 @@ def _gemm_op(
     bias: torch.Tensor | None,
     activation: str | None,
     store_act_grad: bool,
-    prologue: str | None,
-    prologue_operand: torch.Tensor | None,
     rowsum_a: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from mpgemm.functional import _implementation
 
-    c, g, r = _implementation(a.device, a, b, bias, prologue_operand)(
+    c, g, r = _implementation(a.device, a, b, bias)(
         a,
         b,
         compute_dtype=compute_dtype,
@@ -54,8 +52,6 @@ def _gemm_op(
         bias=bias,
         activation=activation,
         store_act_grad=store_act_grad,
-        prologue=prologue,
-        prologue_operand=prologue_operand,
         rowsum_a=rowsum_a,
     )
     # An op returns tensors, none aliasing another: an output not asked for is empty.
@@ -75,8 +71,6 @@ def _(
     bias,
     activation,
     store_act_grad,
-    prologue,
-    prologue_operand,
     rowsum_a,
 ):
     m, n = a.shape[0], b.shape[1]
@@ -95,8 +89,6 @@ def gemm(
     bias=None,
     activation=None,
     store_act_grad=False,
-    prologue=None,
-    prologue_operand=None,
     rowsum_a=False,
     out=None,
 ):
@@ -112,8 +104,6 @@ def gemm(
         bias,
         activation,
         store_act_grad,
-        prologue,
-        prologue_operand,
         rowsum_a,
     )
     return c, (g if store_act_grad else None), (r if rowsum_a else None)

@@ -40,22 +40,13 @@ def gemm_ref(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     store_act_grad: bool = False,
-    prologue: str | None = None,
-    prologue_operand: torch.Tensor | None = None,
     rowsum_a: bool = False,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The math of ``triton_gemm`` (see ``mpgemm.kernels.gemm``), same arguments and
-    results: C = act(round(A') @ round(B) + bias), G = act'(...) if asked,
-    R = FP32 row sums of A', where A' = A * f(S) for the prologue f."""
+    results: C = act(round(A) @ round(B) + bias), G = act'(...) if asked, R = FP32 row
+    sums of A."""
     a32 = a.to(torch.float32)
-    if prologue is not None:
-        if prologue_operand is None:
-            raise ValueError(f"prologue {prologue!r} needs its prologue_operand")
-        s32 = prologue_operand.to(torch.float32)
-        # The ReLU mask by threshold_backward's rule: zero where the output is <= 0
-        # (NaN passes); or the product.
-        a32 = torch.where(s32 <= 0, 0.0, a32) if prologue == "relu_mask" else a32 * s32
     z = round_to(a32, compute_dtype) @ round_to(b, compute_dtype)
     if bias is not None:
         z = z + bias.to(torch.float32)

@@ -232,7 +232,7 @@ def test_a_training_step_feeds_16_bit_operands_and_fuses_the_forward_activation(
     rest = [launch for launch in launches if single not in launch]
     assert rest == [("_gemm_tma_kernel", half, half)] * 6, launches
     # ReLU is fused into the forward GEMMs' epilogue. Its derivative is one pass per
-    # hidden layer, before the TMA kernel's backward GEMMs (which fuse no prologue).
+    # hidden layer (its own autograd node), before the layer's backward GEMMs.
     names = log.names()
     assert not any(n.startswith("relu") for n in names), names
     assert sum(n.startswith("threshold_backward") for n in names) == 2, names

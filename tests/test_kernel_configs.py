@@ -11,11 +11,7 @@ pytest.importorskip("triton")
 
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 
-LAUNCH_FLAGS = list(
-    itertools.product(
-        (None, "relu_mask", "mul"), (False, True), (None, "a", "b"), (False, True), (16, 4096)
-    )
-)
+LAUNCH_FLAGS = list(itertools.product((False, True), (None, "a", "b"), (False, True), (16, 4096)))
 WIDE = {"N_BUCKET": 4096}
 
 
@@ -23,7 +19,7 @@ def test_everything_pruning_reads_is_in_the_autotune_key():
     # A config tuned without a flag must not be reused for a launch that prunes it away.
     assert set(gemm._PRUNE_FLAGS + gemm._PRUNE_ARGS) <= set(gemm.tuned_gemm_kernel.keys)
     # _PRUNE_FLAGS and _PRUNE_ARGS are what pruning really reads: without any, it fails.
-    flags = dict(PROLOGUE=None, STORE_ACT_GRAD=0, K_SUMS=None, ALIGNED=True)
+    flags = dict(STORE_ACT_GRAD=0, K_SUMS=None, ALIGNED=True)
     assert gemm._prune_configs(gemm._hopper_configs(), WIDE, **flags)
     for missing in gemm._PRUNE_FLAGS:
         with pytest.raises(KeyError):
@@ -34,9 +30,9 @@ def test_everything_pruning_reads_is_in_the_autotune_key():
         gemm._prune_configs(gemm._hopper_configs(), {}, **flags)
 
 
-@pytest.mark.parametrize("prologue, store_act_grad, k_sums, aligned, n_bucket", LAUNCH_FLAGS)
-def test_every_launch_keeps_a_config(prologue, store_act_grad, k_sums, aligned, n_bucket):
-    flags = dict(PROLOGUE=prologue, STORE_ACT_GRAD=store_act_grad, K_SUMS=k_sums, ALIGNED=aligned)
+@pytest.mark.parametrize("store_act_grad, k_sums, aligned, n_bucket", LAUNCH_FLAGS)
+def test_every_launch_keeps_a_config(store_act_grad, k_sums, aligned, n_bucket):
+    flags = dict(STORE_ACT_GRAD=store_act_grad, K_SUMS=k_sums, ALIGNED=aligned)
     width = {"N_BUCKET": n_bucket}
     kept = gemm._prune_configs(gemm._hopper_configs(), width, **flags)
     assert kept
@@ -49,7 +45,7 @@ def test_every_launch_keeps_a_config(prologue, store_act_grad, k_sums, aligned, 
 
 def test_aligned_unaligned_and_narrow_launches_tune_over_their_own_tiles():
     def kept(aligned, n_bucket):
-        flags = dict(PROLOGUE=None, STORE_ACT_GRAD=0, K_SUMS=None, ALIGNED=aligned)
+        flags = dict(STORE_ACT_GRAD=0, K_SUMS=None, ALIGNED=aligned)
         configs = gemm._prune_configs(gemm._hopper_configs(), {"N_BUCKET": n_bucket}, **flags)
         return {str(c) for c in configs}
 
