@@ -13,8 +13,10 @@ gradients and states) are worked on through their local shards. ``found_inf`` an
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
@@ -71,9 +73,18 @@ def _dispatch(
 
     The first ``strided`` lists are addressed elementwise; a position whose tensors are
     not all flat with equal strides, or of a dtype the kernels do not take, goes to the
-    reference implementation. Asked of every tensor of every step, so written as plain
-    loops: with generators, 200 gradients cost 1.5 ms of host time on the H100
-    (``bench/results/h100-2026-11-22/run5-at-4d25c67/host``)."""
+    reference implementation. Asked of every tensor of every step: whether the kernels
+    take every position (the usual case) is answered by passes over each list that run
+    in C (``_kernels_take_all``), and positions are checked one by one only otherwise
+    (that loop made an unscale of 200 gradients cost 0.86 ms of host time on the H100,
+    for a 0.28 ms kernel: the README's Status).
+
+    Raises ValueError for lists of different lengths."""
+    if len({len(lst) for lst in lists}) > 1:
+        raise ValueError(
+            "mpgemm.scaling: the parallel lists of tensors must have one length, got "
+            f"{[len(lst) for lst in lists]}"
+        )
     if not lists[0]:
         return
     # An in-place op passes one list twice: each distinct list is converted once.
@@ -81,22 +92,54 @@ def _dispatch(
     lists = [local[id(lst)] for lst in lists]
     device = lists[0][0].device
     use_kernels = backend(device) == "triton"
+    take_all = use_kernels and _kernels_take_all(lists[:strided])
+    if take_all and all(len(set(map(_dtype, lst))) == 1 for lst in local.values()):
+        call(kernels()[name], lists)  # one group
+        return
+    if take_all:
+        kernel_ok: Iterable[bool] = itertools.repeat(True, len(lists[0]))
+    else:
+        kernel_ok = (use_kernels and _kernel_takes(ts[:strided]) for ts in zip(*lists, strict=True))
     groups: dict[tuple, list[int]] = defaultdict(list)
-    for index, tensors in enumerate(zip(*lists, strict=True)):
-        kernel_ok = use_kernels and _kernel_takes(tensors[:strided])
-        key = (kernel_ok, *[t.dtype for t in tensors])
+    dtypes = (map(_dtype, lst) for lst in lists)
+    for index, key in enumerate(zip(kernel_ok, *dtypes, strict=True)):
         groups[key].append(index)
-    for (kernel_ok, *_), indices in groups.items():
-        impl = kernels()[name] if kernel_ok else REFERENCES[name]
-        call(impl, [[lst[i] for i in indices] for lst in lists])
+    for (ok, *_), indices in groups.items():
+        impl = kernels()[name] if ok else REFERENCES[name]
+        call(impl, lists if len(groups) == 1 else [[lst[i] for i in indices] for lst in lists])
 
 
 def _local_list(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     """``tensors`` with each DTensor replaced by its local shard (``_local``)."""
-    for t in tensors:
-        if type(t) not in PLAIN_TYPES:
-            return [_local(t) for t in tensors]
-    return tensors
+    if set(map(type, tensors)) <= _PLAIN_SET:
+        return tensors
+    return [_local(t) for t in tensors]
+
+
+_PLAIN_SET = frozenset(PLAIN_TYPES)
+_KERNEL_DTYPE_SET = frozenset(KERNEL_DTYPES)
+_dtype = operator.attrgetter("dtype")
+_shape = operator.attrgetter("shape")
+
+
+def _kernels_take_all(strided: Sequence[Sequence[torch.Tensor]]) -> bool:
+    """Whether ``_kernel_takes`` every position of the parallel ``strided`` lists, in the
+    usual case: contiguous plain tensors of the kernels' dtypes, one shape per position
+    (False leaves the other cases to ``_kernel_takes``). Each check maps over a whole
+    list, in C."""
+    shapes = None
+    for lst in {id(lst): lst for lst in strided}.values():
+        if (
+            not set(map(type, lst)) <= _PLAIN_SET
+            or not set(map(_dtype, lst)) <= _KERNEL_DTYPE_SET
+            or not all(map(torch.Tensor.is_contiguous, lst))
+        ):
+            return False
+        if shapes is None:
+            shapes = list(map(_shape, lst))
+        elif list(map(_shape, lst)) != shapes:
+            return False
+    return True
 
 
 def _kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
@@ -183,7 +226,9 @@ def unscale_(
 
 def _check_lists(op: str, src, dst) -> None:
     for name, tensors in (("src", src), ("dst", dst)):
-        if tensors is not None and not all(torch.is_tensor(t) for t in tensors):
+        if tensors is not None and not all(
+            issubclass(t, torch.Tensor) for t in set(map(type, tensors))
+        ):
             raise TypeError(f"mpgemm.scaling.{op}: {name} must be a sequence of tensors")
     if dst is not None and [t.shape for t in dst] != [t.shape for t in src]:
         raise ValueError(
@@ -217,9 +262,9 @@ def _reduce_over_shards(src: Sequence[torch.Tensor], found_inf: torch.Tensor) ->
     dtensor = _dtensor_type()
     if dtensor is None:
         return
-    sharded = next((cast("DTensor", t) for t in src if isinstance(t, dtensor)), None)
-    if sharded is None:
+    if not any(issubclass(kind, dtensor) for kind in set(map(type, src))):
         return
+    sharded = next(cast("DTensor", t) for t in src if isinstance(t, dtensor))
     from torch.distributed.tensor import Replicate
 
     mesh = sharded.device_mesh

@@ -139,6 +139,26 @@ def test_unscale_checks_its_lists(device):
         unscale_([torch.ones(5, device=device)], flag, inv, dst=[torch.ones(4, device=device)])
 
 
+def test_an_optimizer_step_refuses_lists_of_different_lengths(device):
+    # Its kernel's table is laid out from the first list: a shorter one must not reach it.
+    params = [torch.zeros(5, device=device) for _ in range(2)]
+    grads = [torch.ones(5, device=device) for _ in range(2)]
+    with pytest.raises(ValueError, match="one length"):
+        scaling.sgd_step_(
+            params,
+            grads[:1],
+            None,
+            lr=0.1,
+            momentum=0.0,
+            weight_decay=0.0,
+            nesterov=False,
+            maximize=False,
+            grad_scale=None,
+            found_inf=None,
+        )
+    assert all(torch.equal(p, torch.zeros(5, device=device)) for p in params)
+
+
 def test_each_op_names_its_kernel_and_reference_in_one_table():
     # An explicit table, not names built from strings: each op's two implementations
     # take the same parameters, so either serves a call.
