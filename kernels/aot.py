@@ -15,12 +15,13 @@ spills. No GPU or driver is needed.
     python -m mpgemm.kernels.aot     # one JSON line per binary, exit 1 on a defect
 
 A defect: a GEMM without wgmma, with register spills or with more shared memory than
-an H100 block may have (it would fail to launch); a loss-scaling kernel with
-spills, approximate FP32 math (torch divides and takes square roots exactly and keeps
-denormals) or, when aligned, no 16-byte vector loads. The report also says, per
-binary, how many wgmma groups stay in flight (``wgmma_pending``: the largest N of
-``wgmma.wait_group N``; 0 means every MMA is waited for at once, no overlap), and
-whether ``cp.async`` or TMA (``cp.async.bulk.tensor``) feeds shared memory.
+an H100 block may have (it would fail to launch); a streaming kernel (loss scaling, an
+activation's backward) with spills, approximate FP32 math (torch divides and takes
+square roots exactly and keeps denormals) or, when aligned, no 16-byte vector loads.
+The report also says, per binary, how many wgmma groups stay in flight
+(``wgmma_pending``: the largest N of ``wgmma.wait_group N``; 0 means every MMA is waited
+for at once, no overlap), and whether ``cp.async`` or TMA (``cp.async.bulk.tensor``)
+feeds shared memory.
 
 Must run without ``TRITON_INTERPRET=1``: the interpreter replaces ``triton.jit``.
 """
@@ -379,8 +380,9 @@ def compile_job(job: Job) -> dict:
             report["wgmma"] and report["spill_bytes"] == 0 and report["smem_bytes"] <= SMEM_BYTES
         )
     else:
-        # The loss-scaling kernels walk whole aligned blocks: their loads must be 16
-        # bytes wide (the scale update and split-K's reduction have no such blocks).
+        # The loss-scaling kernels and the activation's backward walk whole aligned
+        # blocks: their loads must be 16 bytes wide (the scale update and split-K's
+        # reduction have no such blocks).
         streams = name not in ("_update_scale_kernel", "_split_k_reduce_kernel")
         vectorised = report["vector_loads"] > 0 or job.spec == "unaligned" or not streams
         report["ok"] = report["spill_bytes"] == 0 and not report["approx_fp32"] and vectorised
@@ -402,7 +404,7 @@ def main() -> int:
     defects = sum(not report["ok"] for report in reports)
     print(
         f"{len(reports)} kernels compiled for sm_90a, {defects} with a defect (GEMM: no "
-        "wgmma, spills or too much shared memory; loss scaling: spills, approximate FP32 "
+        "wgmma, spills or too much shared memory; streaming: spills, approximate FP32 "
         "math, scalar loads)"
     )
     return 1 if defects else 0

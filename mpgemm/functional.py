@@ -15,19 +15,24 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from mpgemm.reference import gemm_ref
+from mpgemm.reference import activation_backward_ref, gemm_ref
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 VALID_ACTIVATIONS = (None, "relu", "gelu")
 
 
-def _triton_gemm() -> Callable | None:
+def _kernel(name: str) -> Callable | None:
+    """The Triton launcher of op ``name`` ("gemm", "activation_backward"), or None where
+    triton is not installed (CPU tensors still run the references)."""
     try:
-        from mpgemm.kernels.gemm import triton_gemm
-    except ImportError:  # no triton on this platform: CPU tensors still run gemm_ref
+        if name == "gemm":
+            from mpgemm.kernels.gemm import triton_gemm as kernel
+        else:
+            from mpgemm.kernels.activation import triton_activation_backward as kernel
+    except ImportError:
         return None
-    return triton_gemm
+    return kernel
 
 
 def _interpreting() -> bool:
@@ -84,11 +89,15 @@ def _gemm(device: torch.device, *tensors: torch.Tensor | None) -> Callable:
     return _implementation(device, *tensors)
 
 
-def _implementation(device: torch.device, *tensors: torch.Tensor | None) -> Callable:
+def _implementation(
+    device: torch.device, *tensors: torch.Tensor | None, op: str = "gemm"
+) -> Callable:
+    """Op ``op``'s implementation for these tensors: its reference (torch ops) on the
+    reference backend or for a tensor subclass, else its Triton kernel."""
     plain = all(t is None or is_plain(t) for t in tensors)
     if backend(device) == "reference" or not plain:
-        return gemm_ref
-    impl = _triton_gemm()
+        return gemm_ref if op == "gemm" else activation_backward_ref
+    impl = _kernel(op)
     if impl is None:
         raise RuntimeError(f"mpgemm: tensors on {device} need triton, which is not installed")
     return impl
@@ -288,23 +297,14 @@ def activation_backward(
     *,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dZ, bias gradient or None): dZ = dY * act'(z) and, if ``bias_grad``, its FP32
-    sums over all but the last dimension, taken before dZ is rounded.
-
-    ReLU (``saved`` = y): zero where y <= 0, by torch's threshold_backward (a NaN y
-    passes its gradient on; a positive z that underflowed to 0 in a 16-bit y gets none,
-    as under autocast), exact in dY's dtype. GELU (``saved`` = act'(z), FP32): the
-    product in FP32, rounded once to ``compute_dtype``."""
-    if activation == "relu":
-        grad_z = exact = torch.ops.aten.threshold_backward(grad_y, saved, 0)
-    elif bias_grad:
-        exact = torch.mul(grad_y, saved)  # FP32, for the sums
-        grad_z = exact.to(compute_dtype)
-    else:  # one pass: computed in FP32, rounded as it is stored
-        return torch.mul(grad_y, saved, out=torch.empty_like(grad_y, dtype=compute_dtype)), None
-    if not bias_grad:
-        return grad_z, None
-    return grad_z, torch.sum(_as_rows(exact), dim=0, dtype=torch.float32)
+    """(dZ, bias gradient or None) of ``ActivationFunction``, for (*, N) tensors:
+    ``mpgemm.reference.activation_backward_ref``'s math, by the Triton kernel
+    (``mpgemm.kernels.activation``: one pass) or that reference (torch ops)."""
+    impl = _implementation(grad_y.device, grad_y, saved, op="activation_backward")
+    grad_z, grad_b = impl(
+        _as_rows(grad_y), _as_rows(saved), activation, compute_dtype, bias_grad=bias_grad
+    )
+    return grad_z.view(grad_y.shape), grad_b
 
 
 def _linear_backward(

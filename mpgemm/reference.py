@@ -3,7 +3,8 @@
 Operands are rounded to the compute dtype (FP16 or BF16), products accumulate in FP32,
 bias and activation are applied in FP32, and only then is the result rounded to the
 output dtype. ``gemm_ref`` has the contract of ``mpgemm.kernels.gemm.triton_gemm`` and
-runs CPU tensors when the Triton interpreter is off; ``matmul_ref`` and ``linear_ref``
+``activation_backward_ref`` that of ``mpgemm.kernels.activation``'s launcher; both run
+CPU tensors when the Triton interpreter is off; ``matmul_ref`` and ``linear_ref``
 are the references the tests and benchmarks compare against.
 """
 
@@ -58,6 +59,32 @@ def gemm_ref(
     g = dy_dz if store_act_grad else None
     r = a32.sum(dim=1) if rowsum_a else None
     return out, g, r
+
+
+def activation_backward_ref(
+    grad_y: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+    compute_dtype: torch.dtype,
+    *,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The math of ``mpgemm.kernels.activation.triton_activation_backward``, same
+    arguments and results: (dZ, bias gradient or None), dZ = dY * act'(z), and, if
+    ``bias_grad``, dZ's FP32 column sums taken before its rounding.
+
+    grad_y, saved: (M, N). ReLU (``saved`` = y): zero where y <= 0, by torch's
+    threshold_backward (a NaN y passes its gradient on; a positive z that underflowed to
+    0 in a 16-bit y gets none, as under autocast), exact in dY's dtype. GELU (``saved``
+    = act'(z), FP32): the product in FP32, rounded once to ``compute_dtype``."""
+    if activation == "relu":
+        grad_z = exact = torch.ops.aten.threshold_backward(grad_y, saved, 0)
+    elif bias_grad:
+        exact = torch.mul(grad_y, saved)  # FP32, for the sums
+        grad_z = exact.to(compute_dtype)
+    else:  # one pass: computed in FP32, rounded as it is stored
+        return torch.mul(grad_y, saved, out=torch.empty_like(grad_y, dtype=compute_dtype)), None
+    return grad_z, torch.sum(exact, dim=0, dtype=torch.float32) if bias_grad else None
 
 
 def matmul_ref(

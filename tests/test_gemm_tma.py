@@ -137,8 +137,8 @@ def test_use_kernel_names_the_choices():
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_a_layer_backward_on_the_tma_kernel_agrees_with_the_pointer_kernel(activation, device):
-    # 16-bit, aligned: the backward's GEMMs are the TMA kernel's, with the bias gradient
-    # summed beforehand (a torch op), where the pointer kernel sums it as it loads dZ.
+    # 16-bit, aligned: the backward's GEMMs are the TMA kernel's, after the activation's
+    # kernel has made dZ and the bias gradient.
     import mpgemm
 
     torch.manual_seed(0)
@@ -154,7 +154,8 @@ def test_a_layer_backward_on_the_tma_kernel_agrees_with_the_pointer_kernel(activ
         return [t.grad for t in leaves]
 
     names, tma = launched_kernels(gradients)
-    assert names == ["_gemm_tma_kernel"] * 3  # forward, dX, dW
+    gemm_ = "_gemm_tma_kernel"  # forward; dZ and the bias gradient; dX, dW
+    assert names == [gemm_, "_activation_backward_kernel", gemm_, gemm_]
     with gemm.use_kernel("pointer"):
         fused = gradients()
     for name, got, want in zip(("x", "weight", "bias"), tma, fused, strict=True):
