@@ -2,7 +2,9 @@
 steps (mpgemm and autocast + fused Adam), the unscale of 200 tensors, a 512^3 FP16
 product, the guide's 4096-wide input gradient with dZ in either layout (``matmul
 8192x4096x4096``, ``... A.T``, ``torch ... A.T``) and the guide head's weight gradient
-three ways (``head dW``, ``head dW unswapped``, ``head dW torch``), prints the host time
+three ways (``head dW``, ``head dW unswapped``, ``head dW torch``), and a 4096-wide
+layer's ReLU backward with its bias gradient two ways (``dZ relu``, ``dZ relu torch``),
+prints the host time
 to enqueue one call, the wall time of a synchronised call, torch.profiler's kernel
 table, and cProfile's top host functions.
 
@@ -29,8 +31,10 @@ from torch.profiler import ProfilerActivity, profile
 import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import gemm, gemm_tma
+from mpgemm.kernels.activation import triton_activation_backward
 from mpgemm.kernels.gemm import triton_gemm, use_kernel
 from mpgemm.kernels.launches import intercept, jit_function, launch_options
+from mpgemm.reference import activation_backward_ref
 from mpgemm.scaling import unscale_
 
 DEVICE = torch.device("cuda")
@@ -249,6 +253,8 @@ def main() -> None:
         "head dW": lambda: _head_weight_gradient("mpgemm"),
         "head dW unswapped": lambda: _head_weight_gradient("unswapped"),
         "head dW torch": lambda: _head_weight_gradient("torch"),
+        "dZ relu": lambda: _relu_backward("mpgemm"),
+        "dZ relu torch": lambda: _relu_backward("torch"),
     }
     if only is None or "launch" in only:
         launch_costs(out)
@@ -302,6 +308,18 @@ def _head_weight_gradient(how: str):
             gemm.NARROW_N = narrow
 
     return unswapped
+
+
+def _relu_backward(how: str):
+    """dZ = dY masked where y <= 0 and the bias gradient, dZ's FP32 column sums, for the
+    guide's 4096-wide layer (8192 x 4096, FP16): mpgemm's one pass
+    (``mpgemm.kernels.activation``) or torch's two (threshold_backward, then a sum that
+    reads dZ again: 60 + 42 us in run5's step profile)."""
+    dy = torch.randn(8192, 4096, device=DEVICE).half()
+    y = torch.randn(8192, 4096, device=DEVICE).relu().half()
+    if how == "torch":
+        return lambda: activation_backward_ref(dy, y, "relu", torch.float16, bias_grad=True)
+    return lambda: triton_activation_backward(dy, y, "relu", torch.float16, bias_grad=True)
 
 
 def _matmul(s: int):
