@@ -7,6 +7,7 @@ transposed view, so one forward and one backward serve both. A layer's activatio
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import sys
@@ -22,17 +23,17 @@ INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 VALID_ACTIVATIONS = (None, "relu", "gelu")
 
 
-def _kernel(name: str) -> Callable | None:
-    """The Triton launcher of op ``name`` ("gemm", "activation_backward"), or None where
-    triton is not installed (CPU tensors still run the references)."""
-    try:
-        if name == "gemm":
-            from mpgemm.kernels.gemm import triton_gemm as kernel
-        else:
-            from mpgemm.kernels.activation import triton_activation_backward as kernel
-    except ImportError:
-        return None
-    return kernel
+# Each op's reference (torch ops) and the module and name of its Triton launcher,
+# imported on first use (triton may not be installed: CPU tensors still run the
+# references).
+_OPS: dict[str, tuple[Callable, str, str]] = {
+    "gemm": (gemm_ref, "mpgemm.kernels.gemm", "triton_gemm"),
+    "activation_backward": (
+        activation_backward_ref,
+        "mpgemm.kernels.activation",
+        "triton_activation_backward",
+    ),
+}
 
 
 def _interpreting() -> bool:
@@ -94,13 +95,16 @@ def _implementation(
 ) -> Callable:
     """Op ``op``'s implementation for these tensors: its reference (torch ops) on the
     reference backend or for a tensor subclass, else its Triton kernel."""
+    reference, module, launcher = _OPS[op]
     plain = all(t is None or is_plain(t) for t in tensors)
     if backend(device) == "reference" or not plain:
-        return gemm_ref if op == "gemm" else activation_backward_ref
-    impl = _kernel(op)
-    if impl is None:
-        raise RuntimeError(f"mpgemm: tensors on {device} need triton, which is not installed")
-    return impl
+        return reference
+    try:
+        return getattr(importlib.import_module(module), launcher)
+    except ImportError:
+        raise RuntimeError(
+            f"mpgemm: tensors on {device} need triton, which is not installed"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -403,27 +407,25 @@ def _linear(
             f"{op}: bias of shape {tuple(bias.shape)} does not match weight of shape "
             f"{tuple(weight.shape)}; expected ({weight.shape[0]},)"
         )
-    out_dtype = out_dtype or compute_dtype
-    tensors = (input, weight, bias)
-    if activation is None or not (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    ):
-        out, _ = LinearFunction.apply(
-            input, weight, bias, activation, compute_dtype, out_dtype, weight_copy
-        )
-        return out
-    # The GEMMs' node uses the bias's values; the activation's node owns its gradient.
-    detached = None if bias is None else bias.detach()
+    # With an activation and a gradient to compute, the activation's node follows the
+    # GEMMs' and owns the bias gradient: the GEMMs' node gets the bias's values only.
+    activated = (
+        activation is not None
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (input, weight, bias))
+    )
     out, act_grad = LinearFunction.apply(
         input,
         weight,
-        detached,
+        bias.detach() if activated and bias is not None else bias,
         activation,
         compute_dtype,
-        out_dtype,
+        out_dtype or compute_dtype,
         weight_copy,
-        activation == "gelu",
+        activated and activation == "gelu",
     )
+    if not activated:
+        return out
     return ActivationFunction.apply(out, act_grad, bias, activation, compute_dtype)
 
 
