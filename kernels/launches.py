@@ -73,36 +73,41 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> None:
         _interceptor(kernel, grid, args, kwargs, gpu_configs)
     elif not isinstance(kernel, Autotuner):
         kernel[grid](*args, **kwargs)
-    elif (config := _chosen.get(kind := _kind(kernel, args, kwargs))) is not None:
-        kernel.fn.run(
-            *args, grid=grid, warmup=False, **launch_options(kernel, args, kwargs, config)
-        )
+    elif (chosen := _chosen.get(kind := _kind(kernel, args, kwargs))) is not None:
+        config, options = chosen
+        _run_pre_hook(kernel, args, config, options)
+        kernel.fn.run(*args, grid=grid, warmup=False, **options)
     else:
         kernel[grid](*args, **kwargs)
-        _chosen[kind] = kernel.best_config
+        _chosen[kind] = (kernel.best_config, _options(kwargs, kernel.best_config))
 
 
-# The config an autotuner chose, by launch kind. Going through the autotuner took 36 us
-# of host time per GEMM on the H100 (its key, read over every argument, and the
-# pre-hook's arguments), more than the JIT launch behind it (28.5 us):
+# The config an autotuner chose, by launch kind, with the JIT function's keyword
+# arguments for it (a function of the kind). Going through the autotuner took 36 us of
+# host time per GEMM on the H100 (its key, read over every argument, and the pre-hook's
+# arguments), more than the JIT launch behind it (28.5 us):
 # bench/results/h100-2026-11-22/run5-at-4d25c67/host/profile.md.
-_chosen: dict[tuple, triton.Config] = {}
+_chosen: dict[tuple, tuple[triton.Config, dict]] = {}
 
 
 def _kind(kernel: Autotuner, args: tuple, kwargs: dict) -> tuple:
     """What an autotuner's choice may depend on, at least as finely as its own key (its
     key arguments' values and the dtype of every tensor): the kernel, every scalar
     argument, every tensor's (or descriptor's) dtype and the constexprs."""
+    # Asked on every launch: integers, most of the arguments, are tested first (3x
+    # faster than an isinstance chain for each).
     return (
         kernel,
-        *(
-            a.dtype
+        *[
+            a
+            if type(a) is int
+            else a.dtype
             if isinstance(a, torch.Tensor)
             else a.base.dtype
             if isinstance(a, TensorDescriptor)
             else a
             for a in args
-        ),
+        ],
         *kwargs.items(),
     )
 
@@ -122,10 +127,18 @@ def launch_options(kernel, args: tuple, kwargs: dict, config: triton.Config | No
     GEMM's sets its descriptors' block shapes)."""
     if config is None:
         return dict(kwargs)
-    options = config.all_kwargs()
+    options = _options(kwargs, config)
+    _run_pre_hook(kernel, args, config, options)
+    return options
+
+
+def _options(kwargs: dict, config: triton.Config) -> dict:
+    return {**kwargs, **config.all_kwargs()}
+
+
+def _run_pre_hook(kernel, args: tuple, config: triton.Config, options: dict) -> None:
     if config.pre_hook is not None:
-        config.pre_hook({**named_arguments(kernel, args, kwargs), **options})
-    return {**kwargs, **options}
+        config.pre_hook(named_arguments(kernel, args, options))
 
 
 def compile_launch(kernel, grid, args, kwargs, configs: Configs) -> list:

@@ -165,8 +165,10 @@ def _check_tensors(op: str, **tensors: torch.Tensor | None) -> None:
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """(*, K) -> (prod(*), K), a view where the strides allow; explicit sizes because
-    reshape(-1, 0) is ambiguous for zero-size tensors."""
+    """(*, K) -> (prod(*), K), a view where the strides allow (``t`` itself when 2-D);
+    explicit sizes because reshape(-1, 0) is ambiguous for zero-size tensors."""
+    if t.dim() == 2:
+        return t
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
@@ -221,17 +223,20 @@ class LinearFunction(torch.autograd.Function):
             activation=activation,
             store_act_grad=store_act_grad,
         )
-        shape = (*x.shape[:-1], weight.shape[0])
+        if x.dim() != 2:  # (*, N) views of the (M, N) results
+            shape = (*x.shape[:-1], weight.shape[0])
+            # Detached: a tensor of its own over C's memory. A view of a tensor made in
+            # here may not be changed in place (autograd forbids it); nn.Linear's output
+            # may.
+            out = out.view(shape).detach()
+            act_grad = None if act_grad is None else act_grad.view(shape)
         if act_grad is not None:
-            act_grad = act_grad.view(shape)
             ctx.mark_non_differentiable(act_grad)
         ctx.save_for_backward(x2d, w)
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.compute_dtype = compute_dtype
         ctx.has_bias = bias is not None
-        # Detached: a tensor of its own over C's memory. A view of a tensor made in here
-        # may not be changed in place (autograd forbids it); nn.Linear's output may.
-        return out.view(shape).detach(), act_grad
+        return out, act_grad
 
     @staticmethod
     @once_differentiable

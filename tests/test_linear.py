@@ -272,13 +272,14 @@ def test_a_layers_gemms_run_backward_after_its_activation_freed_dy_and_y(
     assert x.grad is not None and w1.grad is not None
 
 
-def test_an_output_changed_in_place_is_handled_as_torch_handles_it(device):
+@pytest.mark.parametrize("batch", [(8,), (2, 4)], ids=["2-D", "3-D"])
+def test_an_output_changed_in_place_is_handled_as_torch_handles_it(device, batch):
     """Like torch.matmul's and F.linear's, an output may be changed in place (``y +=
     residual``, an in-place ReLU after the layer) and the gradient follows the change;
     GELU's too (its derivative reads the stored act'(z), as F.gelu reads its input).
     ReLU's derivative reads its output, so changing that fails the backward, as after
-    torch.relu."""
-    x = torch.randn(8, 32, device=device)
+    torch.relu. A 3-D input's output is a view of the GEMM's 2-D result."""
+    x = torch.randn(*batch, 32, device=device)
     w = torch.randn(16, 32, device=device) / 32**0.5
     x64, w64 = leaves(x.double(), w.double())
     cases = {
