@@ -1,12 +1,12 @@
-"""Where a step's time goes on a GPU (issue 11's profiles): for the guide and small MLP
-steps (mpgemm and autocast + fused Adam), the unscale of 200 tensors, a 512^3 FP16
-product, the guide's 4096-wide input gradient with dZ in either layout (``matmul
-8192x4096x4096``, ``... A.T``, ``torch ... A.T``) and the guide head's weight gradient
-three ways (``head dW``, ``head dW unswapped``, ``head dW torch``), and a 4096-wide
-layer's ReLU backward with its bias gradient two ways (``dZ relu``, ``dZ relu torch``),
-prints the host time
-to enqueue one call, the wall time of a synchronised call, torch.profiler's kernel
-table, and cProfile's top host functions.
+"""Where a step's time goes on a GPU (issue 11's profiles): one eager GEMM's host time
+layer by layer (``launch``) and where a step synchronises (``syncs``); then, for the
+guide and small MLP steps (mpgemm and autocast + fused Adam), the unscale of 200
+tensors, a 512^3 FP16 product, the guide's 4096-wide input gradient with dZ in either
+layout (``matmul 8192x4096x4096``, ``... A.T``, ``torch ... A.T``), the guide head's
+weight gradient three ways (``head dW``, ``head dW unswapped``, ``head dW torch``) and
+a 4096-wide layer's ReLU backward with its bias gradient two ways (``dZ relu``, ``dZ
+relu torch``): the host time to enqueue one call, the wall time of a synchronised call,
+torch.profiler's kernel table, and cProfile's top host functions.
 
     python3 bench/profile_gpu.py [OUT_DIR]
 """
@@ -170,6 +170,7 @@ def launch_costs(out: Path) -> None:
         ),
         "  autotuner[grid](captured arguments)": lambda: kernel[grid](*args, **kwargs),
         "  JIT[grid](captured arguments, best config)": lambda: jit[grid](*args, **jit_kwargs),
+        **_jit_parts(jit, grid, args, jit_kwargs),
     }
     lines = ["## launch costs (host us per call, 300 queued calls, median of 5 runs)"]
     for name, fn in cases.items():
@@ -188,6 +189,37 @@ def launch_costs(out: Path) -> None:
     print(body, flush=True)
     with open(out / "profile.md", "a") as f:
         f.write(body + "\n\n")
+
+
+def _jit_parts(jit, grid, args: tuple, jit_kwargs: dict) -> dict:
+    """The JIT launch of ``launch_costs`` in its parts, through triton 3.6's internals
+    (whether a launch path of our own would pay): the binder and the cache lookup
+    (``warmup=True`` returns the cached binary), the compiled kernel's launcher given
+    the bound arguments, and its encoding of the two tensor maps. Where the internals
+    differ, one line says so and the other cases still run."""
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        compiled = jit.run(*args, grid=grid, warmup=True, **jit_kwargs)
+        binder = jit.device_caches[torch.cuda.current_device()][-1]
+        bound = list(binder(*args, **jit_kwargs)[0].values())
+        programs = grid(jit_kwargs)[0]
+        stream = torch.cuda.current_stream().cuda_stream
+        metas = compiled.metadata.tensordesc_meta
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    except Exception as error:  # noqa: BLE001 - reported, not fatal
+        return {f"  JIT parts unavailable ({type(error).__name__}: {error})": lambda: None}
+    return {
+        "  JIT binder and cache lookup (warmup=True)": lambda: jit.run(
+            *args, grid=grid, warmup=True, **jit_kwargs
+        ),
+        "  compiled kernel's launcher, arguments bound": lambda: run(
+            programs, 1, 1, stream, function, packed, None, None, None, *bound
+        ),
+        "  two tensor maps encoded (the launcher's make_tensordesc_arg)": lambda: [
+            make_tensordesc_arg(desc, meta) for desc, meta in zip(args[:2], metas, strict=True)
+        ],
+    }
 
 
 def sync_sites(out: Path) -> None:

@@ -1,23 +1,17 @@
 """The benchmark suite's device clock (bench/harness.py) reads the GPU's time of a
 round, as CUDA events around the work measure it. Needs a GPU."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+
+from tests.bench_scripts import load
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
 SLEEP_CYCLES = 100_000_000  # about 50 ms of GPU time, whatever the host does
 
 
 def _harness():
-    spec = importlib.util.spec_from_file_location(
-        "bench_harness", Path(__file__).resolve().parents[1] / "bench" / "harness.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("harness")
 
 
 def test_device_clock_times_a_round_like_cuda_events():

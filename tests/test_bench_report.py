@@ -1,18 +1,13 @@
 """bench/report.py: speedups over the baselines of the same run, from the rounds timed
 from an idle GPU and from the GPU times with the host's latency hidden."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tests.bench_scripts import load
 
 
 def _report():
-    path = Path(__file__).resolve().parents[1] / "bench" / "report.py"
-    spec = importlib.util.spec_from_file_location("bench_report", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("report")
 
 
 def _bench(impl, median_s, kernel_ms=None, case="2048x2048x2048", group="gemm"):

@@ -4,7 +4,6 @@ files, at most 2 folders down, names of letters, digits, '.', '_' and '-'); the 
 stage's JSON and report hold what the GPU-results issue reads; the plan counts each
 stage's compiles at the GPU's sizes and keeps every stage inside its time limit."""
 
-import importlib.util
 import json
 import os
 import re
@@ -14,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up
-_spec.loader.exec_module(gpu_check)
+gpu_check = load("gpu_check")
 
 NAME = re.compile(r"[A-Za-z0-9._-]+")
 

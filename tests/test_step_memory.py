@@ -5,20 +5,15 @@ ReLU does: mpgemm's step then holds at its peak no more than autocast's, plus th
 16-bit weight copies it keeps between steps (with the derivative inside the layer's
 node it held two activations more: 0.32 MiB here against autocast's 0.26)."""
 
-import importlib.util
-import sys
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load
+
 pytest.importorskip("triton")
 
-_path = Path(__file__).resolve().parents[1] / "bench" / "step_memory.py"
-_spec = importlib.util.spec_from_file_location("step_memory", _path)
-step_memory = importlib.util.module_from_spec(_spec)
-sys.modules["step_memory"] = step_memory
-_spec.loader.exec_module(step_memory)
+step_memory = load("step_memory")
 
 BATCH, FEATURES, HIDDEN = 256, 32, (64, 64)
 

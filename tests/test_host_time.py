@@ -1,0 +1,31 @@
+"""bench/host_time.py: mpgemm's eager path timed on the CPU down to triton's JIT launch.
+The stub must let every launch through mpgemm's own launch layer (which an
+interceptor alone skips, and the reference path never reaches) and stop it at
+triton's, restoring triton afterwards."""
+
+import pytest
+import torch
+
+import mpgemm
+from tests.bench_scripts import load
+
+pytest.importorskip("triton")
+host_time = load("host_time")
+
+
+def test_launches_pass_the_launch_layer_and_stop_at_the_jit(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    from mpgemm.kernels import launches
+    from mpgemm.kernels.gemm_tma import tuned_gemm_tma_kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(launches, "_chosen", {})
+    a, b = (torch.randn(64, 64, dtype=torch.float16) for _ in range(2))
+    original = JITFunction.run
+    with host_time.triton_stubbed():
+        for _ in range(2):  # tuned (the first config), then the chosen config directly
+            assert mpgemm.matmul(a, b).shape == (64, 64)
+        assert JITFunction.run is not original
+    assert JITFunction.run is original
+    assert [kind[0] for kind in launches._chosen] == [tuned_gemm_tma_kernel]
