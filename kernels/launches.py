@@ -26,6 +26,7 @@ excepted) take the kernel path (``mpgemm.backend``).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -91,25 +92,30 @@ _chosen: dict[tuple, tuple[triton.Config, dict]] = {}
 
 
 def _kind(kernel: Autotuner, args: tuple, kwargs: dict) -> tuple:
-    """What an autotuner's choice may depend on, at least as finely as its own key (its
-    key arguments' values and the dtype of every tensor): the kernel, every scalar
-    argument, every tensor's (or descriptor's) dtype and the constexprs."""
-    # Asked on every launch: integers, most of the arguments, are tested first (3x
-    # faster than an isinstance chain for each).
+    """What an autotuner's choice depends on, as its own cache key reads it: the values
+    of its key arguments and the dtype of every tensor (a descriptor's too), and the
+    constexprs. Sizes that share their key's buckets share a kind, so that the kinds a
+    run meets stay few whatever its shapes (a ragged batch, a new sequence length)."""
     return (
         kernel,
+        *[args[i] for i in _key_positions(kernel) if i < len(args)],
         *[
-            a
-            if type(a) is int
-            else a.dtype
-            if isinstance(a, torch.Tensor)
-            else a.base.dtype
-            if isinstance(a, TensorDescriptor)
-            else a
+            a.dtype if isinstance(a, torch.Tensor) else a.base.dtype
             for a in args
+            # Asked on every launch: integers, most of the arguments, are passed over
+            # first (an isinstance chain for each took 3x the time).
+            if type(a) is not int and isinstance(a, (torch.Tensor, TensorDescriptor))
         ],
         *kwargs.items(),
     )
+
+
+@functools.cache
+def _key_positions(kernel: Autotuner) -> tuple[int, ...]:
+    """The positions of the autotuner's key arguments among the JIT function's (those
+    passed by keyword are in the kind with every other keyword argument)."""
+    names = kernel.fn.arg_names
+    return tuple(names.index(key) for key in kernel.keys if key in names)
 
 
 def jit_function(kernel):

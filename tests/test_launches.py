@@ -194,7 +194,8 @@ def test_a_recorded_tma_launch_names_its_descriptors_by_dtype(tmp_path):
 
 def test_an_autotuner_runs_once_per_launch_kind_then_its_choice_directly(device, monkeypatch):
     """After the autotuner has chosen for a launch kind, launches of the kind run the
-    JIT function with its config; a new kind (here a dtype) goes through it again."""
+    JIT function with its config, sizes in the same buckets of its key included (so the
+    kinds kept stay few); a new kind (here a dtype) goes through it again."""
     from triton.runtime.autotuner import Autotuner
 
     from mpgemm.kernels import launches
@@ -216,5 +217,8 @@ def test_an_autotuner_runs_once_per_launch_kind_then_its_choice_directly(device,
     assert len(runs) == 1
     assert torch.equal(first, again)
     assert torch.isfinite(again).all()  # written: allocations are NaN-poisoned
+    fewer_rows = mpgemm.matmul(a[:60], b)  # M 60 and 64 share their bucket
+    assert len(runs) == 1 and len(launches._chosen) == 1
+    assert torch.equal(fewer_rows, first[:60])
     mpgemm.matmul(a, b, out_dtype=torch.float32)
-    assert len(runs) == 2
+    assert len(runs) == 2 and len(launches._chosen) == 2
