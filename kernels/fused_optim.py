@@ -33,7 +33,6 @@ from mpgemm.kernels.rounding import cast_rne, widen
 from mpgemm.kernels.tensor_table import (
     BLOCK,
     TRITON_DTYPES,
-    is_aligned,
     load_block,
     scalar_table,
     table_block,
@@ -393,10 +392,11 @@ def _launch(
     if copies is None:
         copies = params  # each parameter its own copy: nothing more is written
     has_copy = copies[0].dtype != params[0].dtype
-    table, num_tensors, num_blocks = tensor_table([*lists, copies], block)
+    table, num_tensors, num_blocks, aligned = tensor_table([*lists, copies], block)
     if num_blocks == 0:
         return
-    walked = [*lists[:strided], *([copies] if has_copy else [])]
+    # The lists walked element by element: the strided ones, and the copies if written.
+    walked = [*aligned[:strided], *(aligned[-1:] if has_copy else ())]
     launch(
         kernel,
         (num_blocks,),
@@ -411,7 +411,7 @@ def _launch(
         HAS_COPY=has_copy,
         HAS_FOUND_INF=found_inf is not None,
         HAS_GRAD_SCALE=grad_scale is not None,
-        ALIGNED=is_aligned(walked),
+        ALIGNED=all(walked),
         INTERPRETED=INTERPRET,
         BLOCK=block,
         num_warps=num_warps,

@@ -41,9 +41,11 @@ _cache: OrderedDict[tuple, object] = OrderedDict()
 
 def tensor_table(
     lists: Sequence[Sequence[torch.Tensor]], block: int = BLOCK
-) -> tuple[torch.Tensor, int, int]:
+) -> tuple[torch.Tensor, int, int, tuple[bool, ...]]:
     """The launch table for parallel ``lists`` of tensors, in blocks of ``block``
-    elements: ``(table, T, P)``.
+    elements: ``(table, T, P, aligned)``, ``aligned[l]`` whether every tensor of list
+    ``l`` starts on a 16-byte boundary (the caching allocator's blocks do; views at an
+    offset may not): what the kernels' ``ALIGNED`` flag may promise.
 
     ``lists[l][t]`` is tensor ``t`` of list ``l``; the numels come from list 0.
     Zero-size tensors get no blocks. The table lives on the tensors' device."""
@@ -60,20 +62,15 @@ def tensor_table(
         rows = [ptr for lst in lists for ptr in addresses[id(lst)]]
         rows += numels + first_blocks + block_tensor
         table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-        return table, len(tensors), len(block_tensor)
+        # 15 & address is nonzero off a 16-byte boundary. Read here, once per table:
+        # the cache key holds the addresses.
+        aligned = tuple(not any(map((15).__and__, addresses[id(lst)])) for lst in lists)
+        return table, len(tensors), len(block_tensor), aligned
 
     # An in-place op passes one list twice: its addresses are read once.
     addresses = {id(lst): tuple(map(torch.Tensor.data_ptr, lst)) for lst in lists}
     key = (device, block, tuple(numels), *(addresses[id(lst)] for lst in lists))
     return _cached(key, build)
-
-
-def is_aligned(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
-    """Whether every tensor starts on a 16-byte boundary (the caching allocator's
-    blocks do; views at an offset may not): the kernels' ``ALIGNED`` flag."""
-    distinct = {id(lst): lst for lst in lists}.values()  # an in-place op's list once
-    # 15 & address is nonzero off a 16-byte boundary; both maps run in C.
-    return not any(any(map((15).__and__, map(torch.Tensor.data_ptr, lst))) for lst in distinct)
 
 
 def scalar_table(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -141,7 +138,8 @@ def table_pointer(
 ):
     """The address of element ``start`` of tensor ``tensor`` of list ``list_index``, as a
     ``DTYPE`` pointer; ``ALIGNED`` promises that the tensor's address is a multiple of 16
-    bytes (``is_aligned``), and so is the block's (``start`` is a multiple of BLOCK)."""
+    bytes (``tensor_table``'s ``aligned``), and so is the block's (``start`` is a
+    multiple of BLOCK)."""
     address = tl.load(table_ptr + list_index * num_tensors + tensor)
     pointer = address.to(tl.pointer_type(DTYPE), bitcast=True) + start
     if ALIGNED:

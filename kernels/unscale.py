@@ -26,7 +26,6 @@ from mpgemm.kernels.rounding import cast_rne, widen
 from mpgemm.kernels.tensor_table import (
     BLOCK,
     TRITON_DTYPES,
-    is_aligned,
     load_block,
     table_block,
     table_pointer,
@@ -100,7 +99,7 @@ def triton_unscale_(
     write = inv_scale is not None
     dst = src if dst is None else dst
     lists = [src, dst]
-    table, num_tensors, num_blocks = tensor_table(lists)
+    table, num_tensors, num_blocks, aligned = tensor_table(lists)
     if num_blocks == 0:
         return
     launch(
@@ -113,7 +112,7 @@ def triton_unscale_(
         SRC_DTYPE=TRITON_DTYPES[src[0].dtype],
         DST_DTYPE=TRITON_DTYPES[dst[0].dtype],
         WRITE=write,
-        ALIGNED=is_aligned(lists),
+        ALIGNED=all(aligned),
         INTERPRETED=INTERPRET,
         BLOCK=BLOCK,
         num_warps=8,

@@ -127,19 +127,16 @@ def _kernels_take_all(strided: Sequence[Sequence[torch.Tensor]]) -> bool:
     usual case: contiguous plain tensors of the kernels' dtypes, one shape per position
     (False leaves the other cases to ``_kernel_takes``). Each check maps over a whole
     list, in C."""
-    shapes = None
-    for lst in {id(lst): lst for lst in strided}.values():
+    first, *others = {id(lst): lst for lst in strided}.values()  # an in-place op's list once
+    for lst in (first, *others):
         if (
             not set(map(type, lst)) <= _PLAIN_SET
             or not set(map(_dtype, lst)) <= _KERNEL_DTYPE_SET
             or not all(map(torch.Tensor.is_contiguous, lst))
         ):
             return False
-        if shapes is None:
-            shapes = list(map(_shape, lst))
-        elif list(map(_shape, lst)) != shapes:
-            return False
-    return True
+    shapes = list(map(_shape, first)) if others else None
+    return all(list(map(_shape, lst)) == shapes for lst in others)
 
 
 def _kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:

@@ -161,6 +161,21 @@ def test_views_off_a_16_byte_boundary(device, dtype):
     assert_same_bits(storage[:1], outside, "the element before the view")
 
 
+def test_the_aligned_flag_follows_every_base_address():
+    """The kernels' ALIGNED promise (16-byte vector loads) holds only where every tensor
+    of every list starts on a 16-byte boundary; a table served from the cache (same
+    addresses) answers the same."""
+    from mpgemm.kernels.launches import intercept
+
+    storage = torch.randn(1001)
+    cases = {True: [torch.randn(100), torch.randn(300)], False: [torch.randn(100), storage[1:]]}
+    flags = []
+    with intercept(lambda kernel, grid, args, kwargs, configs: flags.append(kwargs["ALIGNED"])):
+        for grads in (*cases.values(), *cases.values()):
+            unscale_(grads, torch.zeros(()), torch.ones(()))
+    assert flags == [True, False, True, False]
+
+
 def test_fp64_gradients_take_torchs_op(device):
     grads = [torch.randn(300, dtype=torch.float64, device=device), torch.randn(70, device=device)]
     grads[0][5] = float("nan")
