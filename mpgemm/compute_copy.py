@@ -23,12 +23,32 @@ there anyway; one compiled with ``fullgraph=True`` would raise there).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
-# weight -> its ComputeCopy, for the optimizers; weak, so a dropped weight is forgotten.
-_copies = WeakIdKeyDictionary()
+# id(weight) -> (a weak reference to the weight, its ComputeCopy), for the optimizers:
+# a dropped weight is forgotten. By id, the reference checked on each lookup: torch's
+# WeakIdKeyDictionary makes a reference object per lookup (0.45 us, and an optimizer's
+# step asks of every parameter).
+_copies: dict[int, tuple[weakref.ref, ComputeCopy]] = {}
+
+
+def _register(weight: torch.Tensor, holder: ComputeCopy) -> None:
+    key = id(weight)
+    entry = _copies.get(key)
+    if entry is not None and entry[1] is holder and entry[0]() is weight:
+        return
+
+    def forget(ref: weakref.ref) -> None:
+        # Only this weight's entry: its id may be a new weight's by now.
+        if (current := _copies.get(key)) is not None and current[0] is ref:
+            del _copies[key]
+
+    _copies[key] = (weakref.ref(weight, forget), holder)
+
+
 # Optimizer steps begun so far, by any torch optimizer (mpgemm's included).
 _steps = 0
 
@@ -82,7 +102,7 @@ class ComputeCopy:
                 copy.copy_(weight)
             self._tensor, self._made_from, self._source = copy, identity, weight.detach()
             self._current_at = _steps
-        _copies[weight] = self
+        _register(weight, self)
         return self._tensor
 
     def drop(self) -> None:
@@ -105,5 +125,7 @@ class ComputeCopy:
 
 def copy_of(weight: torch.Tensor) -> torch.Tensor | None:
     """The compute copy an optimizer should write along with ``weight``, if it has one."""
-    holder = _copies.get(weight)
-    return None if holder is None else holder.tensor_for(weight)
+    entry = _copies.get(id(weight))
+    if entry is None or entry[0]() is not weight:
+        return None
+    return entry[1].tensor_for(weight)

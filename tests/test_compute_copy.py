@@ -263,3 +263,21 @@ def test_an_fp32_input_is_rounded_once_and_saved_in_16_bits(device):
     saved_x, saved_w = y.grad_fn.saved_tensors
     assert saved_x.dtype == saved_w.dtype == torch.float16
     assert torch.equal(saved_x, x.half()) and saved_w is _copy(layer)
+
+
+def test_the_optimizers_registry_holds_weights_weakly():
+    """A layer's weight is registered for the optimizers at its forward (``copy_of``
+    finds its copy); a dropped layer's entry goes with its weight, and a weight never
+    registered (perhaps at a dead one's address) has none."""
+    import gc
+
+    from mpgemm import compute_copy
+
+    layer = _layer("cpu")
+    layer(torch.randn(2, 48))
+    key = id(layer.weight)
+    assert compute_copy.copy_of(layer.weight) is layer._weight_copy._tensor
+    del layer
+    gc.collect()
+    assert key not in compute_copy._copies
+    assert compute_copy.copy_of(nn.Parameter(torch.randn(32, 48))) is None
