@@ -313,7 +313,14 @@ class _Stopper:
 
 
 def _environment(dry: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # A stage's commands run as from a shell: not interpreted, and not as a worker of
+    # the pytest-xdist run that may have started this one (pytest-benchmark then turns
+    # itself off, and --benchmark-only fails).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "TRITON_INTERPRET" and not k.startswith("PYTEST_XDIST")
+    }
     env["PYTHONUNBUFFERED"] = "1"
     if dry:
         env["CUDA_VISIBLE_DEVICES"] = ""
