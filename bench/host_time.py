@@ -49,8 +49,11 @@ _STUBS = ((JITFunction, _no_launch), (InterpretedFunction, _no_launch), (Autotun
 
 @contextmanager
 def triton_stubbed() -> Iterator[None]:
-    """Within the block, mpgemm's launches run down to a no-op JIT launch."""
+    """Within the block, mpgemm's launches run down to a no-op JIT launch. The configs
+    chosen meanwhile (the first of each autotuner's) are forgotten afterwards: later
+    launches of a kind first met here still go through the autotuner."""
     saved = [(cls, cls.run) for cls, _ in _STUBS]
+    chosen = dict(launches._chosen)
     for cls, stub in _STUBS:
         cls.run = stub
     try:
@@ -59,6 +62,8 @@ def triton_stubbed() -> Iterator[None]:
     finally:
         for cls, run in saved:
             cls.run = run
+        launches._chosen.clear()
+        launches._chosen.update(chosen)
 
 
 def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:

@@ -197,15 +197,15 @@ def _cell(value: float | None, spec: str) -> str:
 
 def _counts(benchmarks: list[dict], group: str) -> list[str]:
     """Per step, for every implementation of the group that measured them: kernels
-    launched and the host's microseconds with mpgemm's kernels stubbed (torch's run:
-    bench/test_bench_step.py); no lines for a group without them."""
+    launched and the host's microseconds with triton's launch stubbed below mpgemm's
+    (torch's ops run: bench/test_bench_step.py); no lines for a group without them."""
     rows = [
         b for b in benchmarks if b["group"] == group and b["extra_info"].get("launches") is not None
     ]
     if not rows:
         return []
     lines = [
-        "| case | impl | launches per step | host us per step, mpgemm's kernels stubbed |",
+        "| case | impl | launches per step | host us per step, triton's launch stubbed |",
         "|---|---|---|---|",
     ]
     for row in rows:

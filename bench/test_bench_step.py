@@ -7,8 +7,9 @@ On a GPU, ``host_syncs`` counts the synchronising CUDA calls of one step
 (``torch.cuda.set_sync_debug_mode``). Every eager implementation reports ``launches``,
 the kernels one step launches (``mpgemm.kernels.launches.count_launches``: torch ops
 that launch one, and mpgemm's Triton launches), and ``host_us``, the host's
-microseconds per step (the calls, unsynchronised) with mpgemm's Triton kernels stubbed:
-for mpgemm, the per-step cost that no kernel speed can remove. torch's ops are not
+microseconds per step (the calls, unsynchronised) with mpgemm's Triton kernels stubbed
+below its launch layer (triton's JIT launch a no-op): for mpgemm, the per-step cost
+that no kernel speed can remove. torch's ops are not
 stubbed: on a GPU they only queue work, on a CPU they compute as they are called, so
 there the baselines' host time includes their arithmetic. On a CPU, too, torch's
 optimizers step tensor by tensor (foreach is their GPU default), so their launch
@@ -20,9 +21,10 @@ import warnings
 import pytest
 import torch
 from harness import GPU_SCALE, ON_GPU, SYNC_WARNING
+from host_time import triton_stubbed
 
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
-from mpgemm.kernels.launches import count_launches, intercept, intercepting
+from mpgemm.kernels.launches import count_launches, intercepting
 
 pytestmark = pytest.mark.benchmark(group="step")
 
@@ -63,8 +65,9 @@ def _launches(step) -> int:
 
 
 def _host_us_stubbed(step, rounds: int = 5) -> float:
-    """Host microseconds per step while mpgemm's launches are stubbed out."""
-    with intercept(lambda *launch: None):
+    """Host microseconds per step while mpgemm's launches are stubbed out below its own
+    launch layer (``host_time.triton_stubbed``: triton's JIT launch is a no-op)."""
+    with triton_stubbed():
         step()  # the stubbed path's first call (its own lookups) stays out
         start = time.perf_counter()
         for _ in range(rounds):

@@ -65,7 +65,7 @@ def _check_bench_results(out: Path):
         if line.startswith("| ") and "---" not in line and not line.startswith("| case")
     ]
     assert len(rows) == len(ours) + len(steps)  # the step group's counts: a row each
-    assert "| launches per step | host us per step, mpgemm's kernels stubbed |" in table
+    assert "| launches per step | host us per step, triton's launch stubbed |" in table
     assert "x torch_fp16" in table
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The log says each case's time as it goes, so a stage cut short still reports.

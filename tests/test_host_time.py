@@ -1,7 +1,7 @@
 """bench/host_time.py: mpgemm's eager path timed on the CPU down to triton's JIT launch.
 The stub must let every launch through mpgemm's own launch layer (which an
 interceptor alone skips, and the reference path never reaches) and stop it at
-triton's, restoring triton afterwards."""
+triton's, restoring triton and the launch layer's chosen configs afterwards."""
 
 import pytest
 import torch
@@ -27,5 +27,6 @@ def test_launches_pass_the_launch_layer_and_stop_at_the_jit(monkeypatch):
         for _ in range(2):  # tuned (the first config), then the chosen config directly
             assert mpgemm.matmul(a, b).shape == (64, 64)
         assert JITFunction.run is not original
+        assert [kind[0] for kind in launches._chosen] == [tuned_gemm_tma_kernel]
     assert JITFunction.run is original
-    assert [kind[0] for kind in launches._chosen] == [tuned_gemm_tma_kernel]
+    assert launches._chosen == {}  # the stub's first-config choices are forgotten
