@@ -8,7 +8,7 @@ it to 100 registers (two programs per SM) and 248 to 258 us
 
 For each (elements per program, warps), this runs
 ``mpgemm.scaling.adam_step_`` on the guide MLP's parameters (784-4096-4096-10, FP32,
-weights with FP16 copies: two launches, as in a training step), then on the same
+weights with FP16 copies, biases without: one launch, as in a training step), then on the same
 parameters without copies (an unconverted model's: one launch, which ptxas compiles
 to fewer registers at 2048 elements a program than at 4096), checks that each wrote
 the same bits as the default shape, and times it on the GPU's clock with L2 flushed

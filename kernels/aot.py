@@ -28,6 +28,7 @@ Must run without ``TRITON_INTERPRET=1``: the interpreter replaces ``triton.jit``
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -152,7 +153,6 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
     """The launches GradScaler and the fused optimizers make."""
-    from mpgemm.kernels.fused_optim import triton_adam_step_, triton_sgd_step_
     from mpgemm.kernels.unscale import triton_unscale_
     from mpgemm.kernels.update_scale import triton_update_scale_
 
@@ -178,7 +178,8 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
             ),
         )
     # (parameter, gradient, compute copy): FP32 masters of mpgemm.Linear layers get
-    # their 16-bit copy written in the step; None: no copy.
+    # their 16-bit copy written in the step, in the launch that steps their biases,
+    # which have none (listed as their own copy); None: no copy.
     for param, grad, copy in (
         (f32, f32, None),
         (f32, f16, None),
@@ -187,47 +188,62 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
         (f32, f32, f16),
         (f32, f32, bf16),
     ):
-        scaled = dict(grad_scale=one, found_inf=torch.zeros(()))
         name = f"{param} <- {grad}" + (f", copy {copy}" if copy else "")
-
-        def copies(c=copy):
-            return None if c is None else tensors(c)
-
-        yield (
-            f"sgd {name}",
-            lambda p=param, g=grad, s=scaled, c=copies: triton_sgd_step_(
-                tensors(p),
-                tensors(g),
-                tensors(p),
-                lr=0.1,
-                momentum=0.9,
-                weight_decay=0.0,
-                nesterov=False,
-                maximize=False,
-                compute_copies=c(),
-                **s,
-            ),
-        )
+        yield f"sgd {name}", functools.partial(_sgd_step, param, grad, copy, aligned)
         for decoupled in (False, True):
             yield (
                 f"adam{'w' if decoupled else ''} {name}",
-                lambda p=param, g=grad, d=decoupled, s=scaled, c=copies: triton_adam_step_(
-                    tensors(p),
-                    tensors(g),
-                    tensors(p),
-                    tensors(p),
-                    [torch.ones(()) for _ in range(2)],
-                    lr=1e-3,
-                    beta1=0.9,
-                    beta2=0.999,
-                    eps=1e-8,
-                    weight_decay=0.01,
-                    decoupled_weight_decay=d,
-                    maximize=False,
-                    compute_copies=c(),
-                    **s,
-                ),
+                functools.partial(_adam_step, param, grad, copy, aligned, decoupled),
             )
+
+
+def _step_lists(param, grad, copy, aligned: bool, states: int) -> tuple[list, list | None]:
+    """([parameters, gradients, *states], compute copies) of a fused optimizer step on
+    two tensors: a weight with a ``copy`` and a bias listed as its own (None: neither
+    has one)."""
+    lists = [[_tensor((5000,), dtype, aligned) for _ in range(2)] for dtype in (param, grad)]
+    lists += [[_tensor((5000,), param, aligned) for _ in range(2)] for _ in range(states)]
+    copies = None if copy is None else [_tensor((5000,), copy, aligned), lists[0][1]]
+    return lists, copies
+
+
+def _scaling_tensors() -> dict:
+    return dict(grad_scale=torch.ones((), dtype=torch.float32), found_inf=torch.zeros(()))
+
+
+def _sgd_step(param, grad, copy, aligned: bool) -> None:
+    from mpgemm.kernels.fused_optim import triton_sgd_step_
+
+    lists, copies = _step_lists(param, grad, copy, aligned, states=1)
+    triton_sgd_step_(
+        *lists,
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=0.0,
+        nesterov=False,
+        maximize=False,
+        compute_copies=copies,
+        **_scaling_tensors(),
+    )
+
+
+def _adam_step(param, grad, copy, aligned: bool, decoupled: bool) -> None:
+    from mpgemm.kernels.fused_optim import triton_adam_step_
+
+    lists, copies = _step_lists(param, grad, copy, aligned, states=2)
+    triton_adam_step_(
+        *lists,
+        [torch.ones(()) for _ in range(2)],
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.01,
+        decoupled_weight_decay=decoupled,
+        maximize=False,
+        compute_copies=copies,
+        **_scaling_tensors(),
+    )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ parameters and state keep their bits and the host never has to read the flag.
 A parameter may come with a compute copy (``mpgemm.compute_copy``: the 16-bit weight
 an ``mpgemm.Linear``'s GEMMs read); the step writes it from the updated parameter in the
 same pass, so the next forward needs no cast. A parameter without one is listed as its
-own copy, and ``HAS_COPY`` is off.
+own copy, which each program tells by address, so that a layer's weight (with a copy)
+and bias (without) take one launch; ``HAS_COPY`` is off when no parameter has one.
 
 Hyperparameters arrive in an FP64 table (``scalar_table``), as torch computes its
 Python-side scalars (bias corrections, ``1 - lr * weight_decay``) in double before
@@ -21,6 +22,8 @@ rounding them to FP32.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +38,7 @@ from mpgemm.kernels.tensor_table import (
     TRITON_DTYPES,
     load_block,
     scalar_table,
+    table_address,
     table_block,
     table_pointer,
     tensor_table,
@@ -86,16 +90,28 @@ def _store_param(
     c_ptr,
     p,
     mask,
+    has_copy,
     PARAM_DTYPE: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
     HAS_COPY: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """Store the updated parameter, and its compute copy rounded from what was stored."""
+    """Store the updated parameter, and its compute copy (if ``has_copy``: see
+    ``_has_copy``) rounded from what was stored."""
     p = cast_rne(p, PARAM_DTYPE, INTERPRETED)
     tl.store(p_ptr, p, mask=mask)
     if HAS_COPY:
-        tl.store(c_ptr, cast_rne(widen(p, INTERPRETED), COPY_DTYPE, INTERPRETED), mask=mask)
+        if has_copy:
+            tl.store(c_ptr, cast_rne(widen(p, INTERPRETED), COPY_DTYPE, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _has_copy(table_ptr, num_tensors, tensor, COPY_LIST: tl.constexpr):
+    """Whether this tensor's compute copy (list ``COPY_LIST``) is a tensor of its own: a
+    parameter without one is listed as its own copy, so that one launch steps an
+    ``mpgemm.Linear``'s weight, which has one, and its bias, which has none."""
+    copy = table_address(table_ptr, num_tensors, tensor, COPY_LIST)
+    return copy != table_address(table_ptr, num_tensors, tensor, 0)
 
 
 @triton.jit
@@ -105,6 +121,7 @@ def _sgd_block(
     buf_ptr,
     c_ptr,
     mask,
+    has_copy,
     grad_scale_ptr,
     lr,
     momentum,
@@ -138,7 +155,7 @@ def _sgd_block(
         else:
             g = buf
     p = p - lr.to(tl.float32) * g
-    _store_param(p_ptr, c_ptr, p, mask, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED)
+    _store_param(p_ptr, c_ptr, p, mask, has_copy, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED)
 
 
 @triton.jit
@@ -174,6 +191,9 @@ def _sgd_kernel(
         table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
     )
     c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, COPY_DTYPE, ALIGNED) + offsets
+    has_copy = False
+    if HAS_COPY:
+        has_copy = _has_copy(table_ptr, num_tensors, tensor, 3)
     lr = tl.load(hyper_ptr)
     momentum = tl.load(hyper_ptr + 1)
     weight_decay = tl.load(hyper_ptr + 2)
@@ -186,6 +206,7 @@ def _sgd_kernel(
                 buf_ptr,
                 c_ptr,
                 None,
+                has_copy,
                 grad_scale_ptr,
                 lr,
                 momentum,
@@ -207,6 +228,7 @@ def _sgd_kernel(
                 buf_ptr,
                 c_ptr,
                 mask,
+                has_copy,
                 grad_scale_ptr,
                 lr,
                 momentum,
@@ -231,6 +253,7 @@ def _adam_block(
     v_ptr,
     c_ptr,
     mask,
+    has_copy,
     grad_scale_ptr,
     lr,
     beta1,
@@ -279,7 +302,7 @@ def _adam_block(
     p = p - step_size * tl.div_rn(m, denom)
     tl.store(m_ptr, cast_rne(m, PARAM_DTYPE, INTERPRETED), mask=mask)
     tl.store(v_ptr, cast_rne(v, PARAM_DTYPE, INTERPRETED), mask=mask)
-    _store_param(p_ptr, c_ptr, p, mask, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED)
+    _store_param(p_ptr, c_ptr, p, mask, has_copy, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED)
 
 
 @triton.jit
@@ -313,6 +336,9 @@ def _adam_kernel(
     m_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
     v_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, PARAM_DTYPE, ALIGNED) + offsets
     c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 5, COPY_DTYPE, ALIGNED) + offsets
+    has_copy = False
+    if HAS_COPY:
+        has_copy = _has_copy(table_ptr, num_tensors, tensor, 5)
     lr = tl.load(hyper_ptr)
     beta1 = tl.load(hyper_ptr + 1)
     beta2 = tl.load(hyper_ptr + 2)
@@ -329,6 +355,7 @@ def _adam_kernel(
                 v_ptr,
                 c_ptr,
                 None,
+                has_copy,
                 grad_scale_ptr,
                 lr,
                 beta1,
@@ -353,6 +380,7 @@ def _adam_kernel(
                 v_ptr,
                 c_ptr,
                 mask,
+                has_copy,
                 grad_scale_ptr,
                 lr,
                 beta1,
@@ -391,7 +419,9 @@ def _launch(
     params = lists[0]
     if copies is None:
         copies = params  # each parameter its own copy: nothing more is written
-    has_copy = copies[0].dtype != params[0].dtype
+    # The first compute copy that is a tensor of its own, whose dtype all such share.
+    first_copy = next(itertools.compress(copies, map(operator.is_not, copies, params)), None)
+    has_copy = first_copy is not None
     table, num_tensors, num_blocks, aligned = tensor_table([*lists, copies], block)
     if num_blocks == 0:
         return
@@ -407,7 +437,7 @@ def _launch(
         scalar_table(hyper, table.device),
         PARAM_DTYPE=TRITON_DTYPES[params[0].dtype],
         GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
-        COPY_DTYPE=TRITON_DTYPES[copies[0].dtype],
+        COPY_DTYPE=TRITON_DTYPES[(first_copy if has_copy else params[0]).dtype],
         HAS_COPY=has_copy,
         HAS_FOUND_INF=found_inf is not None,
         HAS_GRAD_SCALE=grad_scale is not None,
@@ -434,8 +464,8 @@ def triton_sgd_step_(
     compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """``sgd_step_ref_`` in one launch. ``params`` (and buffers) share a dtype, ``grads``
-    share a dtype, ``compute_copies`` share a dtype (a parameter's own tensor: none);
-    all flat, one device, parallel tensors with equal strides."""
+    share a dtype, ``compute_copies`` that are not their parameter share a dtype (a
+    parameter's own tensor: none); all flat, one device, parallel tensors with equal strides."""
     if not params:
         return
     buffers = momentum_buffers if momentum != 0 else params
@@ -472,8 +502,8 @@ def triton_adam_step_(
     compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """``adam_step_ref_`` in one launch. ``params`` and moments share a dtype, ``grads``
-    share a dtype, ``compute_copies`` share a dtype (a parameter's own tensor: none),
-    ``steps`` are FP32 one-element tensors; all on one device."""
+    share a dtype, ``compute_copies`` that are not their parameter share a dtype (a
+    parameter's own tensor: none), ``steps`` are FP32 one-element tensors; all on one device."""
     if not params:
         return
     _launch(
@@ -484,7 +514,7 @@ def triton_adam_step_(
         grad_scale,
         (lr, beta1, beta2, eps, weight_decay),
         strided=4,
-        # 8 elements per thread: under Triton 3.6 Adam takes 88 registers a thread (100
+        # 8 elements per thread: under Triton 3.6 Adam takes 88 registers a thread (102
         # writing a copy), so two 8-warp programs fit on an SM, one program's loads in
         # flight while the other waits on its table; 16 per thread take 153 (one program)
         # (python -m mpgemm.kernels.aot). On the H100, two programs per SM moved the

@@ -127,6 +127,12 @@ def table_block(table_ptr, num_tensors, NUM_LISTS: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def table_address(table_ptr, num_tensors, tensor, list_index: tl.constexpr):
+    """The address of tensor ``tensor`` of list ``list_index`` (int64)."""
+    return tl.load(table_ptr + list_index * num_tensors + tensor)
+
+
+@triton.jit
 def table_pointer(
     table_ptr,
     num_tensors,
@@ -140,7 +146,7 @@ def table_pointer(
     ``DTYPE`` pointer; ``ALIGNED`` promises that the tensor's address is a multiple of 16
     bytes (``tensor_table``'s ``aligned``), and so is the block's (``start`` is a
     multiple of BLOCK)."""
-    address = tl.load(table_ptr + list_index * num_tensors + tensor)
+    address = table_address(table_ptr, num_tensors, tensor, list_index)
     pointer = address.to(tl.pointer_type(DTYPE), bitcast=True) + start
     if ALIGNED:
         pointer = tl.multiple_of(pointer, 16)

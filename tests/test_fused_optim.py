@@ -8,6 +8,7 @@ import torch
 
 import mpgemm
 from mpgemm import scaling, scaling_ref
+from mpgemm.kernels.launches import intercept, jit_function
 from tests.accuracy import assert_same_bits
 
 SHAPES = [(5000,), (33, 7), (1,), (0,)]
@@ -122,6 +123,64 @@ def test_found_inf_leaves_every_bit_in_place(device, param_dtype):
     for lst, old in zip(lists, before, strict=True):
         for t, b in zip(lst, old, strict=True):
             assert_same_bits(t, b, "after a skipped step")
+
+
+def _launched_kernels():
+    """An interceptor that runs each launch and keeps its kernel's name."""
+    names = []
+
+    def run(kernel, grid, args, kwargs, configs):
+        names.append(jit_function(kernel).fn.__name__)
+        kernel[grid](*args, **kwargs)
+
+    return names, run
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+@pytest.mark.parametrize(
+    "copy_dtypes",
+    [(torch.float16, None, torch.float16, None), (torch.float16, None, torch.bfloat16, None)],
+    ids=["fp16 copies", "fp16 and bf16 copies"],
+)
+def test_parameters_with_and_without_copies_share_a_launch(device, name, copy_dtypes):
+    """mpgemm.Linear layers' FP32 weights have 16-bit compute copies and their biases
+    none (listed as their own copy): one launch per copy dtype steps them all, writes
+    each copy from its updated parameter, and leaves no 16-bit bits in a bias."""
+    torch.manual_seed(0)
+    scale, found = torch.tensor(1024.0, device=device), torch.zeros((), device=device)
+    lists = [
+        _tensors(torch.float32, device),
+        _tensors(torch.float32, device, scale=1024.0),
+        _tensors(torch.float32, device, scale=0.1),
+        _tensors(torch.float32, device, scale=0.01, positive=True),
+        [torch.tensor(float(t), device=device) for t in (1, 7, 300, 2)],
+    ]
+
+    def with_copies(lists):
+        return lists, [
+            p if dtype is None else torch.full_like(p, float("nan"), dtype=dtype)
+            for p, dtype in zip(lists[0], copy_dtypes, strict=True)
+        ]
+
+    (ours, our_copies), (ref, ref_copies) = with_copies(_clones(lists)), with_copies(_clones(lists))
+    names, run = _launched_kernels()
+    with intercept(run):
+        if name == "adam":
+            scaling.adam_step_(*ours, compute_copies=our_copies, **_adam_hyper(False, scale, found))
+        else:
+            hyper = dict(lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=False, maximize=False)
+            scaling.sgd_step_(*ours[:3], compute_copies=our_copies, **hyper, grad_scale=scale)
+    if name == "adam":
+        scaling_ref.adam_step_ref_(
+            *ref, compute_copies=ref_copies, **_adam_hyper(False, scale, found)
+        )
+    else:
+        scaling_ref.sgd_step_ref_(*ref[:3], compute_copies=ref_copies, **hyper, grad_scale=scale)
+    assert names == [f"_{name}_kernel"] * len(set(copy_dtypes) - {None}), names
+    _assert_close_lists(ours[0], ref[0], "param", rtol=1e-6)
+    for i, dtype in enumerate(copy_dtypes):
+        if dtype is not None:
+            assert_same_bits(our_copies[i], ours[0][i].to(dtype), f"copy {i}")
 
 
 OPTIMIZERS = {
