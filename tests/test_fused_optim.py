@@ -183,6 +183,46 @@ def test_parameters_with_and_without_copies_share_a_launch(device, name, copy_dt
             assert_same_bits(our_copies[i], ours[0][i].to(dtype), f"copy {i}")
 
 
+def test_each_launch_takes_one_parameter_dtype_and_one_copy_dtype(monkeypatch):
+    """How the dispatcher groups parameters: one launch per parameter dtype and copy
+    dtype, each parameter listed as its own copy joining a launch of its parameter
+    dtype; every parameter stepped once."""
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    dtypes = [(f32, f16), (f32, None), (f32, bf16), (bf16, None), (f32, None), (f32, f16)]
+    params = [torch.zeros(8, dtype=param) for param, _ in dtypes]
+    copies = [
+        p if c is None else torch.zeros(8, dtype=c)
+        for p, (_, c) in zip(params, dtypes, strict=True)
+    ]
+    launches = []
+    monkeypatch.setitem(
+        scaling.kernels(),
+        "sgd_step",
+        lambda ps, gs, bufs, compute_copies, **hyper: launches.append((ps, compute_copies)),
+    )
+    with intercept(lambda *launch: None):  # (CPU tensors take the kernel path meanwhile)
+        scaling.sgd_step_(
+            params,
+            [torch.zeros_like(p) for p in params],
+            None,
+            compute_copies=copies,
+            lr=0.1,
+            momentum=0.0,
+            weight_decay=0.0,
+            nesterov=False,
+            maximize=False,
+        )
+    # FP32 with FP16 copies, FP32 with BF16 copies, BF16: the FP32 parameters without a
+    # copy go with one of the first two.
+    assert len(launches) == 3
+    position = {id(p): i for i, p in enumerate(params)}
+    stepped = sorted(position[id(p)] for ps, _ in launches for p in ps)
+    assert stepped == list(range(len(params)))
+    for ps, cs in launches:
+        assert len({p.dtype for p in ps}) == 1
+        assert len({c.dtype for p, c in zip(ps, cs, strict=True) if c is not p}) <= 1
+
+
 OPTIMIZERS = {
     "sgd": (
         lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
