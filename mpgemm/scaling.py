@@ -82,11 +82,10 @@ def _dispatch(
     a parameter (list 0) without one is listed itself; such a position joins a group
     of its other dtypes whatever that group's copies' dtype, so that a layer's weight
     (with a 16-bit copy) and its bias (without) take one launch. Asked of every tensor
-    of every step: whether the kernels
-    take every position (the usual case) is answered by passes over each list that run
-    in C (``_kernels_take_all``), and positions are checked one by one only otherwise
-    (that loop made an unscale of 200 gradients cost 0.86 ms of host time on the H100,
-    for a 0.28 ms kernel: the README's Status).
+    of every step: whether the kernels take every position (the usual case) is answered
+    by passes over each list that run in C (``_kernels_take_all``), and positions are
+    checked one by one only otherwise (that loop made an unscale of 200 gradients cost
+    0.86 ms of host time on the H100, for a 0.28 ms kernel: the README's Status).
 
     Raises ValueError for lists of different lengths."""
     if len({len(lst) for lst in lists}) > 1:
