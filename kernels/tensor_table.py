@@ -68,7 +68,10 @@ def tensor_table(
         return table, len(tensors), len(block_tensor), aligned
 
     # An in-place op passes one list twice: its addresses are read once.
-    addresses = {id(lst): tuple(map(torch.Tensor.data_ptr, lst)) for lst in lists}
+    addresses: dict[int, tuple[int, ...]] = {}
+    for lst in lists:
+        if id(lst) not in addresses:
+            addresses[id(lst)] = tuple(map(torch.Tensor.data_ptr, lst))
     key = (device, block, tuple(numels), *(addresses[id(lst)] for lst in lists))
     return _cached(key, build)
 
@@ -84,12 +87,15 @@ def scalar_table(values: Sequence[float], device: torch.device) -> torch.Tensor:
 
 
 def _cached(key: tuple, build):
-    if key not in _cache:
-        _cache[key] = build()
-        if len(_cache) > _CACHE_SIZE:
+    # Least recently used out. The keys hold every tensor's address, so each lookup
+    # hashes and compares them: taken out and put back, one entry is looked up twice.
+    value = _cache.pop(key, None)
+    if value is None:
+        value = build()
+        if len(_cache) >= _CACHE_SIZE:
             _cache.popitem(last=False)
-    _cache.move_to_end(key)
-    return _cache[key]
+    _cache[key] = value
+    return value
 
 
 # Host copies of the tables built while a CUDA graph was captured: each replay copies

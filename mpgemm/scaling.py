@@ -102,8 +102,9 @@ def _dispatch(
     lists = [local[id(lst)] for lst in lists]
     device = lists[0][0].device
     use_kernels = backend(device) == "triton"
-    take_all = use_kernels and _kernels_take_all(lists[:strided])
-    if take_all and _one_dtype_each(lists, copies):
+    dtypes = _dtype_sets(lists, copies)
+    take_all = use_kernels and _kernels_take_all(lists[:strided], dtypes[:strided])
+    if take_all and all(len(held) <= 1 for held in dtypes):
         call(kernels()[name], lists)  # one group
         return
     if take_all:
@@ -133,14 +134,18 @@ def _dtype_keys(lists: Sequence[Sequence[torch.Tensor]], copies: int | None) -> 
     return keys
 
 
-def _one_dtype_each(lists: Sequence[Sequence[torch.Tensor]], copies: int | None) -> bool:
-    """Whether each list holds one dtype (the compute copies: at most one besides the
-    parameters listed as their own), so that every position is one group."""
-    distinct = {
-        (id(lst), index == copies): keys  # an in-place op's list once
-        for index, (lst, keys) in enumerate(zip(lists, _dtype_keys(lists, copies), strict=True))
-    }
-    return all(len(set(keys) - {None}) <= 1 for keys in distinct.values())
+def _dtype_sets(lists: Sequence[Sequence[torch.Tensor]], copies: int | None) -> list[set]:
+    """Per list, the dtypes it holds (the compute copies: those of the copies that are
+    not their parameter), each distinct list read once (an in-place op passes one
+    twice): every position is one group when each holds at most one."""
+    held: dict[tuple[int, bool], set] = {}
+    out = []
+    for index, (lst, keys) in enumerate(zip(lists, _dtype_keys(lists, copies), strict=True)):
+        key = (id(lst), index == copies)
+        if key not in held:
+            held[key] = set(keys) - {None}
+        out.append(held[key])
+    return out
 
 
 def _merge_own_copies(groups: dict[tuple, list[int]], position: int) -> None:
@@ -179,18 +184,16 @@ _dtype = operator.attrgetter("dtype")
 _shape = operator.attrgetter("shape")
 
 
-def _kernels_take_all(strided: Sequence[Sequence[torch.Tensor]]) -> bool:
+def _kernels_take_all(strided: Sequence[Sequence[torch.Tensor]], dtypes: Sequence[set]) -> bool:
     """Whether ``_kernel_takes`` every position of the parallel ``strided`` lists, in the
-    usual case: contiguous plain tensors of the kernels' dtypes, one shape per position
-    (False leaves the other cases to ``_kernel_takes``). Each check maps over a whole
-    list, in C."""
+    usual case: contiguous plain tensors of the kernels' dtypes (``dtypes``: each list's,
+    from ``_dtype_sets``), one shape per position (False leaves the other cases to
+    ``_kernel_takes``). Each check maps over a whole list, in C."""
+    if not all(held <= _KERNEL_DTYPE_SET for held in dtypes):
+        return False
     first, *others = {id(lst): lst for lst in strided}.values()  # an in-place op's list once
     for lst in (first, *others):
-        if (
-            not set(map(type, lst)) <= _PLAIN_SET
-            or not set(map(_dtype, lst)) <= _KERNEL_DTYPE_SET
-            or not all(map(torch.Tensor.is_contiguous, lst))
-        ):
+        if not set(map(type, lst)) <= _PLAIN_SET or not all(map(torch.Tensor.is_contiguous, lst)):
             return False
     shapes = list(map(_shape, first)) if others else None
     return all(list(map(_shape, lst)) == shapes for lst in others)

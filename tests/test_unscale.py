@@ -176,6 +176,23 @@ def test_the_aligned_flag_follows_every_base_address():
     assert flags == [True, False, True, False]
 
 
+def test_tables_are_cached_by_address_and_the_least_recently_used_goes(monkeypatch):
+    from collections import OrderedDict
+
+    from mpgemm.kernels import tensor_table as tables
+
+    monkeypatch.setattr(tables, "_cache", OrderedDict())
+    lists = [[torch.randn(10), torch.randn(3)] for _ in range(tables._CACHE_SIZE + 1)]
+    kept = tables.tensor_table([lists[0]])[0]
+    first_other = tables.tensor_table([lists[1]])[0]
+    for lst in lists[2:]:  # one more than the cache holds, the first list used between
+        assert tables.tensor_table([lists[0]])[0] is kept
+        tables.tensor_table([lst])
+    assert len(tables._cache) == tables._CACHE_SIZE
+    assert tables.tensor_table([lists[0]])[0] is kept
+    assert tables.tensor_table([lists[1]])[0] is not first_other  # built again
+
+
 def test_fp64_gradients_take_torchs_op(device):
     grads = [torch.randn(300, dtype=torch.float64, device=device), torch.randn(70, device=device)]
     grads[0][5] = float("nan")
