@@ -38,6 +38,21 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
+def _by_device(
+    srcs: list[torch.Tensor], dsts: list[torch.Tensor]
+) -> dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The parallel lists split by the sources' device (as they are when, as usually,
+    there is one)."""
+    devices = {src.device for src in srcs}
+    if len(devices) <= 1:
+        return {device: (srcs, dsts) for device in devices}
+    split: dict[torch.device, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for src, dst in zip(srcs, dsts, strict=True):
+        split[src.device][0].append(src)
+        split[src.device][1].append(dst)
+    return split
+
+
 class GradScaler:
     """A drop-in for ``torch.amp.GradScaler`` (same arguments, methods and semantics).
 
@@ -146,23 +161,26 @@ class GradScaler:
         Subclasses change where gradients come from (``_grad_sources``) and what happens
         to each device's flag once set (``_reduce_found_inf``)."""
         sources = self._grad_sources(optimizer) if inv_scale is not None else {}
-        # per device: [sources], [destinations] (the same tensors when in place)
-        grads: dict[torch.device, tuple[list, list]] = defaultdict(lambda: ([], []))
+        # [sources], [destinations]: the same tensors when in place
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
         for group_index, group in enumerate(optimizer.param_groups):
             for param_index, param in enumerate(group["params"]):
-                if param in sources:
+                # (Asked of every parameter of every step: an empty dict is not asked.)
+                if sources and param in sources:
                     src = sources[param].grad
                     if src is None:
                         param.grad = None
                         continue
                     if param.grad is None:
                         param.grad = torch.empty_like(param)
-                    grads[src.device][0].append(src)
-                    grads[src.device][1].append(param.grad)
+                    srcs.append(src)
+                    dsts.append(param.grad)
                     continue
-                if param.grad is None:
+                grad = param.grad
+                if grad is None:
                     continue
-                if not allow_fp16 and param.grad.dtype == torch.float16:
+                if not allow_fp16 and grad.dtype == torch.float16:
                     raise ValueError(
                         "Attempting to unscale FP16 gradients (param_groups"
                         f"[{group_index}]['params'][{param_index}], shape "
@@ -170,20 +188,21 @@ class GradScaler:
                         "Keep the parameters in FP32 (mpgemm.Linear, mpgemm.convert) or "
                         "wrap the optimizer in mpgemm.LossScaleOptimizer."
                     )
-                grad = param.grad
                 if grad.is_sparse:
                     if grad.dtype == torch.float16:
                         # As torch: sum duplicate indices now, not later in FP16.
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
-                grads[grad.device][0].append(grad)
-                grads[grad.device][1].append(grad)
+                srcs.append(grad)
+                dsts.append(grad)
+        # In place, one list: unscale_ then reads each tensor once.
+        in_place = all(s is d for s, d in zip(srcs, dsts, strict=True))
         found_infs = {}
-        for device, (srcs, dsts) in grads.items():
+        for device, (device_srcs, device_dsts) in _by_device(srcs, dsts).items():
             flag = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
             inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
             with torch.no_grad():
-                unscale_(srcs, flag, inv, dst=dsts)
+                unscale_(device_srcs, flag, inv, dst=None if in_place else device_dsts)
             self._reduce_found_inf(flag)
             found_infs[device] = flag
         return found_infs

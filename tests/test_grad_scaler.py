@@ -348,3 +348,23 @@ def test_a_pickled_loss_scale_optimizers_scaler_still_reduces_its_flag(device, m
     scaler.scale(param.sum()).backward()
     scaler.step(optimizer)
     assert reduced == [0.0]  # the hook was lost in pickling before: no reduction
+
+
+def test_gradients_are_unscaled_per_device_in_their_order():
+    """``_unscale_grads_`` launches once per device: the (source, destination) pairs
+    split by the source's device, in order; one device keeps the lists themselves."""
+    from mpgemm.grad_scaler import _by_device
+
+    cpu = [torch.zeros(2), torch.zeros(3), torch.zeros(4)]
+    meta = [torch.zeros(5, device="meta"), torch.zeros(6, device="meta")]
+    srcs = [cpu[0], meta[0], cpu[1], meta[1], cpu[2]]
+    dsts = [torch.empty_like(t) for t in srcs]
+    pair = {id(s): d for s, d in zip(srcs, dsts, strict=True)}
+    split = _by_device(srcs, dsts)
+    assert list(split) == [torch.device("cpu"), torch.device("meta")]
+    for device, tensors in ((torch.device("cpu"), cpu), (torch.device("meta"), meta)):
+        got_srcs, got_dsts = split[device]
+        assert [id(t) for t in got_srcs] == [id(t) for t in tensors]
+        assert [id(t) for t in got_dsts] == [id(pair[id(t)]) for t in tensors]
+    (only_srcs, only_dsts), *rest = _by_device(cpu, cpu).values()
+    assert not rest and only_srcs is cpu and only_dsts is cpu
