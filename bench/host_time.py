@@ -8,9 +8,12 @@ triton's launch.
     python3 bench/host_time.py
 
 Prints microseconds per call (the best of 7 rounds) for a 512^2 FP16 product, an
-``mpgemm.Linear(512, 512, activation="relu")`` forward and backward at batch 256, and
-the small MLP's training step (784-128-10, batch 128, Adam). On a shared machine
-compare two trees by alternating runs and reading each one's minimum."""
+``mpgemm.Linear(512, 512, activation="relu")`` forward and backward at batch 256, the
+small MLP's training step (784-128-10, batch 128, Adam), ``mpgemm.scaling.unscale_``
+over 200 gradients, and a ``LossScaleOptimizer(Adam)`` step (the inf check, the fused
+step, the scale update) over 100 ``mpgemm.Linear(64, 64)`` layers: 100 weights with
+16-bit copies and 100 biases. On a shared machine compare two trees by alternating runs
+and reading each one's minimum."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from triton.runtime.jit import JITFunction
 import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import launches
+from mpgemm.scaling import unscale_
 
 
 def _through_launch(kernel, grid, args, kwargs, configs) -> None:
@@ -86,12 +90,20 @@ def main() -> None:
     config = TrainConfig(hidden=(128,), batch_size=128)
     recipe = Recipe("mpgemm", build_mlp(784, (128,), 10), config)
     xs, ys = torch.randn(128, 784), torch.randint(0, 10, (128,))
+    grads = [torch.randn(5000) for _ in range(200)]
+    found, inv_scale = torch.zeros(()), torch.ones(())
+    layers = torch.nn.Sequential(*(mpgemm.Linear(64, 64) for _ in range(100)))
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(layers.parameters()))
     cases = {
         "matmul 512^2 fp16": (lambda: mpgemm.matmul(a, b), 3000),
         "Linear relu forward+backward": (lambda: layer(x).sum().backward(), 1000),
         "small MLP step": (lambda: recipe.step(xs, ys), 200),
+        "unscale_ 200 tensors": (lambda: unscale_(grads, found, inv_scale), 500),
+        "LossScaleOptimizer(Adam) step, 100 layers": (optimizer.step, 100),
     }
     with triton_stubbed():
+        # The layers' gradients and 16-bit weight copies, which every step then reads.
+        optimizer.scale_loss(layers(torch.randn(8, 64)).float().sum()).backward()
         for name, (fn, calls) in cases.items():
             print(f"{name}: {best_us(fn, calls):.1f} us", flush=True)
 
