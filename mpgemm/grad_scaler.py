@@ -41,8 +41,8 @@ def _fresh_optimizer_state() -> dict[str, Any]:
 def _by_device(
     srcs: list[torch.Tensor], dsts: list[torch.Tensor]
 ) -> dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """The parallel lists split by the sources' device (as they are when, as usually,
-    there is one)."""
+    """The parallel lists split by their sources' device; with one device (the usual
+    case), the lists themselves."""
     devices = {src.device for src in srcs}
     if len(devices) <= 1:
         return {device: (srcs, dsts) for device in devices}
