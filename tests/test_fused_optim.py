@@ -8,8 +8,8 @@ import torch
 
 import mpgemm
 from mpgemm import scaling, scaling_ref
-from mpgemm.kernels.launches import intercept, jit_function
-from tests.accuracy import assert_same_bits
+from mpgemm.kernels.launches import intercept
+from tests.accuracy import assert_same_bits, launched_kernels
 
 SHAPES = [(5000,), (33, 7), (1,), (0,)]
 PARAM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -125,17 +125,6 @@ def test_found_inf_leaves_every_bit_in_place(device, param_dtype):
             assert_same_bits(t, b, "after a skipped step")
 
 
-def _launched_kernels():
-    """An interceptor that runs each launch and keeps its kernel's name."""
-    names = []
-
-    def run(kernel, grid, args, kwargs, configs):
-        names.append(jit_function(kernel).fn.__name__)
-        kernel[grid](*args, **kwargs)
-
-    return names, run
-
-
 @pytest.mark.parametrize("name", ["adam", "sgd"])
 @pytest.mark.parametrize(
     "copy_dtypes",
@@ -163,13 +152,15 @@ def test_parameters_with_and_without_copies_share_a_launch(device, name, copy_dt
         ]
 
     (ours, our_copies), (ref, ref_copies) = with_copies(_clones(lists)), with_copies(_clones(lists))
-    names, run = _launched_kernels()
-    with intercept(run):
+    hyper = dict(lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=False, maximize=False)
+
+    def step():
         if name == "adam":
             scaling.adam_step_(*ours, compute_copies=our_copies, **_adam_hyper(False, scale, found))
         else:
-            hyper = dict(lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=False, maximize=False)
             scaling.sgd_step_(*ours[:3], compute_copies=our_copies, **hyper, grad_scale=scale)
+
+    names, _ = launched_kernels(step)
     if name == "adam":
         scaling_ref.adam_step_ref_(
             *ref, compute_copies=ref_copies, **_adam_hyper(False, scale, found)
