@@ -106,12 +106,16 @@ def _store_param(
 
 
 @triton.jit
-def _has_copy(table_ptr, num_tensors, tensor, COPY_LIST: tl.constexpr):
+def _has_copy(table_ptr, num_tensors, tensor, COPY_LIST: tl.constexpr, HAS_COPY: tl.constexpr):
     """Whether this tensor's compute copy (list ``COPY_LIST``) is a tensor of its own: a
     parameter without one is listed as its own copy, so that one launch steps an
-    ``mpgemm.Linear``'s weight, which has one, and its bias, which has none."""
-    copy = table_address(table_ptr, num_tensors, tensor, COPY_LIST)
-    return copy != table_address(table_ptr, num_tensors, tensor, 0)
+    ``mpgemm.Linear``'s weight, which has one, and its bias, which has none. False,
+    with nothing read, when no tensor of the launch has one (``HAS_COPY`` off)."""
+    has_copy = False
+    if HAS_COPY:
+        copy = table_address(table_ptr, num_tensors, tensor, COPY_LIST)
+        has_copy = copy != table_address(table_ptr, num_tensors, tensor, 0)
+    return has_copy
 
 
 @triton.jit
@@ -191,9 +195,7 @@ def _sgd_kernel(
         table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
     )
     c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, COPY_DTYPE, ALIGNED) + offsets
-    has_copy = False
-    if HAS_COPY:
-        has_copy = _has_copy(table_ptr, num_tensors, tensor, 3)
+    has_copy = _has_copy(table_ptr, num_tensors, tensor, 3, HAS_COPY)
     lr = tl.load(hyper_ptr)
     momentum = tl.load(hyper_ptr + 1)
     weight_decay = tl.load(hyper_ptr + 2)
@@ -336,9 +338,7 @@ def _adam_kernel(
     m_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
     v_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, PARAM_DTYPE, ALIGNED) + offsets
     c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 5, COPY_DTYPE, ALIGNED) + offsets
-    has_copy = False
-    if HAS_COPY:
-        has_copy = _has_copy(table_ptr, num_tensors, tensor, 5)
+    has_copy = _has_copy(table_ptr, num_tensors, tensor, 5, HAS_COPY)
     lr = tl.load(hyper_ptr)
     beta1 = tl.load(hyper_ptr + 1)
     beta2 = tl.load(hyper_ptr + 2)
