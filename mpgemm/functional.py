@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
 from mpgemm.reference import activation_backward_ref, gemm_ref
@@ -177,6 +178,43 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
+def _linear_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    weight_copy: torch.Tensor | None,
+    store_act_grad: bool,
+    round_x: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``LinearFunction``'s forward without autograd: (y, G or None, the x2d and W the
+    backward would read). ``round_x``: x2d is x rounded to the compute dtype."""
+    gemm = _gemm(x.device, x, weight, bias, weight_copy)
+    x2d = _as_rows(x)
+    if round_x:
+        x2d = x2d.to(compute_dtype)
+    w = weight if weight_copy is None else weight_copy
+    out, act_grad, _ = gemm(
+        x2d,
+        w.t(),
+        compute_dtype=compute_dtype,
+        out_dtype=out_dtype,
+        bias=bias,
+        activation=activation,
+        store_act_grad=store_act_grad,
+    )
+    if x.dim() != 2:  # (*, N) views of the (M, N) results
+        shape = (*x.shape[:-1], weight.shape[0])
+        # Detached: a tensor of its own over C's memory. A view of a tensor made in
+        # LinearFunction's forward may not be changed in place (autograd forbids it);
+        # nn.Linear's output may.
+        out = out.view(shape).detach()
+        act_grad = None if act_grad is None else act_grad.view(shape)
+    return out, act_grad, x2d, w
+
+
 class LinearFunction(torch.autograd.Function):
     """act(x @ W.T + bias) with 16-bit operands and FP32 accumulation: the layer's GEMMs.
     With an activation and a gradient to compute, ``ActivationFunction`` follows it in
@@ -209,27 +247,10 @@ class LinearFunction(torch.autograd.Function):
         weight_copy=None,
         store_act_grad=False,
     ):
-        gemm = _gemm(x.device, x, weight, bias, weight_copy)
-        x2d = _as_rows(x)
-        if ctx.needs_input_grad[1] and x.dtype == torch.float32:
-            x2d = x2d.to(compute_dtype)
-        w = weight if weight_copy is None else weight_copy
-        out, act_grad, _ = gemm(
-            x2d,
-            w.t(),
-            compute_dtype=compute_dtype,
-            out_dtype=out_dtype,
-            bias=bias,
-            activation=activation,
-            store_act_grad=store_act_grad,
-        )
-        if x.dim() != 2:  # (*, N) views of the (M, N) results
-            shape = (*x.shape[:-1], weight.shape[0])
-            # Detached: a tensor of its own over C's memory. A view of a tensor made in
-            # here may not be changed in place (autograd forbids it); nn.Linear's output
-            # may.
-            out = out.view(shape).detach()
-            act_grad = None if act_grad is None else act_grad.view(shape)
+        # An FP32 x that the weight gradient needs is saved rounded (half the memory).
+        round_x = ctx.needs_input_grad[1] and x.dtype == torch.float32
+        args = (x, weight, bias, activation, compute_dtype, out_dtype, weight_copy, store_act_grad)
+        out, act_grad, x2d, w = _linear_forward(*args, round_x=round_x)
         if act_grad is not None:
             ctx.mark_non_differentiable(act_grad)
         ctx.save_for_backward(x2d, w)
@@ -262,6 +283,39 @@ class LinearFunction(torch.autograd.Function):
             need_b=need_b and ctx.has_bias,
         )
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _autograd_idle(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records nothing of an op on ``tensors``: grad mode off or no
+    tensor requiring grad, no forward-AD level open, no functorch transform active, and
+    not being compiled (dynamo traces ``LinearFunction`` itself)."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    # forward_ad's level is -1 outside every dual_level(): the Function then raises for
+    # want of a jvp, where its forward alone would drop the tangents.
+    return forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+
+
+def _linear_function(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    weight_copy: torch.Tensor | None = None,
+    store_act_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``LinearFunction.apply``, or, where autograd records nothing (inference, a
+    no-grad product), its forward alone: ``Function.apply`` cost 8 of an eager 512^2
+    ``mpgemm.matmul``'s 43 us of host time (``bench/host_time.py``)."""
+    args = (x, weight, bias, activation, compute_dtype, out_dtype, weight_copy, store_act_grad)
+    if _autograd_idle(x, weight, bias):
+        out, act_grad, _, _ = _linear_forward(*args, round_x=False)
+        return out, act_grad
+    return LinearFunction.apply(*args)
 
 
 class ActivationFunction(torch.autograd.Function):
@@ -419,7 +473,7 @@ def _linear(
         and torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (input, weight, bias))
     )
-    out, act_grad = LinearFunction.apply(
+    out, act_grad = _linear_function(
         input,
         weight,
         bias.detach() if activated and bias is not None else bias,
@@ -457,5 +511,5 @@ def matmul(
             f"{op}: a of shape {tuple(a.shape)} and b of shape {tuple(b.shape)} cannot be "
             "multiplied: b must be 2-D (K, N) with K equal to a's last dimension"
         )
-    out, _ = LinearFunction.apply(a, b.t(), None, None, compute_dtype, out_dtype or compute_dtype)
+    out, _ = _linear_function(a, b.t(), None, None, compute_dtype, out_dtype or compute_dtype)
     return out

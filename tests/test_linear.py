@@ -305,3 +305,50 @@ def test_an_output_changed_in_place_is_handled_as_torch_handles_it(device, batch
     y.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("batch", [(8,), (2, 4)], ids=["2-D", "3-D"])
+def test_a_product_autograd_does_not_record_runs_without_the_autograd_function(
+    device, batch, monkeypatch
+):
+    """Under no_grad or inference_mode, or with no input requiring grad, the forward
+    runs without ``LinearFunction.apply`` (its host time is a fifth of an eager GEMM's)
+    and gives bit for bit what the recorded forward gives; with a graph to record, or a
+    forward-AD level open (the Function then raises for want of a jvp rather than drop
+    the tangents) or under vmap, the Function runs."""
+    x = torch.randn(*batch, 32, device=device)
+    w = torch.randn(16, 32, device=device)
+    b = torch.randn(16, device=device)
+    ops = {
+        "matmul": lambda x, w, b: mpgemm.matmul(x, w.t()),
+        "linear gelu": lambda x, w, b: mpgemm.linear(x, w, b, activation="gelu"),
+        "linear relu fp32": lambda x, w, b: mpgemm.linear(
+            x, w, b, activation="relu", out_dtype=torch.float32
+        ),
+    }
+    recorded = {name: op(*leaves(x, w, b)) for name, op in ops.items()}
+    applied = []
+    real_apply = functional.LinearFunction.apply
+
+    def counting_apply(*args):
+        applied.append(args)
+        return real_apply(*args)
+
+    monkeypatch.setattr(functional.LinearFunction, "apply", counting_apply)
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        for name, op in ops.items():
+            with mode():
+                y = op(x, w, b)
+            assert applied == [], (mode.__name__, name)
+            assert y.grad_fn is None and not y.requires_grad
+            assert torch.equal(y, recorded[name].detach()), (mode.__name__, name)
+    op(*leaves(x, w, b))
+    assert len(applied) == 1
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="jvp"):
+        mpgemm.matmul(fwAD.make_dual(x, torch.ones_like(x)), w.t())
+    # Under a functorch transform too: it raises as torch does for such a Function.
+    with torch.no_grad(), pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.vmap(lambda t: mpgemm.matmul(t, w.t()))(x.unsqueeze(0))
+    assert len(applied) == 3
