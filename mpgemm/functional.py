@@ -285,13 +285,17 @@ class LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
+def _records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a graph for an op on ``tensors``: grad mode is on and
+    one of them requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _autograd_idle(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records nothing of an op on ``tensors``: grad mode off or no
-    tensor requiring grad, no forward-AD level open, no functorch transform active, and
+    """Whether autograd records nothing of an op on ``tensors``: no graph
+    (``_records_grad``), no forward-AD level open, no functorch transform active, and
     not being compiled (dynamo traces ``LinearFunction`` itself)."""
-    if torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if torch.compiler.is_compiling() or _records_grad(*tensors):
         return False
     # forward_ad's level is -1 outside every dual_level(): the Function then raises for
     # want of a jvp, where its forward alone would drop the tangents.
@@ -468,11 +472,7 @@ def _linear(
         )
     # With an activation and a gradient to compute, the activation's node follows the
     # GEMMs' and owns the bias gradient: the GEMMs' node gets the bias's values only.
-    activated = (
-        activation is not None
-        and torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in (input, weight, bias))
-    )
+    activated = activation is not None and _records_grad(input, weight, bias)
     out, act_grad = _linear_function(
         input,
         weight,
