@@ -99,11 +99,13 @@ def _dispatch(
     # tensor in two lists (a parameter as its own copy) stays one tensor.
     shards: dict[int, torch.Tensor] = {}
     local = {id(lst): _local_list(lst, shards) for lst in lists}
+    # A list comes back as it is when it holds plain tensors only.
+    plain = all(local[id(lst)] is lst for lst in lists)
     lists = [local[id(lst)] for lst in lists]
     device = lists[0][0].device
     use_kernels = backend(device) == "triton"
     dtypes = _dtype_sets(lists, copies)
-    take_all = use_kernels and _kernels_take_all(lists[:strided], dtypes[:strided])
+    take_all = use_kernels and _kernels_take_all(lists[:strided], dtypes[:strided], plain)
     if take_all and all(len(held) <= 1 for held in dtypes):
         call(kernels()[name], lists)  # one group
         return
@@ -184,16 +186,21 @@ _dtype = operator.attrgetter("dtype")
 _shape = operator.attrgetter("shape")
 
 
-def _kernels_take_all(strided: Sequence[Sequence[torch.Tensor]], dtypes: Sequence[set]) -> bool:
+def _kernels_take_all(
+    strided: Sequence[Sequence[torch.Tensor]], dtypes: Sequence[set], plain: bool
+) -> bool:
     """Whether ``_kernel_takes`` every position of the parallel ``strided`` lists, in the
     usual case: contiguous plain tensors of the kernels' dtypes (``dtypes``: each list's,
     from ``_dtype_sets``), one shape per position (False leaves the other cases to
-    ``_kernel_takes``). Each check maps over a whole list, in C."""
+    ``_kernel_takes``). ``plain``: the lists are known to hold plain tensors only (else
+    their types are checked). Each check maps over a whole list, in C."""
     if not all(held <= _KERNEL_DTYPE_SET for held in dtypes):
         return False
     first, *others = {id(lst): lst for lst in strided}.values()  # an in-place op's list once
     for lst in (first, *others):
-        if not set(map(type, lst)) <= _PLAIN_SET or not all(map(torch.Tensor.is_contiguous, lst)):
+        if not plain and not set(map(type, lst)) <= _PLAIN_SET:
+            return False
+        if not all(map(torch.Tensor.is_contiguous, lst)):
             return False
     shapes = list(map(_shape, first)) if others else None
     return all(list(map(_shape, lst)) == shapes for lst in others)
@@ -263,7 +270,7 @@ def unscale_(
     Raises TypeError for a non-tensor or a flag or scale that is not FP32, ValueError
     for a flag or scale of more than one element or on another device, or a ``dst``
     that does not match ``src``."""
-    _check_lists("unscale_", src, dst)
+    src_types = _check_lists("unscale_", src, dst)
     device = src[0].device if src else found_inf.device if torch.is_tensor(found_inf) else None
     _check_scalar("unscale_", "found_inf", found_inf, device)
     if inv_scale is not None:
@@ -278,14 +285,16 @@ def unscale_(
         lambda impl, ls: impl(ls[0], found_inf, inv_scale, dst=None if dst is None else ls[1]),
         strided=2,
     )
-    _reduce_over_shards(src, found_inf)
+    _reduce_over_shards(src, src_types, found_inf)
 
 
-def _check_lists(op: str, src, dst) -> None:
-    for name, tensors in (("src", src), ("dst", dst)):
-        if tensors is not None and not all(
-            issubclass(t, torch.Tensor) for t in set(map(type, tensors))
-        ):
+def _check_lists(op: str, src, dst) -> set[type]:
+    """Raises for lists that are not of tensors, or a ``dst`` of other shapes than
+    ``src``'s; returns the types in ``src``."""
+    src_types = set(map(type, src))
+    dst_types = set() if dst is None else set(map(type, dst))
+    for name, types in (("src", src_types), ("dst", dst_types)):
+        if not all(issubclass(t, torch.Tensor) for t in types):
             raise TypeError(f"mpgemm.scaling.{op}: {name} must be a sequence of tensors")
     if dst is not None and [t.shape for t in dst] != [t.shape for t in src]:
         raise ValueError(
@@ -293,6 +302,7 @@ def _check_lists(op: str, src, dst) -> None:
             f"got {[tuple(t.shape) for t in dst]} for "
             f"{[tuple(t.shape) for t in src]}"
         )
+    return src_types
 
 
 def _check_scalar(op: str, name: str, t, device: torch.device | None) -> None:
@@ -312,14 +322,17 @@ def _check_scalar(op: str, name: str, t, device: torch.device | None) -> None:
         raise ValueError(f"mpgemm.scaling.{op}: {name} is on {t.device}, the tensors on {device}")
 
 
-def _reduce_over_shards(src: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
+def _reduce_over_shards(
+    src: Sequence[torch.Tensor], src_types: set[type], found_inf: torch.Tensor
+) -> None:
     """DTensor gradients (FSDP2's shards): each rank checked its own shards, so the flag
     is MAX-reduced over every mesh dimension the gradients are not replicated on, as
-    torch's DTensor handler of ``_amp_foreach_non_finite_check_and_unscale_`` does."""
+    torch's DTensor handler of ``_amp_foreach_non_finite_check_and_unscale_`` does.
+    ``src_types``: the types in ``src``."""
     dtensor = _dtensor_type()
     if dtensor is None:
         return
-    if not any(issubclass(kind, dtensor) for kind in set(map(type, src))):
+    if not any(issubclass(kind, dtensor) for kind in src_types):
         return
     sharded = next(cast("DTensor", t) for t in src if isinstance(t, dtensor))
     from torch.distributed.tensor import Replicate
