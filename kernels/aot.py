@@ -195,6 +195,16 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
                 f"adam{'w' if decoupled else ''} {name}",
                 functools.partial(_adam_step, param, grad, copy, aligned, decoupled),
             )
+    # A tensor lr (and betas), read from its tensor in the kernel.
+    name = f"{f32} <- {f32}, copy {f16}"
+    yield (
+        f"sgd {name}, tensor lr",
+        functools.partial(_sgd_step, f32, f32, f16, aligned, tensor_hyperparameters=True),
+    )
+    yield (
+        f"adamw {name}, tensor lr and betas",
+        functools.partial(_adam_step, f32, f32, f16, aligned, True, tensor_hyperparameters=True),
+    )
 
 
 def _step_lists(param, grad, copy, aligned: bool, states: int) -> tuple[list, list | None]:
@@ -211,13 +221,17 @@ def _scaling_tensors() -> dict:
     return dict(grad_scale=torch.ones((), dtype=torch.float32), found_inf=torch.zeros(()))
 
 
-def _sgd_step(param, grad, copy, aligned: bool) -> None:
+def _hyperparameter(value: float, tensor: bool) -> float | torch.Tensor:
+    return torch.tensor(value) if tensor else value
+
+
+def _sgd_step(param, grad, copy, aligned: bool, tensor_hyperparameters: bool = False) -> None:
     from mpgemm.kernels.fused_optim import triton_sgd_step_
 
     lists, copies = _step_lists(param, grad, copy, aligned, states=1)
     triton_sgd_step_(
         *lists,
-        lr=0.1,
+        lr=_hyperparameter(0.1, tensor_hyperparameters),
         momentum=0.9,
         weight_decay=0.0,
         nesterov=False,
@@ -227,16 +241,18 @@ def _sgd_step(param, grad, copy, aligned: bool) -> None:
     )
 
 
-def _adam_step(param, grad, copy, aligned: bool, decoupled: bool) -> None:
+def _adam_step(
+    param, grad, copy, aligned: bool, decoupled: bool, tensor_hyperparameters: bool = False
+) -> None:
     from mpgemm.kernels.fused_optim import triton_adam_step_
 
     lists, copies = _step_lists(param, grad, copy, aligned, states=2)
     triton_adam_step_(
         *lists,
         [torch.ones(()) for _ in range(2)],
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.999,
+        lr=_hyperparameter(1e-3, tensor_hyperparameters),
+        beta1=_hyperparameter(0.9, tensor_hyperparameters),
+        beta2=_hyperparameter(0.999, tensor_hyperparameters),
         eps=1e-8,
         weight_decay=0.01,
         decoupled_weight_decay=decoupled,

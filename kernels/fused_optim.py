@@ -17,7 +17,10 @@ and bias (without) take one launch; ``HAS_COPY`` is off when no parameter has on
 
 Hyperparameters arrive in an FP64 table (``scalar_table``), as torch computes its
 Python-side scalars (bias corrections, ``1 - lr * weight_decay``) in double before
-rounding them to FP32.
+rounding them to FP32. A learning rate or Adam beta given as a tensor (as torch's
+optimizers take them) is read from that tensor at every launch and widened to FP64
+(torch's fused kernels widen theirs to double too), so that changing it in place needs
+no new launch configuration, trace or CUDA graph.
 """
 
 from __future__ import annotations
@@ -82,6 +85,19 @@ def _takes_step(found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
     if HAS_FOUND_INF:
         take_step = tl.load(found_inf_ptr) == 0.0
     return take_step
+
+
+@triton.jit
+def _hyperparameter(hyper_ptr, INDEX: tl.constexpr, tensor_ptr, FROM_TENSOR: tl.constexpr):
+    """Hyperparameter ``INDEX`` of the FP64 table, or, ``FROM_TENSOR``, the value of a
+    tensor hyperparameter (a one-element tensor of any float dtype) widened to FP64,
+    read at every launch: an LR schedule that changes it in place reaches a replayed
+    CUDA graph and a compiled step."""
+    if FROM_TENSOR:
+        value = tl.load(tensor_ptr).to(tl.float64)
+    else:
+        value = tl.load(hyper_ptr + INDEX)
+    return value
 
 
 @triton.jit
@@ -170,8 +186,9 @@ def _sgd_kernel(
     # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_GRAD_SCALE)
     found_inf_ptr,
     grad_scale_ptr,
-    # FP64 table: lr, momentum, weight_decay
+    # FP64 table: lr, momentum, weight_decay; lr's own tensor (unused unless TENSOR_LR)
     hyper_ptr,
+    lr_ptr,
     # element types
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
@@ -181,6 +198,7 @@ def _sgd_kernel(
     HAS_MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    TENSOR_LR: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -196,7 +214,7 @@ def _sgd_kernel(
     )
     c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, COPY_DTYPE, ALIGNED) + offsets
     has_copy = _has_copy(table_ptr, num_tensors, tensor, 3, HAS_COPY)
-    lr = tl.load(hyper_ptr)
+    lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
     momentum = tl.load(hyper_ptr + 1)
     weight_decay = tl.load(hyper_ptr + 2)
     if take_step:
@@ -315,8 +333,12 @@ def _adam_kernel(
     # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_GRAD_SCALE)
     found_inf_ptr,
     grad_scale_ptr,
-    # FP64 table: lr, beta1, beta2, eps, weight_decay
+    # FP64 table: lr, beta1, beta2, eps, weight_decay; the tensors of the first three
+    # (each unused unless its TENSOR_ flag is set)
     hyper_ptr,
+    lr_ptr,
+    beta1_ptr,
+    beta2_ptr,
     # element types
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
@@ -325,6 +347,9 @@ def _adam_kernel(
     HAS_COPY: tl.constexpr,
     DECOUPLED_WEIGHT_DECAY: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    TENSOR_LR: tl.constexpr,
+    TENSOR_BETA1: tl.constexpr,
+    TENSOR_BETA2: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -339,9 +364,9 @@ def _adam_kernel(
     v_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, PARAM_DTYPE, ALIGNED) + offsets
     c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 5, COPY_DTYPE, ALIGNED) + offsets
     has_copy = _has_copy(table_ptr, num_tensors, tensor, 5, HAS_COPY)
-    lr = tl.load(hyper_ptr)
-    beta1 = tl.load(hyper_ptr + 1)
-    beta2 = tl.load(hyper_ptr + 2)
+    lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
+    beta1 = _hyperparameter(hyper_ptr, 1, beta1_ptr, TENSOR_BETA1)
+    beta2 = _hyperparameter(hyper_ptr, 2, beta2_ptr, TENSOR_BETA2)
     eps = tl.load(hyper_ptr + 3)
     weight_decay = tl.load(hyper_ptr + 4)
     step = tl.load(table_pointer(table_ptr, num_tensors, tensor, 0, 4, tl.float32, False))
@@ -408,12 +433,16 @@ def _launch(
     hyper,
     *,
     strided,
+    tensor_flags: Sequence[str],
     block: int = BLOCK,
     num_warps: int = 8,
     **flags,
 ) -> None:
     """One launch over the parallel ``lists`` and the compute ``copies`` (the table's last
     list); the first ``strided`` lists, and the copies, are walked element by element.
+    ``hyper``: the hyperparameters, of which the first ``len(tensor_flags)`` may be
+    one-element tensors on the lists' device (torch's optimizers take a tensor lr and
+    betas), each passed after the table and read from there when its flag is set.
     ``block``: the elements per program. ``bench/sweep_optim.py`` times other values of
     it and ``num_warps`` on a GPU."""
     params = lists[0]
@@ -427,6 +456,12 @@ def _launch(
         return
     # The lists walked element by element: the strided ones, and the copies if written.
     walked = [*aligned[:strided], *(aligned[-1:] if has_copy else ())]
+    from_tensors = [isinstance(value, torch.Tensor) for value in hyper[: len(tensor_flags)]]
+    # A tensor's slot of the FP64 table is not read: 0 keeps the table's cache key.
+    values = list(hyper)
+    for index in itertools.compress(range(len(values)), from_tensors):
+        values[index] = 0.0
+    hyper_table = scalar_table(values, table.device)
     launch(
         kernel,
         (num_blocks,),
@@ -434,7 +469,8 @@ def _launch(
         num_tensors,
         found_inf if found_inf is not None else table,
         grad_scale if grad_scale is not None else table,
-        scalar_table(hyper, table.device),
+        hyper_table,
+        *(hyper[i] if tensor else hyper_table for i, tensor in enumerate(from_tensors)),
         PARAM_DTYPE=TRITON_DTYPES[params[0].dtype],
         GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
         COPY_DTYPE=TRITON_DTYPES[(first_copy if has_copy else params[0]).dtype],
@@ -445,6 +481,7 @@ def _launch(
         INTERPRETED=INTERPRET,
         BLOCK=block,
         num_warps=num_warps,
+        **dict(zip(tensor_flags, from_tensors, strict=True)),
         **flags,
     )
 
@@ -454,7 +491,7 @@ def triton_sgd_step_(
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor] | None,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     momentum: float,
     weight_decay: float,
     nesterov: bool,
@@ -465,7 +502,8 @@ def triton_sgd_step_(
 ) -> None:
     """``sgd_step_ref_`` in one launch. ``params`` (and buffers) share a dtype, ``grads``
     share a dtype, ``compute_copies`` that are not their parameter share a dtype (a
-    parameter's own tensor: none); all flat, one device, parallel tensors with equal strides."""
+    parameter's own tensor: none); all flat, one device, parallel tensors with equal
+    strides. A tensor ``lr`` (one element, on that device) is read by the kernel."""
     if not params:
         return
     buffers = momentum_buffers if momentum != 0 else params
@@ -477,6 +515,7 @@ def triton_sgd_step_(
         grad_scale,
         (lr, momentum, weight_decay),
         strided=3,
+        tensor_flags=("TENSOR_LR",),
         HAS_MOMENTUM=momentum != 0,
         NESTEROV=nesterov,
         MAXIMIZE=maximize,
@@ -490,9 +529,9 @@ def triton_adam_step_(
     exp_avg_sqs: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
+    lr: float | torch.Tensor,
+    beta1: float | torch.Tensor,
+    beta2: float | torch.Tensor,
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool,
@@ -503,7 +542,9 @@ def triton_adam_step_(
 ) -> None:
     """``adam_step_ref_`` in one launch. ``params`` and moments share a dtype, ``grads``
     share a dtype, ``compute_copies`` that are not their parameter share a dtype (a
-    parameter's own tensor: none), ``steps`` are FP32 one-element tensors; all on one device."""
+    parameter's own tensor: none), ``steps`` are FP32 one-element tensors; all on one
+    device. A tensor ``lr``, ``beta1`` or ``beta2`` (one element, on that device) is read
+    by the kernel."""
     if not params:
         return
     _launch(
@@ -514,6 +555,7 @@ def triton_adam_step_(
         grad_scale,
         (lr, beta1, beta2, eps, weight_decay),
         strided=4,
+        tensor_flags=("TENSOR_LR", "TENSOR_BETA1", "TENSOR_BETA2"),
         # 8 elements per thread: under Triton 3.6 Adam takes 88 registers a thread (102
         # writing a copy), so two 8-warp programs fit on an SM, one program's loads in
         # flight while the other waits on its table; 16 per thread take 153 (one program)

@@ -11,9 +11,12 @@ step, the skip counter and the scale update stay on the device (``LossScaleOptim
         loss = step(x, y)
 
 What a replay cannot see: the Python side of the step runs once, at capture. Hyper-
-parameters read on the host (a learning-rate schedule changing ``param_groups``), new
-parameters, or a change of the inputs' shapes need a new capture (a call whose inputs'
-shapes or dtypes differ from the captured ones runs eagerly instead).
+parameters read on the host (a float learning rate that a schedule changes in
+``param_groups``), new parameters, or a change of the inputs' shapes need a new capture
+(a call whose inputs' shapes or dtypes differ from the captured ones runs eagerly
+instead). A tensor ``lr`` on the GPU (``mpgemm.optim``'s optimizers take one, as torch's
+do) is read by the kernels at each replay, so a schedule that changes it in place
+between calls (torch's schedulers ``fill_`` it) reaches every replay.
 """
 
 from __future__ import annotations

@@ -245,6 +245,13 @@ def _or_none(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
     return tensors if tensors else None
 
 
+def _either(value: float, tensor: torch.Tensor | None) -> float | torch.Tensor:
+    """A hyperparameter that may be a tensor (torch's optimizers take a tensor lr and
+    betas): a schema has no "float or Tensor", so the ops take a float and an optional
+    ``<name>_tensor``, which ``mpgemm.scaling`` passes with 0 for the float."""
+    return value if tensor is None else tensor
+
+
 @torch.library.custom_op("mpgemm::unscale_", mutates_args=("src", "found_inf", "dst"))
 def unscale_(
     src: list[torch.Tensor],
@@ -293,6 +300,7 @@ def sgd_step_(
     momentum_buffers: list[torch.Tensor],
     compute_copies: list[torch.Tensor],
     lr: float,
+    lr_tensor: torch.Tensor | None,
     momentum: float,
     weight_decay: float,
     nesterov: bool,
@@ -311,7 +319,7 @@ def sgd_step_(
         grads,
         _or_none(momentum_buffers),
         compute_copies=_or_none(compute_copies),
-        lr=lr,
+        lr=_either(lr, lr_tensor),
         momentum=momentum,
         weight_decay=weight_decay,
         nesterov=nesterov,
@@ -332,8 +340,11 @@ def adam_step_(
     steps: list[torch.Tensor],
     compute_copies: list[torch.Tensor],
     lr: float,
+    lr_tensor: torch.Tensor | None,
     beta1: float,
+    beta1_tensor: torch.Tensor | None,
     beta2: float,
+    beta2_tensor: torch.Tensor | None,
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool,
@@ -352,9 +363,9 @@ def adam_step_(
         exp_avg_sqs,
         steps,
         compute_copies=_or_none(compute_copies),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
+        lr=_either(lr, lr_tensor),
+        beta1=_either(beta1, beta1_tensor),
+        beta2=_either(beta2, beta2_tensor),
         eps=eps,
         weight_decay=weight_decay,
         decoupled_weight_decay=decoupled_weight_decay,

@@ -19,8 +19,14 @@ True, ``differentiable`` False; ``capturable`` either way: the step never reads 
 device on the host). FP64 and complex parameters (or gradients) are stepped by torch's
 own implementation, as the torch optimizer would step them (under a scaler: skipped on
 inf/NaN, which reads the flag on the host, else on gradients unscaled in place). Not
-supported: SGD's ``dampening``, Adam's ``amsgrad``, tensor learning rates, sparse
-gradients (``ValueError``).
+supported: SGD's ``dampening``, Adam's ``amsgrad``, sparse gradients (``ValueError``).
+
+A learning rate (and Adam's betas) may be a one-element tensor, as in torch: the kernels
+read it on the device at every step, widened to FP64 as torch's fused kernels widen it
+(the same bits as the float of its value), so an LR scheduler that changes it in place
+(torch's schedulers ``fill_`` a tensor ``lr``) reaches a replayed CUDA graph
+(``mpgemm.graphs.GraphedStep``) and a compiled step without a recompile. A CPU tensor
+for GPU parameters is read on the host, as torch's fused optimizers read it.
 """
 
 from __future__ import annotations
@@ -167,7 +173,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
         weight_decay: float = 0.0,
@@ -178,7 +184,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
         differentiable: bool = False,
         fused: bool | None = None,
     ) -> None:
-        _check_supported(dampening=dampening, tensor_lr=isinstance(lr, torch.Tensor))
+        _check_supported(dampening=dampening)
         _check_implementation(foreach, fused, differentiable)
         super().__init__(
             params,
@@ -233,7 +239,7 @@ class _FusedAdamStep(_ScaledStep):
         differentiable,
         **extra,
     ) -> None:
-        _check_supported(amsgrad=amsgrad, tensor_lr=isinstance(lr, torch.Tensor))
+        _check_supported(amsgrad=amsgrad)
         _check_implementation(foreach, fused, differentiable)
         # torch.optim.Adam's or AdamW's, next in the MRO. The step counts live on the
         # parameters' device whatever ``capturable`` says (the step never reads them on
@@ -293,8 +299,8 @@ class Adam(_FusedAdamStep, torch.optim.Adam):
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
@@ -334,8 +340,8 @@ class AdamW(_FusedAdamStep, torch.optim.AdamW):
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,

@@ -402,6 +402,43 @@ def advance_steps_(steps: Sequence[torch.Tensor], found_inf: torch.Tensor | None
     torch._foreach_add_(list(steps), [increment] * len(steps))
 
 
+# The hyperparameters a step takes as a float or a one-element tensor, as torch's
+# optimizers take them (``lr``; Adam's ``beta1``, ``beta2``).
+_TENSOR_HYPERPARAMETERS = ("lr", "beta1", "beta2")
+
+
+def _as_op_arguments(hyper: dict) -> dict:
+    """``hyper`` as ``mpgemm.ops``' steps take it: a tensor hyperparameter as
+    ``<name>_tensor``, with 0 for the float (a schema has no "float or Tensor")."""
+    arguments = dict(hyper)
+    for name in _TENSOR_HYPERPARAMETERS:
+        if name in hyper:
+            value = hyper[name]
+            tensor = isinstance(value, torch.Tensor)
+            arguments[name], arguments[f"{name}_tensor"] = (0.0, value) if tensor else (value, None)
+    return arguments
+
+
+def _hyperparameters_on(hyper: dict, params: Sequence[torch.Tensor]) -> dict:
+    """``hyper`` with each tensor hyperparameter where the step reads it: on the
+    parameters' device as it is; on the CPU for another device, its value (as torch's
+    fused optimizers take it: reading it waits for no GPU); on another device, copied
+    there. ValueError: a tensor with other than one element."""
+    for name in _TENSOR_HYPERPARAMETERS:
+        value = hyper.get(name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.numel() != 1:
+            raise ValueError(
+                f"a tensor {name} must have one element, got one of shape {tuple(value.shape)}"
+            )
+        device = params[0].device
+        if value.device != device:
+            value = value.item() if value.device.type == "cpu" else value.to(device)
+            hyper = {**hyper, name: value}
+    return hyper
+
+
 def sgd_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -412,16 +449,19 @@ def sgd_step_(
 ) -> None:
     """One SGD step of ``mpgemm.scaling_ref.sgd_step_ref_``'s math, fused per dtype.
     ``compute_copies``: per parameter, its compute copy (``mpgemm.compute_copy``) to
-    write from the updated value, or the parameter itself for none."""
+    write from the updated value, or the parameter itself for none. ``lr`` may be a
+    one-element tensor, read on the device at each step (``_hyperparameters_on``)."""
     if torch.compiler.is_compiling():
         ops.sgd_step_(
             list(params),
             list(grads),
             list(momentum_buffers or ()),
             list(compute_copies or ()),
-            **hyper,
+            **_as_op_arguments(hyper),
         )
         return
+    if params:
+        hyper = _hyperparameters_on(hyper, params)
     copies = params if compute_copies is None else compute_copies
     lists = [params, grads, copies] + ([momentum_buffers] if momentum_buffers is not None else [])
     _dispatch(
@@ -447,7 +487,8 @@ def adam_step_(
 ) -> None:
     """One Adam/AdamW step of ``mpgemm.scaling_ref.adam_step_ref_``'s math, fused per
     dtype; ``steps`` must already count this step (``advance_steps_``).
-    ``compute_copies`` as for ``sgd_step_``."""
+    ``compute_copies`` as for ``sgd_step_``; ``lr``, ``beta1`` and ``beta2`` may be
+    one-element tensors, as ``sgd_step_``'s ``lr``."""
     if torch.compiler.is_compiling():
         ops.adam_step_(
             list(params),
@@ -456,9 +497,11 @@ def adam_step_(
             list(exp_avg_sqs),
             list(steps),
             list(compute_copies or ()),
-            **hyper,
+            **_as_op_arguments(hyper),
         )
         return
+    if params:
+        hyper = _hyperparameters_on(hyper, params)
     copies = params if compute_copies is None else compute_copies
     _dispatch(
         "adam_step",

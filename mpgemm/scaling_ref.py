@@ -74,6 +74,12 @@ def _unscaled_fp32(
     return unscaled.float()
 
 
+def _widened(value: float | torch.Tensor) -> float | torch.Tensor:
+    """A hyperparameter as the kernels take it: a tensor's value widened to FP64 (on its
+    device: nothing waits for the host), a float as it is."""
+    return value.double() if isinstance(value, torch.Tensor) else value
+
+
 def _store_unless_skipped(
     dst: torch.Tensor, value: torch.Tensor, found_inf: torch.Tensor | None
 ) -> None:
@@ -99,7 +105,7 @@ def sgd_step_ref_(
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor] | None,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     momentum: float,
     weight_decay: float,
     nesterov: bool,
@@ -114,10 +120,12 @@ def sgd_step_ref_(
         buf = momentum * buf + g;  d = g + momentum * buf if nesterov else buf
         p = p - lr * d
 
-    Buffers start as zeros, which gives torch's first step (buf = g). Each
-    ``compute_copies`` tensor gets its parameter's new value in its own dtype. Nothing
-    changes where ``found_inf`` is nonzero."""
+    Buffers start as zeros, which gives torch's first step (buf = g). A tensor ``lr``
+    (one element) is read in FP64, as a float would be. Each ``compute_copies`` tensor
+    gets its parameter's new value in its own dtype. Nothing changes where ``found_inf``
+    is nonzero."""
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
+    lr = _widened(lr)
     for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
         g = _unscaled_fp32(grad, grad_scale, found_inf)
         g = -g if maximize else g
@@ -139,9 +147,9 @@ def adam_step_ref_(
     exp_avg_sqs: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
+    lr: float | torch.Tensor,
+    beta1: float | torch.Tensor,
+    beta2: float | torch.Tensor,
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool,
@@ -157,9 +165,11 @@ def adam_step_ref_(
         m = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g^2
         p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-    Each ``compute_copies`` tensor gets its parameter's new value in its own dtype.
-    Nothing changes where ``found_inf`` is nonzero."""
+    A tensor ``lr``, ``beta1`` or ``beta2`` (one element) is read in FP64, as a float
+    would be. Each ``compute_copies`` tensor gets its parameter's new value in its own
+    dtype. Nothing changes where ``found_inf`` is nonzero."""
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
+    lr, beta1, beta2 = _widened(lr), _widened(beta1), _widened(beta2)
     for p, grad, m, v, step, copy in zip(
         params, grads, exp_avgs, exp_avg_sqs, steps, copies, strict=True
     ):

@@ -183,6 +183,39 @@ def test_compiled_grad_scaler_step_with_clipping_matches_eager(device):
     _assert_compiled_step_matches_eager(device, lambda compiled: _grad_scaler(compiled, device))
 
 
+def _scheduled_tensor_hyperparameters(compiled, device):
+    """AdamW with a tensor lr and betas, its lr halved in place after each step (outside
+    the compiled function, as torch's LR schedulers ``fill_`` a tensor lr; a scheduler
+    itself wraps ``optimizer.step`` in a function dynamo skips): read on the device, it
+    needs no recompile."""
+
+    def make(model):
+        def tensor(value):
+            return torch.tensor(value, device=device)
+
+        adamw = mpgemm.optim.AdamW(
+            model.parameters(), lr=tensor(1e-2), betas=(tensor(0.8), tensor(0.99))
+        )
+        optimizer = mpgemm.LossScaleOptimizer(adamw, init_scale=2.0**10, growth_interval=2)
+        optimizer_step = optimizer.step
+        if compiled:
+            optimizer_step = torch.compile(optimizer_step, fullgraph=True)
+
+        def step():
+            optimizer_step()
+            optimizer.param_groups[0]["lr"].mul_(0.5)
+
+        return step, lambda: optimizer.loss_scale, optimizer.scale_loss
+
+    return make
+
+
+def test_compiled_step_reads_a_scheduled_tensor_lr_without_recompiling(device):
+    _assert_compiled_step_matches_eager(
+        device, lambda compiled: _scheduled_tensor_hyperparameters(compiled, device)
+    )
+
+
 @pytest.mark.parametrize("make", [torch.optim.SGD, mpgemm.optim.SGD], ids=["torch", "mpgemm"])
 def test_compiled_optimizer_steps_are_counted_without_recompiling(make):
     """mpgemm.compute_copy counts optimizer steps (a 16-bit copy is stale after one)

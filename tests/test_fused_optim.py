@@ -96,6 +96,126 @@ def test_sgd_kernel_matches_reference(device, param_dtype, nesterov):
     _assert_close_lists(ours[2], ref[2], "momentum buffer", rtol)
 
 
+# A step's lists (params, grads, buffers or moments, steps) and hyperparameters.
+_STEPS = {
+    "sgd": (
+        scaling.sgd_step_,
+        scaling_ref.sgd_step_ref_,
+        dict(momentum=0.9, weight_decay=1e-2, nesterov=True, maximize=False),
+    ),
+    "adam": (
+        scaling.adam_step_,
+        scaling_ref.adam_step_ref_,
+        dict(eps=1e-8, weight_decay=1e-2, decoupled_weight_decay=True, maximize=False),
+    ),
+}
+
+
+@pytest.mark.parametrize("tensor_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(_STEPS))
+def test_tensor_hyperparameters_step_as_the_floats_of_their_values(device, name, tensor_dtype):
+    """A tensor lr (and Adam's betas) steps as the float of its value, bit for bit, on
+    the kernels and on the reference; changed in place, the next step reads the new
+    value (a table cached by the tensor's identity would read the old one)."""
+    kernel, reference, hyper = _STEPS[name]
+    lists = [_tensors(torch.float32, device), _tensors(torch.float16, device, scale=8.0)]
+    lists += [
+        _tensors(torch.float32, device, scale=0.1, positive=True)
+        for _ in range(1 if name == "sgd" else 2)
+    ]
+    values = {"lr": 0.05} if name == "sgd" else {"lr": 0.05, "beta1": 0.8, "beta2": 0.99}
+    scaler = dict(
+        grad_scale=torch.tensor(8.0, device=device), found_inf=torch.zeros((), device=device)
+    )
+    for impl in (kernel, reference):
+        tensors = {k: torch.tensor(v, dtype=tensor_dtype, device=device) for k, v in values.items()}
+        first = {k: t.item() for k, t in tensors.items()}  # the tensors' values
+        by_tensor, by_float, stale = _clones(lists), _clones(lists), _clones(lists)
+        steps = [[torch.zeros((), device=device) for _ in SHAPES] for _ in range(3)]
+        for _ in range(3):
+            floats = {k: t.item() for k, t in tensors.items()}
+            for run, hyperparameters, count in zip(
+                (by_tensor, by_float, stale), (tensors, floats, first), steps, strict=True
+            ):
+                extra = [] if name == "sgd" else [count]
+                for t in count:
+                    t.add_(1)
+                impl(*run, *extra, **hyper, **hyperparameters, **scaler)
+            for t in tensors.values():
+                t.mul_(0.5)  # in place, as torch's LR schedulers change a tensor lr
+        for i, (a, b) in enumerate(zip(by_tensor, by_float, strict=True)):
+            for x, y in zip(a, b, strict=True):
+                assert_same_bits(x, y, f"{impl.__name__}, list {i}")
+        assert not all(torch.equal(x, y) for x, y in zip(by_tensor[0], stale[0], strict=True)), (
+            "the changed values made no difference"
+        )
+
+
+def test_a_tensor_hyperparameter_must_have_one_element(device):
+    params = [torch.zeros(4, device=device)]
+    with pytest.raises(ValueError, match="tensor lr must have one element.*\\(2,\\)"):
+        scaling.sgd_step_(
+            params,
+            [torch.ones(4, device=device)],
+            None,
+            lr=torch.ones(2, device=device),
+            momentum=0.0,
+            weight_decay=0.0,
+            nesterov=False,
+            maximize=False,
+        )
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_tensor_lr_and_betas_track_torch_under_a_schedule(device, name):
+    """As in torch, lr (and Adam's betas) may be tensors, which an LR scheduler changes
+    in place: the fused optimizer follows torch's over a schedule."""
+
+    initial_lr = 0.05 if name == "sgd" else 1e-2
+
+    def make(cls, params):
+        def tensor(value):
+            return torch.tensor(value, device=device)
+
+        if name == "sgd":
+            return cls(params, lr=tensor(initial_lr), momentum=0.9)
+        return cls(params, lr=tensor(initial_lr), betas=(tensor(0.8), tensor(0.99)))
+
+    runs = []
+    for cls in (CLASSES[name], TORCH_CLASSES[name]):
+        model = _mlp(device)
+        optimizer = make(cls, model.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        for _ in range(20):
+            _train(model, optimizer, 1, device)
+            scheduler.step()
+        lr = optimizer.param_groups[0]["lr"]  # still the tensor, filled in place
+        assert isinstance(lr, torch.Tensor)
+        assert lr.item() == pytest.approx(initial_lr / 16)
+        runs.append(list(model.parameters()))
+    for p, q, initial in zip(*runs, _mlp(device).parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert (p - initial).abs().max() > 1e-3, "training moved the parameters"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CPU tensor for GPU parameters")
+def test_a_cpu_tensor_lr_steps_gpu_parameters_as_its_value():
+    """As torch's fused optimizers do, a CPU tensor lr is read on the host: no GPU wait."""
+    runs = []
+    for lr in (torch.tensor(0.05), torch.tensor(0.05).item()):
+        model = _mlp(torch.device("cuda"))
+        optimizer = mpgemm.optim.Adam(model.parameters(), lr=lr)
+        _train(model, optimizer, 1, torch.device("cuda"))  # builds the state
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _train(model, optimizer, 2, torch.device("cuda"))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        runs.append(list(model.parameters()))
+    for p, q in zip(*runs, strict=True):
+        assert_same_bits(p.detach(), q.detach(), "CPU tensor lr vs its float")
+
+
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
 def test_found_inf_leaves_every_bit_in_place(device, param_dtype):
     found = torch.ones((), device=device)
@@ -320,7 +440,6 @@ def test_lr_scheduler_drives_the_fused_optimizer(device):
     [
         (lambda p: mpgemm.optim.SGD(p, momentum=0.9, dampening=0.1), "dampening"),
         (lambda p: mpgemm.optim.Adam(p, amsgrad=True), "amsgrad"),
-        (lambda p: mpgemm.optim.AdamW(p, lr=torch.tensor(0.1)), "tensor_lr"),
     ],
 )
 def test_unsupported_options_raise_value_error(make, option):

@@ -52,3 +52,38 @@ def test_replayed_steps_match_eager_steps_bit_for_bit():
     assert torch.equal(losses.nan_to_num(), eager_losses.nan_to_num())
     for p, q in zip(params, eager_params, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
+def test_replays_read_a_tensor_lr_changed_between_them():
+    """A tensor lr on the GPU, halved in place after each step (as an LR scheduler fills
+    it), is read by every replay: the replayed steps equal the eager ones bit for bit."""
+    import mpgemm
+
+    def run(graphed):
+        torch.manual_seed(0)
+        model = mpgemm.convert(build_mlp(784, (128,), 10)).cuda()
+        optimizer = mpgemm.LossScaleOptimizer(
+            mpgemm.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="cuda"))
+        )
+
+        def train_step(x, y):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.scale_loss(loss).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            return loss.detach()
+
+        step = GraphedStep(train_step) if graphed else train_step
+        g = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            x = torch.randn(128, 784, generator=g).cuda()
+            step(x, torch.randint(0, 10, (128,), generator=g).cuda())
+            optimizer.param_groups[0]["lr"].mul_(0.5)
+        return [p.detach().clone() for p in model.parameters()], step
+
+    eager, _ = run(False)
+    replayed, step = run(True)
+    assert step.graph is not None  # captured at the 4th step, replayed after
+    for p, q in zip(replayed, eager, strict=True):
+        assert torch.equal(p, q)
