@@ -516,6 +516,10 @@ def triton_sgd_step_(
         (lr, momentum, weight_decay),
         strided=3,
         tensor_flags=("TENSOR_LR",),
+        # 8 elements per thread, as Adam's: at 16, SGD took 122 to 132 registers a thread
+        # under Triton 3.6 (one 8-warp program per SM above 128); at 8, 52 to 69 (three)
+        # (python -m mpgemm.kernels.aot). Not yet timed: bench/sweep_optim.py.
+        block=2048,
         HAS_MOMENTUM=momentum != 0,
         NESTEROV=nesterov,
         MAXIMIZE=maximize,
