@@ -1,4 +1,4 @@
-"""The fused Adam step's launch shape against its speed, for issue 11's gap. On the H100
+"""The fused optimizer steps' launch shape against their speed, for issue 11's gap. On the H100
 the guide MLP's Adam step (FP32 masters writing FP16 compute copies) first took 356 us
 where torch's fused Adam took 252: at 182 registers a thread one 8-warp program fitted
 on an SM, and each program waited on its table, its step count and the flag before it
@@ -12,7 +12,10 @@ weights with FP16 copies, biases without: one launch, as in a training step), th
 parameters without copies (an unconverted model's: one launch, which ptxas compiles
 to fewer registers at 2048 elements a program than at 4096), checks that each wrote
 the same bits as the default shape, and times it on the GPU's clock with L2 flushed
-(``harness.DeviceClock``); then torch.optim.Adam(fused=True) with a grad scale.
+(``harness.DeviceClock``); then torch.optim.Adam(fused=True) with a grad scale. The
+same for ``sgd_step_`` with momentum against torch.optim.SGD(fused=True): SGD ran
+4096 elements a program at 122 to 132 registers (one 8-warp program per SM) until
+2048 took it to 52 to 69, untimed.
 
     python3 bench/sweep_optim.py [OUT.json]     # on a GPU
     python3 bench/sweep_optim.py --smoke        # tiny shapes, wall clock, any machine
@@ -32,7 +35,7 @@ import triton
 from harness import DEVICE, ON_GPU, DeviceClock
 
 from mpgemm.kernels import fused_optim
-from mpgemm.scaling import adam_step_
+from mpgemm.scaling import adam_step_, sgd_step_
 
 GUIDE = [(4096, 784), (4096,), (4096, 4096), (4096,), (10, 4096), (10,)]
 SMOKE = [(64, 48), (64,), (10, 64), (10,)]
@@ -49,6 +52,10 @@ HYPER = dict(
     decoupled_weight_decay=False,
     maximize=False,
 )
+SGD_HYPER = dict(lr=1e-3, momentum=0.9, weight_decay=0.0, nesterov=False, maximize=False)
+# Bytes per element each step moves, copies aside: Adam reads p, g, m, v and writes
+# them (g unscaled); SGD reads p, g and its momentum buffer and writes them.
+FP32_ACCESSES = {"adam": 8, "sgd": 6}
 
 
 def _state(shapes):
@@ -79,18 +86,37 @@ def _fresh(state):
     return fresh
 
 
-def _ours(state, grad_scale, found_inf, copies=True):
+def _ours(name, state, grad_scale, found_inf, copies=True):
+    scaling = dict(
+        compute_copies=state["copies"] if copies else None,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
+    if name == "sgd":  # the first moments stand for the momentum buffers
+        sgd_step_(state["params"], state["grads"], state["exp_avgs"], **scaling, **SGD_HYPER)
+        return
     adam_step_(
         state["params"],
         state["grads"],
         state["exp_avgs"],
         state["exp_avg_sqs"],
         state["steps"],
-        compute_copies=state["copies"] if copies else None,
-        grad_scale=grad_scale,
-        found_inf=found_inf,
+        **scaling,
         **HYPER,
     )
+
+
+def _torch_fused(name, state, grad_scale, found_inf):
+    """torch's fused optimizer of ``name`` over ``state``'s parameters and gradients."""
+    params = [torch.nn.Parameter(p) for p in state["params"]]
+    for p, grad in zip(params, state["grads"], strict=True):
+        p.grad = grad
+    if name == "sgd":
+        fused = torch.optim.SGD(params, lr=SGD_HYPER["lr"], momentum=0.9, fused=True)
+    else:
+        fused = torch.optim.Adam(params, lr=HYPER["lr"], fused=True)
+    fused.grad_scale, fused.found_inf = grad_scale, found_inf
+    return fused
 
 
 def _with_shape(block, num_warps):
@@ -127,41 +153,40 @@ def main(argv: list[str]) -> int:
     state = _state(shapes)
     rows, expected = [], {}
     original = fused_optim._launch
-    try:
-        for copies, (block, warps) in itertools.product((True, False), SHAPES):
-            fused_optim._launch = _with_shape(block, warps)
-            once = _fresh(state)
-            _ours(once, grad_scale, found_inf, copies)  # compiles; the bits to check
-            want = expected.setdefault(copies, once)
-            same = all(
-                torch.equal(a, b) for k in once for a, b in zip(once[k], want[k], strict=True)
-            )
-            work = _fresh(state)
-            us = _time(lambda w=work, c=copies: _ours(w, grad_scale, found_inf, c), calls)
-            # Read p, g, m, v; write p, g (unscaled), m, v; write the FP16 copies.
-            nbytes = numel * 4 * 8 + (copied * 2 if copies else 0)
-            rows.append(
-                dict(
-                    impl="mpgemm",
-                    copies=copies,
-                    block=block,
-                    num_warps=warps,
-                    us=us,
-                    gb_per_s=nbytes / us / 1e3,
-                    same_bits_as_default=same,
+    for name in ("adam", "sgd"):
+        try:
+            for copies, (block, warps) in itertools.product((True, False), SHAPES):
+                fused_optim._launch = _with_shape(block, warps)
+                once = _fresh(state)
+                _ours(name, once, grad_scale, found_inf, copies)  # compiles; the bits
+                want = expected.setdefault((name, copies), once)
+                same = all(
+                    torch.equal(a, b) for k in once for a, b in zip(once[k], want[k], strict=True)
                 )
-            )
-    finally:
-        fused_optim._launch = original
-    torch_state = _fresh(state)
-    params = [torch.nn.Parameter(p) for p in torch_state["params"]]
-    for p, grad in zip(params, torch_state["grads"], strict=True):
-        p.grad = grad
-    fused = torch.optim.Adam(params, lr=HYPER["lr"], fused=True)
-    fused.grad_scale, fused.found_inf = grad_scale, found_inf
-    us = _time(fused.step, calls)
-    # Its rate as the bytes ours moves less the copies, which torch's does not write.
-    rows.append(dict(impl="torch fused Adam", us=us, gb_per_s=numel * 4 * 8 / us / 1e3))
+                work = _fresh(state)
+                us = _time(
+                    lambda n=name, w=work, c=copies: _ours(n, w, grad_scale, found_inf, c), calls
+                )
+                # FP32 reads and writes of the step, and the FP16 copies written.
+                nbytes = numel * 4 * FP32_ACCESSES[name] + (copied * 2 if copies else 0)
+                rows.append(
+                    dict(
+                        impl="mpgemm",
+                        optimizer=name,
+                        copies=copies,
+                        block=block,
+                        num_warps=warps,
+                        us=us,
+                        gb_per_s=nbytes / us / 1e3,
+                        same_bits_as_default=same,
+                    )
+                )
+        finally:
+            fused_optim._launch = original
+        us = _time(_torch_fused(name, _fresh(state), grad_scale, found_inf).step, calls)
+        # Its rate as the bytes ours moves less the copies, which torch's does not write.
+        nbytes = numel * 4 * FP32_ACCESSES[name]
+        rows.append(dict(impl=f"torch fused {name}", us=us, gb_per_s=nbytes / us / 1e3))
     env = dict(
         device=torch.cuda.get_device_name() if ON_GPU else "cpu",
         torch=torch.__version__,

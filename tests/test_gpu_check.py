@@ -121,8 +121,8 @@ def test_plan_counts_compiles_and_fits_every_stage_in_its_limit():
 
 
 def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
-    """bench/sweep_optim.py, the script a GPU session runs for the Adam gap, on tiny
-    shapes through the interpreter: every launch shape writes the default's bits."""
+    """bench/sweep_optim.py, the script a GPU session runs for the optimizers' gap, on
+    tiny shapes through the interpreter: every launch shape writes the default's bits."""
     run = subprocess.run(
         [sys.executable, "sweep_optim.py", "--smoke"],
         cwd=ROOT / "bench",
@@ -133,9 +133,12 @@ def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    ours = [r for r in rows if r["impl"] == "mpgemm"]
-    # (block, warps): 1024, 2048 and 4096 elements a program, 4 or 8 warps; with the
-    # weights' FP16 copies and without copies
-    assert len(ours) == 12 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
-    assert [r["copies"] for r in ours] == [True] * 6 + [False] * 6
-    assert rows[-1]["impl"] == "torch fused Adam"
+    # Per optimizer, (block, warps): 1024, 2048 and 4096 elements a program, 4 or 8
+    # warps; with the weights' FP16 copies and without copies; then torch's fused step.
+    for name, block in (("adam", rows[:13]), ("sgd", rows[13:])):
+        ours = block[:-1]
+        assert len(ours) == 12 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
+        assert all(r["optimizer"] == name for r in ours)
+        assert [r["copies"] for r in ours] == [True] * 6 + [False] * 6
+        assert block[-1]["impl"] == f"torch fused {name}"
+    assert len(rows) == 26
