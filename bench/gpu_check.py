@@ -1,6 +1,7 @@
 """The GPU runbook: what a lent GPU runs, in stages that each fit one device call.
 
     bash bench/gpu_check.sh plan     per stage: binaries to compile, files, time estimate
+                                     (``plan STAGE ...``: those stages only)
     bash bench/gpu_check.sh bench    the benchmark suite: JSON, table, figure
     bash bench/gpu_check.sh train    mpgemm train on the guide's MLP and the small MLP
     bash bench/gpu_check.sh tests    the test suite on compiled kernels
@@ -215,8 +216,9 @@ def _tests_commands(out: Path, dry: bool) -> list[Command]:
     ]
 
 
-def _tests_workloads() -> list[Command]:
-    return [Command(_pytest(*_NOT_ON_GPU, "-q"), "tests.log", _SINGLE_CONFIG)]
+def _tests_workloads(*selection: str) -> list[Command]:
+    """The tests stage's run, or the tests in ``selection`` (pytest's arguments) alone."""
+    return [Command(_pytest(*(selection or _NOT_ON_GPU), "-q"), "tests.log", _SINGLE_CONFIG)]
 
 
 STAGES = {
@@ -431,9 +433,9 @@ def plan_stage(stage: Stage) -> tuple[int, int]:
     return count_compiles(records), sum(n for n in tuned.values() if n > 1)
 
 
-def plan() -> int:
+def plan(names: list[str]) -> int:
     over = 0
-    for stage in STAGES.values():
+    for stage in (STAGES[name] for name in names):
         compiles, tuned = plan_stage(stage)
         estimate = stage.estimate(compiles, tuned)
         over += estimate > STAGE_SECONDS
@@ -447,11 +449,12 @@ def plan() -> int:
 
 def main(argv: list[str]) -> int:
     names = ", ".join(STAGES)
-    if len(argv) != 1 or argv[0] not in (*STAGES, "plan"):
-        print(f"usage: gpu_check.sh plan | STAGE (one of {names})", file=sys.stderr)
+    planned = argv[:1] == ["plan"] and set(argv[1:]) <= set(STAGES)
+    if not planned and (len(argv) != 1 or argv[0] not in STAGES):
+        print(f"usage: gpu_check.sh plan [STAGE ...] | STAGE (one of {names})", file=sys.stderr)
         return 2
-    if argv[0] == "plan":
-        return plan()
+    if planned:
+        return plan(argv[1:] or list(STAGES))
     dry = os.environ.get("GPU_CHECK_DRY_RUN") == "1"
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results" / "gpu_check")
     return run_stage(STAGES[argv[0]], out.resolve(), dry)

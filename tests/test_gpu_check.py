@@ -4,6 +4,7 @@ files, at most 2 folders down, names of letters, digits, '.', '_' and '-'); the 
 stage's JSON and report hold what the GPU-results issue reads; the plan counts each
 stage's compiles at the GPU's sizes and keeps every stage inside its time limit."""
 
+import dataclasses
 import json
 import os
 import re
@@ -107,17 +108,40 @@ def test_a_stage_is_stopped_at_its_limit_and_keeps_its_log(tmp_path, monkeypatch
     assert "started" in log and "stopped at the stage's limit" in log
 
 
+# The stages that compile ahead, and the bench stage nearest its limit. The tests stage's
+# workload is the test suite itself: planning it here would run the whole suite a second
+# time (a third of CI's time), so its plan is checked on one file below, and in full by
+# the GPU session's ``plan``.
+PLANNED = ["bench", "train"]
+
+
 def test_plan_counts_compiles_and_fits_every_stage_in_its_limit():
-    run = _run("plan")
+    run = _run("plan", *PLANNED)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     pattern = re.compile(r"stage (\w+): (\d+) compiles, (\d+) files, estimate (\d+) s")
     found = {m.group(1): m for m in map(pattern.fullmatch, lines) if m}
-    assert list(found) == list(gpu_check.STAGES), run.stdout
+    assert list(found) == PLANNED, run.stdout
     for name, match in found.items():
         assert int(match.group(2)) > 0, name
         assert int(match.group(3)) == len(gpu_check.STAGES[name].files) <= gpu_check.MAX_FILES
         assert int(match.group(4)) <= gpu_check.STAGE_SECONDS, match.group(0)
+
+
+def test_the_tests_stage_plan_counts_one_binary_per_launch():
+    """The tests stage runs the suite with one autotune config per launch: its plan, on
+    one file's tests, counts compiles and no config to time."""
+    stage = dataclasses.replace(
+        gpu_check.STAGES["tests"],
+        workloads=lambda: gpu_check._tests_workloads("tests/test_matmul.py"),
+    )
+    compiles, tuned = gpu_check.plan_stage(stage)
+    assert compiles > 0 and tuned == 0
+
+
+def test_plan_refuses_an_unknown_stage():
+    run = _run("plan", "bench", "benchmark")
+    assert run.returncode == 2 and "usage" in run.stderr and not run.stdout
 
 
 def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
