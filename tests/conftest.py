@@ -14,6 +14,37 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from torch._subclasses.fake_tensor import is_fake  # noqa: E402
 
+
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter swaps ``triton.language``'s builtins for numpy ones at each
+    launch, and again at each call of a ``@triton.jit`` helper inside the kernel, though
+    they are swapped already: an ``inspect.getmembers`` over the language per call, over
+    half the interpreted time of an optimizer step (triton 3.6 and 3.9). Skip the swap
+    when every language module the helper sees is swapped already (its ``load`` is no
+    longer the builtin); the launch's own swap, and its undoing, are untouched. Where
+    triton's interpreter is not laid out so, nothing changes."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    swap = getattr(interpreter, "_patch_lang", None)
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    if swap is None or scope is None:
+        return
+
+    def swap_unless_swapped(fn):
+        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):
+            return scope()  # nothing swapped, nothing to undo
+        return swap(fn)
+
+    interpreter._patch_lang = swap_unless_swapped
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
