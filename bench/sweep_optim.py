@@ -39,9 +39,10 @@ from mpgemm.scaling import adam_step_, sgd_step_
 
 GUIDE = [(4096, 784), (4096,), (4096, 4096), (4096,), (10, 4096), (10,)]
 SMOKE = [(64, 48), (64,), (10, 64), (10,)]
-# (block, warps); the first is the default.
-SHAPES = [(2048, 8)] + [
-    shape for shape in itertools.product((1024, 2048, 4096), (4, 8)) if shape != (2048, 8)
+# (block, warps); the first is the default (8 warps: _launch's).
+DEFAULT = (fused_optim.OPTIMIZER_BLOCK, 8)
+SHAPES = [DEFAULT] + [
+    shape for shape in itertools.product((1024, 2048, 4096), (4, 8)) if shape != DEFAULT
 ]
 HYPER = dict(
     lr=1e-3,

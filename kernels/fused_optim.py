@@ -37,7 +37,6 @@ from mpgemm.kernels.gemm_common import INTERPRET
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
 from mpgemm.kernels.tensor_table import (
-    BLOCK,
     TRITON_DTYPES,
     load_block,
     scalar_table,
@@ -46,6 +45,16 @@ from mpgemm.kernels.tensor_table import (
     table_pointer,
     tensor_table,
 )
+
+# Elements per program of the optimizer steps: 8 per thread for 8 warps, half the tensor
+# table's BLOCK. Under Triton 3.6 Adam takes 88 registers a thread (102 writing a copy),
+# so two 8-warp programs fit on an SM, one program's loads in flight while the other
+# waits on its table; at 16 per thread it took 153 (one program). On the H100, two
+# programs per SM moved the guide's step from 54% to 82% of DRAM bandwidth
+# (bench/results/h100-2026-11-22). SGD at 16 took 122 to 132 registers (146 under 3.9:
+# one program per SM above 128), at 8 it takes 52 to 69 (three), not yet timed
+# (python -m mpgemm.kernels.aot; bench/sweep_optim.py).
+OPTIMIZER_BLOCK = 2048
 
 
 @triton.jit
@@ -434,7 +443,7 @@ def _launch(
     *,
     strided,
     tensor_flags: Sequence[str],
-    block: int = BLOCK,
+    block: int = OPTIMIZER_BLOCK,
     num_warps: int = 8,
     **flags,
 ) -> None:
@@ -516,10 +525,6 @@ def triton_sgd_step_(
         (lr, momentum, weight_decay),
         strided=3,
         tensor_flags=("TENSOR_LR",),
-        # 8 elements per thread, as Adam's: at 16, SGD took 122 to 132 registers a thread
-        # under Triton 3.6 (one 8-warp program per SM above 128); at 8, 52 to 69 (three)
-        # (python -m mpgemm.kernels.aot). Not yet timed: bench/sweep_optim.py.
-        block=2048,
         HAS_MOMENTUM=momentum != 0,
         NESTEROV=nesterov,
         MAXIMIZE=maximize,
@@ -560,12 +565,6 @@ def triton_adam_step_(
         (lr, beta1, beta2, eps, weight_decay),
         strided=4,
         tensor_flags=("TENSOR_LR", "TENSOR_BETA1", "TENSOR_BETA2"),
-        # 8 elements per thread: under Triton 3.6 Adam takes 88 registers a thread (102
-        # writing a copy), so two 8-warp programs fit on an SM, one program's loads in
-        # flight while the other waits on its table; 16 per thread take 153 (one program)
-        # (python -m mpgemm.kernels.aot). On the H100, two programs per SM moved the
-        # guide's step from 54% to 82% of DRAM bandwidth (bench/results/h100-2026-11-22).
-        block=2048,
         DECOUPLED_WEIGHT_DECAY=decoupled_weight_decay,
         MAXIMIZE=maximize,
     )
