@@ -205,6 +205,13 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
         f"adamw {name}, tensor lr and betas",
         functools.partial(_adam_step, f32, f32, f16, aligned, True, tensor_hyperparameters=True),
     )
+    # AMSGrad: a fourth tensor streamed (the maxima), with a copy written and without.
+    for param, grad, copy in ((f32, f32, f16), (f32, f16, None)):
+        name = f"{param} <- {grad}" + (f", copy {copy}" if copy else "")
+        yield (
+            f"adam {name}, amsgrad",
+            functools.partial(_adam_step, param, grad, copy, aligned, False, amsgrad=True),
+        )
 
 
 def _step_lists(param, grad, copy, aligned: bool, states: int) -> tuple[list, list | None]:
@@ -242,14 +249,21 @@ def _sgd_step(param, grad, copy, aligned: bool, tensor_hyperparameters: bool = F
 
 
 def _adam_step(
-    param, grad, copy, aligned: bool, decoupled: bool, tensor_hyperparameters: bool = False
+    param,
+    grad,
+    copy,
+    aligned: bool,
+    decoupled: bool,
+    tensor_hyperparameters: bool = False,
+    amsgrad: bool = False,
 ) -> None:
     from mpgemm.kernels.fused_optim import triton_adam_step_
 
-    lists, copies = _step_lists(param, grad, copy, aligned, states=2)
+    lists, copies = _step_lists(param, grad, copy, aligned, states=3 if amsgrad else 2)
     triton_adam_step_(
-        *lists,
+        *lists[:4],
         [torch.ones(()) for _ in range(2)],
+        max_exp_avg_sqs=lists[4] if amsgrad else None,
         lr=_hyperparameter(1e-3, tensor_hyperparameters),
         beta1=_hyperparameter(0.9, tensor_hyperparameters),
         beta2=_hyperparameter(0.999, tensor_hyperparameters),

@@ -280,6 +280,7 @@ def _adam_block(
     g_ptr,
     m_ptr,
     v_ptr,
+    v_max_ptr,
     c_ptr,
     mask,
     has_copy,
@@ -295,6 +296,7 @@ def _adam_block(
     COPY_DTYPE: tl.constexpr,
     HAS_COPY: tl.constexpr,
     DECOUPLED_WEIGHT_DECAY: tl.constexpr,
+    AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -306,6 +308,8 @@ def _adam_block(
     g = load_block(g_ptr, mask)
     m = widen(load_block(m_ptr, mask), INTERPRETED)
     v = widen(load_block(v_ptr, mask), INTERPRETED)
+    if AMSGRAD:
+        v_max = widen(load_block(v_max_ptr, mask), INTERPRETED)
     # The step count, already advanced for this step, gives the bias corrections, in
     # double as torch takes them.
     t = step.to(tl.float64)
@@ -326,17 +330,24 @@ def _adam_block(
     else:
         m = g - (g - m) * (1.0 - weight)
     v = v * beta2.to(tl.float32) + (1.0 - beta2).to(tl.float32) * g * g
+    second = v  # the second moment the step divides by
+    if AMSGRAD:
+        # torch.maximum's: a NaN on either side is kept (max.f32 would drop it).
+        second = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
     # IEEE square root and division, as torch's: tl.sqrt and "/" are approximate on GPUs.
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps.to(tl.float32)
+    denom = tl.div_rn(tl.sqrt_rn(second), bias_correction2_sqrt) + eps.to(tl.float32)
     p = p - step_size * tl.div_rn(m, denom)
     tl.store(m_ptr, cast_rne(m, PARAM_DTYPE, INTERPRETED), mask=mask)
     tl.store(v_ptr, cast_rne(v, PARAM_DTYPE, INTERPRETED), mask=mask)
+    if AMSGRAD:
+        tl.store(v_max_ptr, cast_rne(second, PARAM_DTYPE, INTERPRETED), mask=mask)
     _store_param(p_ptr, c_ptr, p, mask, has_copy, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED)
 
 
 @triton.jit
 def _adam_kernel(
-    # table of [param, grad, exp_avg, exp_avg_sq, step, compute copy] tensors and its size
+    # table of [param, grad, exp_avg, exp_avg_sq, (max_exp_avg_sq if AMSGRAD), step,
+    # compute copy] tensors and its size
     table_ptr,
     num_tensors,
     # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_GRAD_SCALE)
@@ -355,6 +366,7 @@ def _adam_kernel(
     # flags
     HAS_COPY: tl.constexpr,
     DECOUPLED_WEIGHT_DECAY: tl.constexpr,
+    AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     TENSOR_LR: tl.constexpr,
     TENSOR_BETA1: tl.constexpr,
@@ -366,19 +378,29 @@ def _adam_kernel(
     BLOCK: tl.constexpr,
 ):
     take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
-    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 6, BLOCK)
+    # (The lists after exp_avg_sq move one place along with AMSGrad's maxima.)
+    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 6 + AMSGRAD, BLOCK)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
     m_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
     v_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, PARAM_DTYPE, ALIGNED) + offsets
-    c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 5, COPY_DTYPE, ALIGNED) + offsets
-    has_copy = _has_copy(table_ptr, num_tensors, tensor, 5, HAS_COPY)
+    v_max_ptr = v_ptr  # (not read without AMSGrad)
+    if AMSGRAD:
+        v_max_ptr = (
+            table_pointer(table_ptr, num_tensors, tensor, start, 4, PARAM_DTYPE, ALIGNED) + offsets
+        )
+    copy_list: tl.constexpr = 5 + AMSGRAD
+    c_ptr = (
+        table_pointer(table_ptr, num_tensors, tensor, start, copy_list, COPY_DTYPE, ALIGNED)
+        + offsets
+    )
+    has_copy = _has_copy(table_ptr, num_tensors, tensor, copy_list, HAS_COPY)
     lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
     beta1 = _hyperparameter(hyper_ptr, 1, beta1_ptr, TENSOR_BETA1)
     beta2 = _hyperparameter(hyper_ptr, 2, beta2_ptr, TENSOR_BETA2)
     eps = tl.load(hyper_ptr + 3)
     weight_decay = tl.load(hyper_ptr + 4)
-    step = tl.load(table_pointer(table_ptr, num_tensors, tensor, 0, 4, tl.float32, False))
+    step = tl.load(table_pointer(table_ptr, num_tensors, tensor, 0, 4 + AMSGRAD, tl.float32, False))
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
@@ -387,6 +409,7 @@ def _adam_kernel(
                 g_ptr,
                 m_ptr,
                 v_ptr,
+                v_max_ptr,
                 c_ptr,
                 None,
                 has_copy,
@@ -402,6 +425,7 @@ def _adam_kernel(
                 COPY_DTYPE,
                 HAS_COPY,
                 DECOUPLED_WEIGHT_DECAY,
+                AMSGRAD,
                 MAXIMIZE,
                 HAS_GRAD_SCALE,
                 INTERPRETED,
@@ -412,6 +436,7 @@ def _adam_kernel(
                 g_ptr,
                 m_ptr,
                 v_ptr,
+                v_max_ptr,
                 c_ptr,
                 mask,
                 has_copy,
@@ -427,6 +452,7 @@ def _adam_kernel(
                 COPY_DTYPE,
                 HAS_COPY,
                 DECOUPLED_WEIGHT_DECAY,
+                AMSGRAD,
                 MAXIMIZE,
                 HAS_GRAD_SCALE,
                 INTERPRETED,
@@ -548,23 +574,26 @@ def triton_adam_step_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """``adam_step_ref_`` in one launch. ``params`` and moments share a dtype, ``grads``
-    share a dtype, ``compute_copies`` that are not their parameter share a dtype (a
-    parameter's own tensor: none), ``steps`` are FP32 one-element tensors; all on one
-    device. A tensor ``lr``, ``beta1`` or ``beta2`` (one element, on that device) is read
-    by the kernel."""
+    """``adam_step_ref_`` in one launch. ``params`` and moments (and AMSGrad's
+    ``max_exp_avg_sqs``) share a dtype, ``grads`` share a dtype, ``compute_copies`` that
+    are not their parameter share a dtype (a parameter's own tensor: none), ``steps``
+    are FP32 one-element tensors; all on one device. A tensor ``lr``, ``beta1`` or
+    ``beta2`` (one element, on that device) is read by the kernel."""
     if not params:
         return
+    maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]
     _launch(
         _adam_kernel,
-        [params, grads, exp_avgs, exp_avg_sqs, steps],
+        [params, grads, exp_avgs, exp_avg_sqs, *maxima, steps],
         compute_copies,
         found_inf,
         grad_scale,
         (lr, beta1, beta2, eps, weight_decay),
-        strided=4,
+        strided=4 + len(maxima),
         tensor_flags=("TENSOR_LR", "TENSOR_BETA1", "TENSOR_BETA2"),
         DECOUPLED_WEIGHT_DECAY=decoupled_weight_decay,
+        AMSGRAD=bool(maxima),
         MAXIMIZE=maximize,
     )

@@ -330,7 +330,14 @@ def sgd_step_(
 
 
 @torch.library.custom_op(
-    "mpgemm::adam_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "compute_copies")
+    "mpgemm::adam_step_",
+    mutates_args=(
+        "params",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "compute_copies",
+        "max_exp_avg_sqs",
+    ),
 )
 def adam_step_(
     params: list[torch.Tensor],
@@ -339,6 +346,7 @@ def adam_step_(
     exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
     compute_copies: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
     lr: float,
     lr_tensor: torch.Tensor | None,
     beta1: float,
@@ -352,7 +360,8 @@ def adam_step_(
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
 ) -> None:
-    """``mpgemm.scaling.adam_step_`` (empty ``compute_copies``: none)."""
+    """``mpgemm.scaling.adam_step_`` (empty ``compute_copies``: none; empty
+    ``max_exp_avg_sqs``: no AMSGrad)."""
     from mpgemm import compute_copy, scaling
 
     compute_copy.count_step()  # as in sgd_step_
@@ -363,6 +372,7 @@ def adam_step_(
         exp_avg_sqs,
         steps,
         compute_copies=_or_none(compute_copies),
+        max_exp_avg_sqs=_or_none(max_exp_avg_sqs),
         lr=_either(lr, lr_tensor),
         beta1=_either(beta1, beta1_tensor),
         beta2=_either(beta2, beta2_tensor),

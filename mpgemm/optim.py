@@ -19,7 +19,7 @@ True, ``differentiable`` False; ``capturable`` either way: the step never reads 
 device on the host). FP64 and complex parameters (or gradients) are stepped by torch's
 own implementation, as the torch optimizer would step them (under a scaler: skipped on
 inf/NaN, which reads the flag on the host, else on gradients unscaled in place). Not
-supported: SGD's ``dampening``, Adam's ``amsgrad``, sparse gradients (``ValueError``).
+supported: SGD's ``dampening``, sparse gradients (``ValueError``).
 
 A learning rate (and Adam's betas) may be a one-element tensor, as in torch: the kernels
 read it on the device at every step, widened to FP64 as torch's fused kernels widen it
@@ -239,7 +239,6 @@ class _FusedAdamStep(_ScaledStep):
         differentiable,
         **extra,
     ) -> None:
-        _check_supported(amsgrad=amsgrad)
         _check_implementation(foreach, fused, differentiable)
         # torch.optim.Adam's or AdamW's, next in the MRO. The step counts live on the
         # parameters' device whatever ``capturable`` says (the step never reads them on
@@ -251,6 +250,7 @@ class _FusedAdamStep(_ScaledStep):
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
+            amsgrad=amsgrad,
             maximize=maximize,
             capturable=capturable,
             **extra,
@@ -258,6 +258,7 @@ class _FusedAdamStep(_ScaledStep):
 
     def _step_group(self, group, params, grad_scale, found_inf) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
+        max_exp_avg_sqs: list[torch.Tensor] | None = [] if group["amsgrad"] else None
         for p in params:
             state = self.state[p]
             if not state:
@@ -269,6 +270,15 @@ class _FusedAdamStep(_ScaledStep):
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
+            if max_exp_avg_sqs is not None:
+                # Made where missing, as torch makes it with the other state: also for
+                # a state from before amsgrad was turned on in the group (torch's step
+                # fails on that one).
+                if "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
         advance_steps_(steps, found_inf)
         beta1, beta2 = group["betas"]
         adam_step_(
@@ -289,12 +299,13 @@ class _FusedAdamStep(_ScaledStep):
             grad_scale=grad_scale,
             found_inf=found_inf,
             compute_copies=self._compute_copies(params),
+            max_exp_avg_sqs=max_exp_avg_sqs,
         )
 
 
 class Adam(_FusedAdamStep, torch.optim.Adam):
-    """``torch.optim.Adam`` (L2 weight decay, or decoupled as AdamW's; maximize; no
-    amsgrad) fused into one kernel per dtype."""
+    """``torch.optim.Adam`` (L2 weight decay, or decoupled as AdamW's; AMSGrad;
+    maximize) fused into one kernel per dtype."""
 
     def __init__(
         self,
@@ -332,8 +343,8 @@ class Adam(_FusedAdamStep, torch.optim.Adam):
 
 
 class AdamW(_FusedAdamStep, torch.optim.AdamW):
-    """``torch.optim.AdamW`` (decoupled weight decay, maximize; no amsgrad) fused into
-    one kernel per dtype."""
+    """``torch.optim.AdamW`` (decoupled weight decay, AMSGrad, maximize) fused into one
+    kernel per dtype."""
 
     _decoupled_weight_decay = True
 

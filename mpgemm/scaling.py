@@ -483,11 +483,13 @@ def adam_step_(
     steps: Sequence[torch.Tensor],
     *,
     compute_copies: Sequence[torch.Tensor] | None = None,
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
     **hyper,
 ) -> None:
     """One Adam/AdamW step of ``mpgemm.scaling_ref.adam_step_ref_``'s math, fused per
     dtype; ``steps`` must already count this step (``advance_steps_``).
-    ``compute_copies`` as for ``sgd_step_``; ``lr``, ``beta1`` and ``beta2`` may be
+    ``compute_copies`` as for ``sgd_step_``; ``max_exp_avg_sqs``: AMSGrad's maxima of
+    the second moments (None: plain Adam); ``lr``, ``beta1`` and ``beta2`` may be
     one-element tensors, as ``sgd_step_``'s ``lr``."""
     if torch.compiler.is_compiling():
         ops.adam_step_(
@@ -497,16 +499,25 @@ def adam_step_(
             list(exp_avg_sqs),
             list(steps),
             list(compute_copies or ()),
+            list(max_exp_avg_sqs or ()),
             **_as_op_arguments(hyper),
         )
         return
     if params:
         hyper = _hyperparameters_on(hyper, params)
     copies = params if compute_copies is None else compute_copies
+    # AMSGrad's maxima are walked with the moments, before the copies and step counts.
+    maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]
     _dispatch(
         "adam_step",
-        [params, grads, exp_avgs, exp_avg_sqs, copies, steps],
-        lambda impl, ls: impl(ls[0], ls[1], ls[2], ls[3], ls[5], compute_copies=ls[4], **hyper),
-        strided=5,
-        copies=4,
+        [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps],
+        lambda impl, ls: impl(
+            *ls[:4],
+            ls[-1],
+            compute_copies=ls[-2],
+            max_exp_avg_sqs=ls[4] if maxima else None,
+            **hyper,
+        ),
+        strided=5 + len(maxima),
+        copies=4 + len(maxima),
     )

@@ -157,6 +157,7 @@ def adam_step_ref_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Adam (AdamW with ``decoupled_weight_decay``), torch.optim.Adam's math in FP32,
     with ``steps`` already counting this step:
@@ -165,13 +166,16 @@ def adam_step_ref_(
         m = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g^2
         p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-    A tensor ``lr``, ``beta1`` or ``beta2`` (one element) is read in FP64, as a float
-    would be. Each ``compute_copies`` tensor gets its parameter's new value in its own
-    dtype. Nothing changes where ``found_inf`` is nonzero."""
+    AMSGrad (``max_exp_avg_sqs`` given, of the parameters' dtype): v_max = max(v_max, v)
+    (``torch.maximum``: a NaN on either side is kept), and v_max replaces v in the
+    denominator. A tensor ``lr``, ``beta1`` or ``beta2`` (one element) is read in FP64,
+    as a float would be. Each ``compute_copies`` tensor gets its parameter's new value
+    in its own dtype. Nothing changes where ``found_inf`` is nonzero."""
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
+    maxima: Sequence[torch.Tensor | None] = max_exp_avg_sqs or [None] * len(params)
     lr, beta1, beta2 = _widened(lr), _widened(beta1), _widened(beta2)
-    for p, grad, m, v, step, copy in zip(
-        params, grads, exp_avgs, exp_avg_sqs, steps, copies, strict=True
+    for p, grad, m, v, step, copy, v_max in zip(
+        params, grads, exp_avgs, exp_avg_sqs, steps, copies, maxima, strict=True
     ):
         g = _unscaled_fp32(grad, grad_scale, found_inf)
         g = -g if maximize else g
@@ -186,7 +190,11 @@ def adam_step_ref_(
         t = step.double()
         step_size = (lr / (1 - beta1**t)).float()
         bias_correction2_sqrt = (1 - beta2**t).sqrt().float()
-        denom = v32.sqrt() / bias_correction2_sqrt + eps
         _store_unless_skipped(m, m32, found_inf)
         _store_unless_skipped(v, v32, found_inf)
+        second = v32  # the second moment the step divides by
+        if v_max is not None:
+            second = torch.maximum(v_max.float(), v32)
+            _store_unless_skipped(v_max, second, found_inf)
+        denom = second.sqrt() / bias_correction2_sqrt + eps
         _store_param(p, copy, p32 - step_size * (m32 / denom), found_inf)

@@ -87,6 +87,7 @@ def test_reduce_overhead_replays_match_eager_bit_for_bit():
 
 _OPTIMIZERS = {
     "adamw": lambda params: mpgemm.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "amsgrad": lambda params: mpgemm.optim.Adam(params, lr=1e-2, amsgrad=True),
     "sgd": lambda params: mpgemm.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
 }
 

@@ -71,6 +71,57 @@ def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, decouple
 
 
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
+def test_amsgrad_kernel_matches_reference(device, param_dtype):
+    """AMSGrad's maxima: about half of them above the new second moments, so that both
+    sides of the maximum are taken."""
+    scale = torch.tensor(1000.0, device=device)
+    found = torch.zeros((), device=device)
+    lists = [
+        _tensors(param_dtype, device),
+        _tensors(torch.float16, device, scale=1000.0),
+        _tensors(param_dtype, device, scale=0.1),
+        _tensors(param_dtype, device, scale=0.01, positive=True),
+        [torch.tensor(float(t), device=device) for t in (1, 7, 300, 2)],
+    ]
+    maxima = _tensors(param_dtype, device, scale=0.01, positive=True)
+    (*ours, our_max), (*ref, ref_max) = _clones([*lists, maxima]), _clones([*lists, maxima])
+    hyper = _adam_hyper(False, scale, found)
+    scaling.adam_step_(*ours, max_exp_avg_sqs=our_max, **hyper)
+    scaling_ref.adam_step_ref_(*ref, max_exp_avg_sqs=ref_max, **hyper)
+    rtol = 1e-6 if param_dtype == torch.float32 else 1e-2
+    for what, a, b in (("param", ours[0], ref[0]), ("max_exp_avg_sq", our_max, ref_max)):
+        _assert_close_lists(a, b, what, rtol)
+    raised = [torch.ne(new, old) for new, old in zip(our_max, maxima, strict=True)]
+    kept = sum(int((~r).sum()) for r in raised)
+    assert 0 < kept < sum(r.numel() for r in raised), "both sides of the maximum taken"
+    # Where the maximum rose, it is the new second moment.
+    for r, new, v in zip(raised, our_max, ours[3], strict=True):
+        assert_same_bits(new[r], v[r], "raised maximum")
+
+
+def test_amsgrad_keeps_a_nan_as_torch_maximum_does(device):
+    """A NaN gradient (no scaler to skip the step) reaches the second moment, and
+    torch.maximum keeps it in the maximum, where the GPU's max.f32 would drop it: the
+    state after the step has torch's Adam's bits, NaNs included."""
+    values = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    values[1, 7] = float("nan")
+    runs = []
+    for cls in (mpgemm.optim.Adam, torch.optim.Adam):
+        p = torch.nn.Parameter(values[0].clone().to(device))
+        optimizer = cls([p], lr=0.1, amsgrad=True)
+        for grad in values[1:]:
+            p.grad = grad.clone().to(device)
+            optimizer.step()
+        runs.append((p.detach(), optimizer.state[p]))
+    (ours, ours_state), (theirs, theirs_state) = runs
+    assert ours_state["max_exp_avg_sq"][7].isnan()
+    # equal_nan: NaNs at the same positions, the rest to FP32 rounding
+    torch.testing.assert_close(ours, theirs, equal_nan=True)
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        torch.testing.assert_close(ours_state[key], theirs_state[key], equal_nan=True, msg=key)
+
+
+@pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_kernel_matches_reference(device, param_dtype, nesterov):
     scale = torch.tensor(3.0, device=device)
@@ -226,9 +277,10 @@ def test_found_inf_leaves_every_bit_in_place(device, param_dtype):
         _tensors(param_dtype, device, positive=True),
         [torch.tensor(5.0, device=device) for _ in SHAPES],
     ]
+    lists.append(_tensors(param_dtype, device, positive=True))  # AMSGrad's maxima
     before = _clones(lists)
     scaling.advance_steps_(lists[4], found)
-    scaling.adam_step_(*lists, **_adam_hyper(True, None, found))
+    scaling.adam_step_(*lists[:5], max_exp_avg_sqs=lists[5], **_adam_hyper(True, None, found))
     scaling.sgd_step_(
         lists[0],
         lists[1],
@@ -351,6 +403,10 @@ OPTIMIZERS = {
         lambda p: mpgemm.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), maximize=True),
         lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), maximize=True),
     ),
+    "amsgrad": (
+        lambda p: mpgemm.optim.Adam(p, lr=1e-2, betas=(0.8, 0.9), weight_decay=1e-2, amsgrad=True),
+        lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.9), weight_decay=1e-2, amsgrad=True),
+    ),
 }
 
 
@@ -439,7 +495,6 @@ def test_lr_scheduler_drives_the_fused_optimizer(device):
     "make, option",
     [
         (lambda p: mpgemm.optim.SGD(p, momentum=0.9, dampening=0.1), "dampening"),
-        (lambda p: mpgemm.optim.Adam(p, amsgrad=True), "amsgrad"),
     ],
 )
 def test_unsupported_options_raise_value_error(make, option):
@@ -530,14 +585,32 @@ def test_adam_with_decoupled_weight_decay_steps_as_adamw(device):
     assert_same_bits(steps[0], steps[1], "Adam(decoupled_weight_decay=True) vs AdamW")
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("name", ["adam", "adamw"])
-def test_state_dict_loads_into_torchs_optimizer_and_steps(device, name):
-    p = torch.nn.Parameter(torch.randn(10, device=device))
-    ours = CLASSES[name]([p], lr=0.1)
-    p.grad = torch.randn(10, device=device)
-    ours.step()
-    theirs = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]([p], lr=0.1)
-    theirs.load_state_dict(ours.state_dict())
-    before = p.detach().clone()
-    theirs.step()  # capturable=True in the state dict made torch's CPU step assert
-    assert not torch.equal(p, before)
+def test_state_dicts_load_both_ways_and_step_on_as_torch(device, name, amsgrad):
+    """A state dict of ours loads into torch's optimizer and torch's into ours (AMSGrad's
+    maxima included), and a step after either load goes where torch's own would."""
+    classes = (CLASSES[name], TORCH_CLASSES[name])
+    generator = torch.Generator().manual_seed(0)
+    start, *grads = (torch.randn(10, generator=generator).to(device) for _ in range(3))
+    finals = {}
+    for first in classes:
+        for second in classes:
+            p = torch.nn.Parameter(start.clone())
+            before = first([p], lr=0.1, amsgrad=amsgrad)
+            p.grad = grads[0].clone()
+            before.step()
+            after = second([p], lr=0.1, amsgrad=amsgrad)
+            # (capturable=True in our state dict once made torch's CPU step assert)
+            after.load_state_dict(before.state_dict())
+            assert set(after.state[p]) == {"step", "exp_avg", "exp_avg_sq"} | (
+                {"max_exp_avg_sq"} if amsgrad else set()
+            )
+            p.grad = grads[1].clone()
+            after.step()
+            finals[first, second] = p.detach()
+    torch_only = finals[classes[1], classes[1]]
+    assert not torch.equal(torch_only, start)
+    for (first, second), final in finals.items():
+        what = f"{first.__module__} then {second.__module__}"
+        torch.testing.assert_close(final, torch_only, rtol=1e-6, atol=1e-7, msg=what)
