@@ -292,7 +292,7 @@ def update_scale_(
 
 
 @torch.library.custom_op(
-    "mpgemm::sgd_step_", mutates_args=("params", "momentum_buffers", "compute_copies")
+    "mpgemm::sgd_step_", mutates_args=("params", "grads", "momentum_buffers", "compute_copies")
 )
 def sgd_step_(
     params: list[torch.Tensor],
@@ -333,6 +333,7 @@ def sgd_step_(
     "mpgemm::adam_step_",
     mutates_args=(
         "params",
+        "grads",
         "exp_avgs",
         "exp_avg_sqs",
         "compute_copies",

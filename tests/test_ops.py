@@ -1,0 +1,117 @@
+"""mpgemm's custom ops (``mpgemm.ops``) pass torch's own checks of a custom op,
+``torch.library.opcheck``: the schema names every argument the op writes (a write it
+does not declare lets a compiled graph reuse a stale value), the fake implementation
+gives the real outputs' shapes, dtypes and strides, and the op traces under AOT
+autograd. Each op runs its real implementation (the kernels, through the interpreter
+on the CPU), with the arguments that make it write the most: a loss scale, so that the
+optimizer steps unscale the gradients in place."""
+
+import pytest
+import torch
+
+import mpgemm.ops  # registers torch.ops.mpgemm
+
+f16, f32 = torch.float16, torch.float32
+
+
+def _randn(*shape, dtype=f32):
+    return torch.randn(*shape, device="cuda" if torch.cuda.is_available() else "cpu").to(dtype)
+
+
+def _scalar(value, dtype=f32):
+    return torch.tensor(value, dtype=dtype, device=_randn(1).device)
+
+
+def _scaler():
+    """(grad_scale, found_inf) of a step that is taken."""
+    return _scalar(4.0), _scalar(0.0)
+
+
+# Each op with arguments: the op and the tensors it takes, then its other arguments.
+CASES = {
+    "gemm": lambda: (
+        torch.ops.mpgemm.gemm.default,
+        _randn(16, 32, dtype=f16),
+        _randn(32, 24, dtype=f16),
+        f16,
+        f32,
+        _randn(24),
+        "gelu",
+        True,
+        True,
+    ),
+    "linear_backward": lambda: (
+        torch.ops.mpgemm.linear_backward.default,
+        _randn(16, 24, dtype=f16),
+        _randn(16, 32, dtype=f16),
+        _randn(24, 32, dtype=f16),
+        [16, 32],
+        f16,
+        f32,
+        f16,
+        True,
+        True,
+        True,
+    ),
+    "activation_backward": lambda: (
+        torch.ops.mpgemm.activation_backward.default,
+        _randn(16, 24, dtype=f16),
+        _randn(16, 24, dtype=f16),
+        "relu",
+        f16,
+        True,
+    ),
+    "unscale_": lambda: (
+        torch.ops.mpgemm.unscale_.default,
+        [_randn(8), _randn(5, dtype=f16)],
+        _scalar(0.0),
+        _scalar(0.5),
+        [_randn(8), _randn(5)],
+    ),
+    "update_scale_": lambda: (
+        torch.ops.mpgemm.update_scale_.default,
+        _scalar(4.0),
+        _scalar(0, torch.int32),
+        _scalar(0.0),
+        2.0,
+        0.5,
+        3,
+        _scalar(0, torch.int64),
+    ),
+    # params, grads, buffers, copies; lr (and its tensor), momentum, weight decay,
+    # nesterov, maximize, grad_scale, found_inf
+    "sgd_step_": lambda: (
+        torch.ops.mpgemm.sgd_step_.default,
+        [_randn(8)],
+        [_randn(8)],
+        [_randn(8)],
+        [_randn(8, dtype=f16)],
+        *(0.1, None, 0.9, 0.01, False, False),
+        *_scaler(),
+    ),
+    # params, grads, moments, steps, copies, AMSGrad's maxima; lr, beta1, beta2 (each
+    # with its tensor), eps, weight decay, decoupled, maximize, grad_scale, found_inf
+    "adam_step_": lambda: (
+        torch.ops.mpgemm.adam_step_.default,
+        [_randn(8)],
+        [_randn(8)],
+        [_randn(8)],
+        [_randn(8).abs()],
+        [_scalar(1.0)],
+        [_randn(8, dtype=f16)],
+        [_randn(8).abs()],
+        *(0.1, None, 0.9, None, 0.99, None, 1e-8, 0.01, False, False),
+        *_scaler(),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_custom_op_passes_torchs_opcheck(name):
+    op, *args = CASES[name]()
+    result = torch.library.opcheck(op, tuple(args))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_every_op_is_checked():
+    assert sorted(CASES) == sorted(mpgemm.ops.__all__)
