@@ -205,6 +205,11 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
         f"adamw {name}, tensor lr and betas",
         functools.partial(_adam_step, f32, f32, f16, aligned, True, tensor_hyperparameters=True),
     )
+    # SGD with dampening: each program reads its tensor's step count too.
+    yield (
+        f"sgd {name}, dampening",
+        functools.partial(_sgd_step, f32, f32, f16, aligned, dampening=0.5),
+    )
     # AMSGrad: a fourth tensor streamed (the maxima), with a copy written and without.
     for param, grad, copy in ((f32, f32, f16), (f32, f16, None)):
         name = f"{param} <- {grad}" + (f", copy {copy}" if copy else "")
@@ -232,14 +237,23 @@ def _hyperparameter(value: float, tensor: bool) -> float | torch.Tensor:
     return torch.tensor(value) if tensor else value
 
 
-def _sgd_step(param, grad, copy, aligned: bool, tensor_hyperparameters: bool = False) -> None:
+def _sgd_step(
+    param,
+    grad,
+    copy,
+    aligned: bool,
+    tensor_hyperparameters: bool = False,
+    dampening: float = 0.0,
+) -> None:
     from mpgemm.kernels.fused_optim import triton_sgd_step_
 
     lists, copies = _step_lists(param, grad, copy, aligned, states=1)
     triton_sgd_step_(
         *lists,
+        steps=[torch.ones(()) for _ in range(2)] if dampening else None,
         lr=_hyperparameter(0.1, tensor_hyperparameters),
         momentum=0.9,
+        dampening=dampening,
         weight_decay=0.0,
         nesterov=False,
         maximize=False,

@@ -155,11 +155,14 @@ def _sgd_block(
     lr,
     momentum,
     weight_decay,
+    dampening,
+    first_step,
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
     HAS_COPY: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr,
+    DAMPENING: tl.constexpr,
     NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
@@ -177,7 +180,14 @@ def _sgd_block(
     if weight_decay != 0:
         g = g + weight_decay.to(tl.float32) * p
     if HAS_MOMENTUM:
-        buf = buf * momentum.to(tl.float32) + g
+        if DAMPENING:
+            # torch's first step takes the gradient itself as the buffer; dampening
+            # applies from the second (a buffer of zeros would give (1 - dampening) g).
+            damped = buf * momentum.to(tl.float32) + (1.0 - dampening).to(tl.float32) * g
+            buf = tl.where(first_step, g, damped)
+        else:
+            # From a buffer of zeros, the first step's is the gradient, as torch's.
+            buf = buf * momentum.to(tl.float32) + g
         tl.store(buf_ptr, cast_rne(buf, PARAM_DTYPE, INTERPRETED), mask=mask)
         if NESTEROV:
             g = g + momentum.to(tl.float32) * buf
@@ -189,13 +199,15 @@ def _sgd_block(
 
 @triton.jit
 def _sgd_kernel(
-    # table of [param, grad, momentum buffer, compute copy] tensors and its size
+    # table of [param, grad, momentum buffer, (step count if DAMPENING), compute copy]
+    # tensors and its size
     table_ptr,
     num_tensors,
     # one-element FP32 tensors (unused unless HAS_FOUND_INF / HAS_GRAD_SCALE)
     found_inf_ptr,
     grad_scale_ptr,
-    # FP64 table: lr, momentum, weight_decay; lr's own tensor (unused unless TENSOR_LR)
+    # FP64 table: lr, momentum, weight_decay, dampening; lr's own tensor (unused unless
+    # TENSOR_LR)
     hyper_ptr,
     lr_ptr,
     # element types
@@ -205,6 +217,7 @@ def _sgd_kernel(
     # flags
     HAS_COPY: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr,
+    DAMPENING: tl.constexpr,
     NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     TENSOR_LR: tl.constexpr,
@@ -215,17 +228,28 @@ def _sgd_kernel(
     BLOCK: tl.constexpr,
 ):
     take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
-    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 4, BLOCK)
+    # (The copies move one place along with the step counts.)
+    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 4 + DAMPENING, BLOCK)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
     buf_ptr = (
         table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
     )
-    c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, COPY_DTYPE, ALIGNED) + offsets
-    has_copy = _has_copy(table_ptr, num_tensors, tensor, 3, HAS_COPY)
+    copy_list: tl.constexpr = 3 + DAMPENING
+    c_ptr = (
+        table_pointer(table_ptr, num_tensors, tensor, start, copy_list, COPY_DTYPE, ALIGNED)
+        + offsets
+    )
+    has_copy = _has_copy(table_ptr, num_tensors, tensor, copy_list, HAS_COPY)
     lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
     momentum = tl.load(hyper_ptr + 1)
     weight_decay = tl.load(hyper_ptr + 2)
+    dampening = tl.load(hyper_ptr + 3)
+    # The parameter's count of steps taken, this one included: 1 when its buffer is new.
+    first_step = False
+    if DAMPENING:
+        step_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, 3, tl.float32, False)
+        first_step = tl.load(step_ptr) == 1.0
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
@@ -240,11 +264,14 @@ def _sgd_kernel(
                 lr,
                 momentum,
                 weight_decay,
+                dampening,
+                first_step,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
                 HAS_COPY,
                 HAS_MOMENTUM,
+                DAMPENING,
                 NESTEROV,
                 MAXIMIZE,
                 HAS_GRAD_SCALE,
@@ -262,11 +289,14 @@ def _sgd_kernel(
                 lr,
                 momentum,
                 weight_decay,
+                dampening,
+                first_step,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
                 HAS_COPY,
                 HAS_MOMENTUM,
+                DAMPENING,
                 NESTEROV,
                 MAXIMIZE,
                 HAS_GRAD_SCALE,
@@ -531,6 +561,8 @@ def triton_sgd_step_(
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
+    dampening: float = 0.0,
+    steps: Sequence[torch.Tensor] | None = None,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
@@ -538,20 +570,24 @@ def triton_sgd_step_(
     """``sgd_step_ref_`` in one launch. ``params`` (and buffers) share a dtype, ``grads``
     share a dtype, ``compute_copies`` that are not their parameter share a dtype (a
     parameter's own tensor: none); all flat, one device, parallel tensors with equal
-    strides. A tensor ``lr`` (one element, on that device) is read by the kernel."""
+    strides. ``steps`` (FP32 one-element tensors) only with momentum and dampening. A
+    tensor ``lr`` (one element, on that device) is read by the kernel."""
     if not params:
         return
     buffers = momentum_buffers if momentum != 0 else params
+    damped = momentum != 0 and dampening != 0
     _launch(
         _sgd_kernel,
-        [params, grads, buffers],
+        # (mpgemm.scaling.sgd_step_ has checked that a damped step has its counts)
+        [params, grads, buffers, *([steps] if damped else [])],
         compute_copies,
         found_inf,
         grad_scale,
-        (lr, momentum, weight_decay),
+        (lr, momentum, weight_decay, dampening),
         strided=3,
         tensor_flags=("TENSOR_LR",),
         HAS_MOMENTUM=momentum != 0,
+        DAMPENING=damped,
         NESTEROV=nesterov,
         MAXIMIZE=maximize,
     )

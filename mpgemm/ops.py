@@ -299,16 +299,19 @@ def sgd_step_(
     grads: list[torch.Tensor],
     momentum_buffers: list[torch.Tensor],
     compute_copies: list[torch.Tensor],
+    steps: list[torch.Tensor],
     lr: float,
     lr_tensor: torch.Tensor | None,
     momentum: float,
+    dampening: float,
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
 ) -> None:
-    """``mpgemm.scaling.sgd_step_`` (empty lists: no buffers, no copies)."""
+    """``mpgemm.scaling.sgd_step_`` (empty lists: no buffers, no copies, no step
+    counts)."""
     from mpgemm import compute_copy, scaling
 
     # The step pre-hook that counts optimizer steps is skipped when traced: count here,
@@ -319,8 +322,10 @@ def sgd_step_(
         grads,
         _or_none(momentum_buffers),
         compute_copies=_or_none(compute_copies),
+        steps=_or_none(steps),
         lr=_either(lr, lr_tensor),
         momentum=momentum,
+        dampening=dampening,
         weight_decay=weight_decay,
         nesterov=nesterov,
         maximize=maximize,

@@ -18,8 +18,8 @@ take the values the fused kernels honour (``foreach`` None or False, ``fused`` N
 True, ``differentiable`` False; ``capturable`` either way: the step never reads the
 device on the host). FP64 and complex parameters (or gradients) are stepped by torch's
 own implementation, as the torch optimizer would step them (under a scaler: skipped on
-inf/NaN, which reads the flag on the host, else on gradients unscaled in place). Not
-supported: SGD's ``dampening``, sparse gradients (``ValueError``).
+inf/NaN, which reads the flag on the host, else on gradients unscaled in place). Sparse
+gradients are not supported (``ValueError``).
 
 A learning rate (and Adam's betas) may be a one-element tensor, as in torch: the kernels
 read it on the device at every step, widened to FP64 as torch's fused kernels widen it
@@ -165,10 +165,25 @@ class _ScaledStep(torch.optim.Optimizer):
             self.__dict__.update(scaling)
 
 
+def _sgd_step_count(state: dict, p: torch.Tensor, new: bool) -> torch.Tensor:
+    """A damped SGD parameter's count of steps taken (``state["step"]``), an FP32
+    tensor on its device: 0 with a ``new`` buffer; 1 where the state has no count
+    (torch's SGD keeps none, and its buffer has seen a step: not a new one)."""
+    step = state.get("step")
+    if new or step is None:
+        step = torch.full((), 0.0 if new else 1.0, dtype=torch.float32, device=p.device)
+    elif step.device != p.device or step.dtype != torch.float32:  # a CPU checkpoint's
+        step = step.to(p.device, torch.float32)
+    state["step"] = step
+    return step
+
+
 class SGD(_ScaledStep, torch.optim.SGD):
-    """``torch.optim.SGD`` (momentum, Nesterov, weight decay, maximize; dampening 0)
-    fused into one kernel per dtype. Momentum buffers start as zeros, which gives
-    torch's first step (buffer = gradient)."""
+    """``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, maximize) fused
+    into one kernel per dtype. Momentum buffers start as zeros, which gives torch's
+    first step (buffer = gradient); with dampening, which torch's first step skips, each
+    parameter also keeps a step count (``state["step"]``, on its device), by which the
+    kernel tells a buffer's first step."""
 
     def __init__(
         self,
@@ -184,33 +199,44 @@ class SGD(_ScaledStep, torch.optim.SGD):
         differentiable: bool = False,
         fused: bool | None = None,
     ) -> None:
-        _check_supported(dampening=dampening)
         _check_implementation(foreach, fused, differentiable)
         super().__init__(
             params,
             lr=lr,
             momentum=momentum,
-            dampening=0.0,
+            dampening=dampening,
             weight_decay=weight_decay,
             nesterov=nesterov,
             maximize=maximize,
         )
 
     def _step_group(self, group, params, grad_scale, found_inf) -> None:
-        buffers = None
+        buffers: list[torch.Tensor] | None = None
+        steps: list[torch.Tensor] | None = None
         if group["momentum"] != 0:
             buffers = []
+            # With dampening, a step count per parameter on its device (advanced only by
+            # a step taken) tells the kernel a buffer's first step, which torch's takes
+            # undamped: a skipped step must not count, and the host never reads the flag.
+            steps = [] if group["dampening"] != 0 else None
             for p in params:
                 state = self.state[p]
-                if state.get("momentum_buffer") is None:
+                new = state.get("momentum_buffer") is None
+                if new:
                     state["momentum_buffer"] = torch.zeros_like(p)
+                if steps is not None:
+                    steps.append(_sgd_step_count(state, p, new))
                 buffers.append(state["momentum_buffer"])
+        if steps:
+            advance_steps_(steps, found_inf)
         sgd_step_(
             params,
             [p.grad for p in params],
             buffers,
+            steps=steps,
             lr=group["lr"],
             momentum=group["momentum"],
+            dampening=group["dampening"],
             weight_decay=group["weight_decay"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],

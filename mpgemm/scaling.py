@@ -445,32 +445,51 @@ def sgd_step_(
     momentum_buffers: Sequence[torch.Tensor] | None,
     *,
     compute_copies: Sequence[torch.Tensor] | None = None,
+    steps: Sequence[torch.Tensor] | None = None,
     **hyper,
 ) -> None:
     """One SGD step of ``mpgemm.scaling_ref.sgd_step_ref_``'s math, fused per dtype.
     ``compute_copies``: per parameter, its compute copy (``mpgemm.compute_copy``) to
-    write from the updated value, or the parameter itself for none. ``lr`` may be a
-    one-element tensor, read on the device at each step (``_hyperparameters_on``)."""
+    write from the updated value, or the parameter itself for none. ``steps``: with
+    momentum and ``dampening``, each parameter's count of steps taken, this one
+    included (``advance_steps_``), which tells a buffer's first step. ``lr`` may be a
+    one-element tensor, read on the device at each step (``_hyperparameters_on``).
+
+    Raises ValueError for momentum with dampening and no ``steps``."""
+    if hyper["momentum"] != 0 and hyper.get("dampening", 0.0) != 0 and steps is None:
+        raise ValueError(
+            "mpgemm.scaling.sgd_step_: momentum with dampening needs the parameters' step "
+            "counts (steps=)"
+        )
     if torch.compiler.is_compiling():
         ops.sgd_step_(
             list(params),
             list(grads),
             list(momentum_buffers or ()),
             list(compute_copies or ()),
-            **_as_op_arguments(hyper),
+            list(steps or ()),
+            **_as_op_arguments({"dampening": 0.0, **hyper}),  # (the op's schema has no default)
         )
         return
     if params:
         hyper = _hyperparameters_on(hyper, params)
     copies = params if compute_copies is None else compute_copies
-    lists = [params, grads, copies] + ([momentum_buffers] if momentum_buffers is not None else [])
+    # The buffers are walked with the parameters; the step counts, read once per block,
+    # come last.
+    buffers = [] if momentum_buffers is None else [momentum_buffers]
+    counts = [] if steps is None else [steps]
     _dispatch(
         "sgd_step",
-        lists,
+        [params, grads, copies, *buffers, *counts],
         lambda impl, ls: impl(
-            ls[0], ls[1], ls[3] if len(ls) > 3 else None, compute_copies=ls[2], **hyper
+            ls[0],
+            ls[1],
+            ls[3] if buffers else None,
+            compute_copies=ls[2],
+            steps=ls[-1] if counts else None,
+            **hyper,
         ),
-        strided=len(lists),
+        strided=3 + len(buffers),
         copies=2,
     )
 

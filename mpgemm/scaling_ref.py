@@ -110,20 +110,24 @@ def sgd_step_ref_(
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
+    dampening: float = 0.0,
+    steps: Sequence[torch.Tensor] | None = None,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """SGD with momentum (torch.optim.SGD's math, dampening 0), in FP32:
+    """SGD with momentum (torch.optim.SGD's math), in FP32:
 
         g = grad / grad_scale (negated if maximize) + weight_decay * p
-        buf = momentum * buf + g;  d = g + momentum * buf if nesterov else buf
-        p = p - lr * d
+        buf = g at a buffer's first step, else momentum * buf + (1 - dampening) * g
+        d = g + momentum * buf if nesterov else buf;  p = p - lr * d
 
-    Buffers start as zeros, which gives torch's first step (buf = g). A tensor ``lr``
-    (one element) is read in FP64, as a float would be. Each ``compute_copies`` tensor
-    gets its parameter's new value in its own dtype. Nothing changes where ``found_inf``
-    is nonzero."""
+    Buffers start as zeros, which gives torch's first step (buf = g) without
+    dampening; with it, ``steps`` count each parameter's steps taken, this one included
+    (``mpgemm.scaling.advance_steps_``), and a count of 1 marks the first. A tensor
+    ``lr`` (one element) is read in FP64, as a float would be. Each ``compute_copies``
+    tensor gets its parameter's new value in its own dtype. Nothing changes where
+    ``found_inf`` is nonzero."""
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     lr = _widened(lr)
     for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
@@ -134,7 +138,12 @@ def sgd_step_ref_(
             g = g + weight_decay * p32
         if momentum != 0:
             assert momentum_buffers is not None, "momentum needs buffers"
-            buf = momentum_buffers[i].float() * momentum + g
+            if dampening != 0:
+                assert steps is not None, "dampening needs the step counts"
+                damped = momentum_buffers[i].float() * momentum + (1 - dampening) * g
+                buf = torch.where(steps[i] == 1, g, damped)
+            else:
+                buf = momentum_buffers[i].float() * momentum + g
             g = g + momentum * buf if nesterov else buf
             _store_unless_skipped(momentum_buffers[i], buf, found_inf)
         _store_param(p, copies[i], p32 - lr * g, found_inf)

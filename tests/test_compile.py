@@ -89,6 +89,7 @@ _OPTIMIZERS = {
     "adamw": lambda params: mpgemm.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
     "amsgrad": lambda params: mpgemm.optim.Adam(params, lr=1e-2, amsgrad=True),
     "sgd": lambda params: mpgemm.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
+    "dampening": lambda params: mpgemm.optim.SGD(params, lr=1e-2, momentum=0.9, dampening=0.5),
 }
 
 

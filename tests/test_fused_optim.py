@@ -147,6 +147,38 @@ def test_sgd_kernel_matches_reference(device, param_dtype, nesterov):
     _assert_close_lists(ours[2], ref[2], "momentum buffer", rtol)
 
 
+@pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
+def test_damped_sgd_kernel_matches_reference(device, param_dtype):
+    """With dampening, a buffer's first step (its parameter's step count is 1) takes
+    the gradient undamped, as torch's, and later ones damp it: both in one launch."""
+    scale = torch.tensor(3.0, device=device)
+    lists = [
+        _tensors(param_dtype, device),
+        _tensors(torch.float16, device),
+        _tensors(param_dtype, device),
+        [torch.tensor(float(t), device=device) for t in (1, 2, 1, 9)],
+    ]
+    ours, ref = _clones(lists), _clones(lists)
+    hyper = dict(
+        lr=0.01,
+        momentum=0.9,
+        dampening=0.25,
+        weight_decay=0.0,  # (so that a first step's buffer is the gradient itself)
+        nesterov=False,
+        maximize=False,
+        grad_scale=scale,
+        found_inf=torch.zeros((), device=device),
+    )
+    scaling.sgd_step_(*ours[:3], steps=ours[3], **hyper)
+    scaling_ref.sgd_step_ref_(*ref[:3], steps=ref[3], **hyper)
+    rtol = 1e-6 if param_dtype == torch.float32 else 1e-2
+    _assert_close_lists(ours[0], ref[0], "param", rtol)
+    _assert_close_lists(ours[2], ref[2], "momentum buffer", rtol)
+    # The first steps' buffers are the unscaled gradients themselves.
+    for i in (0, 2):
+        assert_same_bits(ours[2][i], ours[1][i].to(param_dtype), f"first step's buffer {i}")
+
+
 # A step's lists (params, grads, buffers or moments, steps) and hyperparameters.
 _STEPS = {
     "sgd": (
@@ -281,17 +313,20 @@ def test_found_inf_leaves_every_bit_in_place(device, param_dtype):
     before = _clones(lists)
     scaling.advance_steps_(lists[4], found)
     scaling.adam_step_(*lists[:5], max_exp_avg_sqs=lists[5], **_adam_hyper(True, None, found))
-    scaling.sgd_step_(
-        lists[0],
-        lists[1],
-        lists[2],
-        lr=0.1,
-        momentum=0.9,
-        weight_decay=0.1,
-        nesterov=False,
-        maximize=False,
-        found_inf=found,
-    )
+    for dampening in (0.0, 0.5):
+        scaling.sgd_step_(
+            lists[0],
+            lists[1],
+            lists[2],
+            steps=lists[4],
+            lr=0.1,
+            momentum=0.9,
+            dampening=dampening,
+            weight_decay=0.1,
+            nesterov=False,
+            maximize=False,
+            found_inf=found,
+        )
     for lst, old in zip(lists, before, strict=True):
         for t, b in zip(lst, old, strict=True):
             assert_same_bits(t, b, "after a skipped step")
@@ -391,6 +426,10 @@ OPTIMIZERS = {
         lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
     ),
+    "dampening": (
+        lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.3, weight_decay=1e-3),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.3, weight_decay=1e-3),
+    ),
     "nesterov": (
         lambda p: mpgemm.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True),
         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True),
@@ -464,21 +503,28 @@ def test_state_dict_round_trip_continues_exactly(device):
     assert torch_opt.state_dict()["state"][0]["step"].item() == 20.0
 
 
-def test_sgd_first_step_skipped_then_taken_equals_torchs_first_step(device):
+@pytest.mark.parametrize("dampening", [0.0, 0.5])
+def test_sgd_first_step_skipped_then_taken_equals_torchs_first_step(device, dampening):
+    """torch's first step takes the gradient as the buffer, undamped; a skipped step
+    (torch's scaler does not call step()) is not a first one."""
     params = [torch.nn.Parameter(torch.randn(10, device=device))]
     reference = [torch.nn.Parameter(params[0].detach().clone())]
-    ours = mpgemm.optim.SGD(params, lr=0.1, momentum=0.9)
+    hyper = dict(lr=0.1, momentum=0.9, dampening=dampening)
+    ours = mpgemm.optim.SGD(params, **hyper)
     params[0].grad = torch.full((10,), float("nan"), device=device)
     ours.found_inf = torch.ones((), device=device)
     ours.step()
     del ours.found_inf
     assert_same_bits(params[0].detach(), reference[0].detach(), "skipped")
-    grad = torch.randn(10, device=device)
-    params[0].grad, reference[0].grad = grad.clone(), grad.clone()
-    ours.step()
-    torch.optim.SGD(reference, lr=0.1, momentum=0.9).step()
-    assert_same_bits(params[0].detach(), reference[0].detach(), "first real step")
-    assert_same_bits(ours.state[params[0]]["momentum_buffer"], grad, "buffer = grad")
+    theirs = torch.optim.SGD(reference, **hyper)
+    for step in ("first real step", "second"):
+        grad = torch.randn(10, device=device)
+        params[0].grad, reference[0].grad = grad.clone(), grad.clone()
+        ours.step()
+        theirs.step()
+        if step == "first real step":
+            assert_same_bits(ours.state[params[0]]["momentum_buffer"], grad, "buffer = grad")
+        torch.testing.assert_close(params[0], reference[0], rtol=1e-6, atol=1e-7, msg=step)
 
 
 def test_lr_scheduler_drives_the_fused_optimizer(device):
@@ -491,15 +537,13 @@ def test_lr_scheduler_drives_the_fused_optimizer(device):
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
 
 
-@pytest.mark.parametrize(
-    "make, option",
-    [
-        (lambda p: mpgemm.optim.SGD(p, momentum=0.9, dampening=0.1), "dampening"),
-    ],
-)
-def test_unsupported_options_raise_value_error(make, option):
-    with pytest.raises(ValueError, match=option):
-        make([torch.nn.Parameter(torch.randn(3))])
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_sparse_gradients_raise_value_error(name):
+    p = torch.nn.Parameter(torch.randn(3))
+    optimizer = {"sgd": mpgemm.optim.SGD, "adamw": mpgemm.optim.AdamW}[name]([p])
+    p.grad = torch.ones(3).to_sparse()
+    with pytest.raises(ValueError, match="sparse gradients"):
+        optimizer.step()
 
 
 CLASSES = {"sgd": mpgemm.optim.SGD, "adam": mpgemm.optim.Adam, "adamw": mpgemm.optim.AdamW}
@@ -585,11 +629,22 @@ def test_adam_with_decoupled_weight_decay_steps_as_adamw(device):
     assert_same_bits(steps[0], steps[1], "Adam(decoupled_weight_decay=True) vs AdamW")
 
 
-@pytest.mark.parametrize("amsgrad", [False, True])
-@pytest.mark.parametrize("name", ["adam", "adamw"])
-def test_state_dicts_load_both_ways_and_step_on_as_torch(device, name, amsgrad):
+_RESUMED = {
+    "adam": ("adam", dict(lr=0.1)),
+    "adamw": ("adamw", dict(lr=0.1)),
+    "adam amsgrad": ("adam", dict(lr=0.1, amsgrad=True)),
+    "adamw amsgrad": ("adamw", dict(lr=0.1, amsgrad=True)),
+    "sgd dampening": ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(_RESUMED))
+def test_state_dicts_load_both_ways_and_step_on_as_torch(device, case):
     """A state dict of ours loads into torch's optimizer and torch's into ours (AMSGrad's
-    maxima included), and a step after either load goes where torch's own would."""
+    maxima included; SGD's step counts, which torch's SGD does not keep, ignored by
+    torch and not needed from it), and a step after either load goes where torch's own
+    would."""
+    name, hyper = _RESUMED[case]
     classes = (CLASSES[name], TORCH_CLASSES[name])
     generator = torch.Generator().manual_seed(0)
     start, *grads = (torch.randn(10, generator=generator).to(device) for _ in range(3))
@@ -597,15 +652,12 @@ def test_state_dicts_load_both_ways_and_step_on_as_torch(device, name, amsgrad):
     for first in classes:
         for second in classes:
             p = torch.nn.Parameter(start.clone())
-            before = first([p], lr=0.1, amsgrad=amsgrad)
+            before = first([p], **hyper)
             p.grad = grads[0].clone()
             before.step()
-            after = second([p], lr=0.1, amsgrad=amsgrad)
+            after = second([p], **hyper)
             # (capturable=True in our state dict once made torch's CPU step assert)
             after.load_state_dict(before.state_dict())
-            assert set(after.state[p]) == {"step", "exp_avg", "exp_avg_sq"} | (
-                {"max_exp_avg_sq"} if amsgrad else set()
-            )
             p.grad = grads[1].clone()
             after.step()
             finals[first, second] = p.detach()

@@ -78,15 +78,16 @@ CASES = {
         3,
         _scalar(0, torch.int64),
     ),
-    # params, grads, buffers, copies; lr (and its tensor), momentum, weight decay,
-    # nesterov, maximize, grad_scale, found_inf
+    # params, grads, buffers, copies, step counts; lr (and its tensor), momentum,
+    # dampening, weight decay, nesterov, maximize, grad_scale, found_inf
     "sgd_step_": lambda: (
         torch.ops.mpgemm.sgd_step_.default,
         [_randn(8)],
         [_randn(8)],
         [_randn(8)],
         [_randn(8, dtype=f16)],
-        *(0.1, None, 0.9, 0.01, False, False),
+        [_scalar(2.0)],
+        *(0.1, None, 0.9, 0.5, 0.01, False, False),
         *_scaler(),
     ),
     # params, grads, moments, steps, copies, AMSGrad's maxima; lr, beta1, beta2 (each

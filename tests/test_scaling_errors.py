@@ -194,3 +194,21 @@ def test_scale_update_refuses_a_bad_skip_counter(device, counter):
             2000,
             skipped_steps=counter.to(device),
         )
+
+
+def test_a_damped_sgd_step_needs_the_step_counts(device):
+    # They tell each buffer's first step, which torch takes undamped.
+    params = [torch.zeros(5, device=device)]
+    with pytest.raises(ValueError, match="dampening needs the parameters' step counts"):
+        scaling.sgd_step_(
+            params,
+            [torch.ones(5, device=device)],
+            [torch.zeros(5, device=device)],
+            lr=0.1,
+            momentum=0.9,
+            dampening=0.5,
+            weight_decay=0.0,
+            nesterov=False,
+            maximize=False,
+        )
+    assert torch.equal(params[0], torch.zeros(5, device=device))
