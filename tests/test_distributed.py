@@ -108,11 +108,13 @@ def _fsdp_train(model, rank, world, case):
     """Each rank trains on its share of the same batches; at INF_STEP one element of
     rank 1's shard of the first weight's gradient is inf (world 1: of the whole one)."""
     params = list(model.parameters())
+    # The optimizers' extra state: AMSGrad's maxima (DTensors, as the moments) and
+    # damped SGD's step counts (plain tensors beside DTensor parameters).
     if case == "loss_scale_optimizer":
-        optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(params, lr=1e-2))
+        optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(params, lr=1e-2, amsgrad=True))
         scaler = None
     else:
-        optimizer = mpgemm.optim.SGD(params, lr=0.1, momentum=0.9)
+        optimizer = mpgemm.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5)
         scaler = mpgemm.GradScaler("cpu", init_scale=2.0**16)
     g = torch.Generator().manual_seed(1)
     for step in range(FSDP_STEPS):
