@@ -122,7 +122,7 @@ def _store_param(
     INTERPRETED: tl.constexpr,
 ):
     """Store the updated parameter, and its compute copy (if ``has_copy``: see
-    ``_has_copy``) rounded from what was stored."""
+    ``_compute_copy``) rounded from what was stored."""
     p = cast_rne(p, PARAM_DTYPE, INTERPRETED)
     tl.store(p_ptr, p, mask=mask)
     if HAS_COPY:
@@ -131,16 +131,28 @@ def _store_param(
 
 
 @triton.jit
-def _has_copy(table_ptr, num_tensors, tensor, COPY_LIST: tl.constexpr, HAS_COPY: tl.constexpr):
-    """Whether this tensor's compute copy (list ``COPY_LIST``) is a tensor of its own: a
-    parameter without one is listed as its own copy, so that one launch steps an
-    ``mpgemm.Linear``'s weight, which has one, and its bias, which has none. False,
-    with nothing read, when no tensor of the launch has one (``HAS_COPY`` off)."""
+def _compute_copy(
+    table_ptr,
+    num_tensors,
+    tensor,
+    start,
+    offsets,
+    COPY_LIST: tl.constexpr,
+    COPY_DTYPE: tl.constexpr,
+    HAS_COPY: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """(the block's pointers into this tensor's compute copy, list ``COPY_LIST``;
+    whether the copy is a tensor of its own). A parameter without one is listed as its
+    own copy, so that one launch steps an ``mpgemm.Linear``'s weight, which has one, and
+    its bias, which has none. False, with nothing read, when no tensor of the launch
+    has one (``HAS_COPY`` off)."""
+    c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, COPY_LIST, COPY_DTYPE, ALIGNED)
     has_copy = False
     if HAS_COPY:
         copy = table_address(table_ptr, num_tensors, tensor, COPY_LIST)
         has_copy = copy != table_address(table_ptr, num_tensors, tensor, 0)
-    return has_copy
+    return c_ptr + offsets, has_copy
 
 
 @triton.jit
@@ -235,12 +247,9 @@ def _sgd_kernel(
     buf_ptr = (
         table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
     )
-    copy_list: tl.constexpr = 3 + DAMPENING
-    c_ptr = (
-        table_pointer(table_ptr, num_tensors, tensor, start, copy_list, COPY_DTYPE, ALIGNED)
-        + offsets
+    c_ptr, has_copy = _compute_copy(
+        table_ptr, num_tensors, tensor, start, offsets, 3 + DAMPENING, COPY_DTYPE, HAS_COPY, ALIGNED
     )
-    has_copy = _has_copy(table_ptr, num_tensors, tensor, copy_list, HAS_COPY)
     lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
     momentum = tl.load(hyper_ptr + 1)
     weight_decay = tl.load(hyper_ptr + 2)
@@ -419,12 +428,9 @@ def _adam_kernel(
         v_max_ptr = (
             table_pointer(table_ptr, num_tensors, tensor, start, 4, PARAM_DTYPE, ALIGNED) + offsets
         )
-    copy_list: tl.constexpr = 5 + AMSGRAD
-    c_ptr = (
-        table_pointer(table_ptr, num_tensors, tensor, start, copy_list, COPY_DTYPE, ALIGNED)
-        + offsets
+    c_ptr, has_copy = _compute_copy(
+        table_ptr, num_tensors, tensor, start, offsets, 5 + AMSGRAD, COPY_DTYPE, HAS_COPY, ALIGNED
     )
-    has_copy = _has_copy(table_ptr, num_tensors, tensor, copy_list, HAS_COPY)
     lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
     beta1 = _hyperparameter(hyper_ptr, 1, beta1_ptr, TENSOR_BETA1)
     beta2 = _hyperparameter(hyper_ptr, 2, beta2_ptr, TENSOR_BETA2)
