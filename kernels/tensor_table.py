@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import triton
@@ -63,6 +63,9 @@ def tensor_table(
     addresses = [list(map(torch.Tensor.data_ptr, lst)) for lst in distinct.values()]
 
     def build():
+        # Read here, once per table (the key holds the addresses): one launch reads one
+        # device's memory, and a pointer into another's would fault on the GPU.
+        _check_one_device(distinct.values())
         blocks = [cdiv(numel, block) for numel in numels]
         first_blocks = list(itertools.accumulate(blocks, initial=0))
         rows = array("q", [ptr for i in which for ptr in addresses[i]] + numels)
@@ -86,6 +89,21 @@ def tensor_table(
     known += numels
     key = (device, block, which, array("Q", known).tobytes())
     return _cached(key, build)
+
+
+# A tensor's device as an int (-1 for the CPU), read without making a torch.device.
+_device_index = torch.Tensor.get_device
+
+
+def _check_one_device(lists: Iterable[Sequence[torch.Tensor]]) -> None:
+    """ValueError, naming the devices, unless every tensor is on one device."""
+    indices = {index for lst in lists for index in map(_device_index, lst)}
+    if len(indices) > 1:
+        devices = sorted({str(t.device) for lst in lists for t in lst})
+        raise ValueError(
+            f"mpgemm: one launch's tensors are on {', '.join(devices)}; a kernel reads one "
+            "device's memory (split the tensors by device)"
+        )
 
 
 def scalar_table(values: Sequence[float], device: torch.device) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mpgemm.scaling import unscale_, update_scale_
+from mpgemm.scaling import by_device, unscale_, update_scale_
 
 __all__ = ["GradScaler"]
 
@@ -36,21 +36,6 @@ class OptState(Enum):
 
 def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
-
-
-def _by_device(
-    srcs: list[torch.Tensor], dsts: list[torch.Tensor]
-) -> dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """The parallel lists split by their sources' device; with one device (the usual
-    case), the lists themselves."""
-    devices = {src.device for src in srcs}
-    if len(devices) <= 1:
-        return {device: (srcs, dsts) for device in devices}
-    split: dict[torch.device, tuple[list, list]] = defaultdict(lambda: ([], []))
-    for src, dst in zip(srcs, dsts, strict=True):
-        split[src.device][0].append(src)
-        split[src.device][1].append(dst)
-    return split
 
 
 class GradScaler:
@@ -198,7 +183,8 @@ class GradScaler:
         # In place, one list: unscale_ then reads each tensor once.
         in_place = all(s is d for s, d in zip(srcs, dsts, strict=True))
         found_infs = {}
-        for device, (device_srcs, device_dsts) in _by_device(srcs, dsts).items():
+        for device_srcs, device_dsts in by_device(srcs, dsts):
+            device = device_srcs[0].device
             flag = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
             inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
             with torch.no_grad():

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from mpgemm.compute_copy import copy_of
-from mpgemm.scaling import KERNEL_DTYPES, adam_step_, advance_steps_, sgd_step_
+from mpgemm.scaling import KERNEL_DTYPES, adam_step_, advance_steps_, by_device, sgd_step_
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -60,6 +60,25 @@ def _check_implementation(foreach: bool | None, fused: bool | None, differentiab
             "torch optimizer for its for-loop or foreach implementation"
         )
     _check_supported(foreach=foreach, differentiable=differentiable)
+
+
+def _by_device(
+    params: list[torch.Tensor], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
+) -> list[tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]]:
+    """``params`` split by device (``mpgemm.scaling.by_device``), each part with
+    ``grad_scale`` and ``found_inf`` on its device, as torch's fused optimizers group
+    them: a model split over GPUs (as a ``device_map`` splits one) puts one param group
+    on several."""
+    out = []
+    for (part,) in by_device(params):
+        device = part[0].device
+        # (A CPU part waits for a GPU flag, as torch's does: a kernel on the CPU reads
+        # it at once. Between GPUs the copy is queued.)
+        scale, flag = (
+            t if t is None or t.device == device else t.to(device) for t in (grad_scale, found_inf)
+        )
+        out.append((part, scale, flag))
+    return out
 
 
 class _ScaledStep(torch.optim.Optimizer):
@@ -126,8 +145,8 @@ class _ScaledStep(torch.optim.Optimizer):
         with torch.no_grad():
             for group in self.param_groups:
                 params, rest = self._params_with_grad(group)
-                if params:
-                    self._step_group(group, params, grad_scale, found_inf)
+                for on_device in _by_device(params, grad_scale, found_inf):
+                    self._step_group(group, *on_device)
                 others.append(rest)
         if any(others):
             self._torch_step(others, grad_scale, found_inf)

@@ -54,6 +54,26 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
+# A tensor's device as an int (-1 for the CPU), read without making a torch.device.
+_device_index = torch.Tensor.get_device
+
+
+def by_device(first: Sequence[torch.Tensor], *others: Sequence[torch.Tensor]) -> list[tuple]:
+    """The parallel lists split by the device of ``first``'s tensors, one tuple of lists
+    per device, in order of first appearance: a launch reads one device's memory. One
+    device (the usual case), told by one pass in C that makes no ``torch.device``, keeps
+    the lists themselves."""
+    indices = list(map(_device_index, first))
+    if len(set(indices)) <= 1:
+        return [(first, *others)] if first else []
+    parts: dict[int, tuple[list, ...]] = {}
+    for position, index in enumerate(indices):
+        part = parts.setdefault(index, tuple([] for _ in range(1 + len(others))))
+        for lst, source in zip(part, (first, *others), strict=True):
+            lst.append(source[position])
+    return list(parts.values())
+
+
 def is_flat(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s elements fill its storage span exactly once (dense, no
     overlap), in any dimension order, so a kernel can walk it as a flat array."""

@@ -666,3 +666,59 @@ def test_state_dicts_load_both_ways_and_step_on_as_torch(device, case):
     for (first, second), final in finals.items():
         what = f"{first.__module__} then {second.__module__}"
         torch.testing.assert_close(final, torch_only, rtol=1e-6, atol=1e-7, msg=what)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_a_param_group_on_two_devices_takes_a_launch_per_device(device, name, monkeypatch):
+    """A model split over two GPUs (as a device_map splits one) puts one param group on
+    both: each device's parameters step in launches of their own, as torch's fused
+    optimizers group them, and as torch's would. The second device is faked here (every
+    tensor is on one device); the GPU test below uses two real ones."""
+    ours_make, torch_make = OPTIMIZERS[name]
+    ours, theirs = _mlp(device), _mlp(device)
+    second = {id(p) for p in list(ours.parameters())[2:]}  # the second layer's
+    monkeypatch.setattr(scaling, "_device_index", lambda t: int(id(t) in second))
+    optimizer = ours_make(ours.parameters())
+    names, _ = launched_kernels(lambda: _train(ours, optimizer, 3, device))
+    _train(theirs, torch_make(theirs.parameters()), 3, device)
+    assert names.count(f"_{name}_kernel") == 2 * 3, names
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a parameter on the GPU")
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_parameters_on_the_cpu_and_the_gpu_step_as_torchs(name):
+    """One param group on two devices, under a scaler on the GPU: each device's
+    parameters get the scale and flag on their device."""
+    ours_make, torch_make = OPTIMIZERS[name]
+    runs = []
+    for make, scaler_class in ((ours_make, mpgemm.GradScaler), (torch_make, torch.amp.GradScaler)):
+        model = _mlp("cpu")
+        model[0].cuda()  # the first layer on the GPU, the rest on the CPU
+        optimizer, scaler = make(model.parameters()), scaler_class("cuda", init_scale=2.0**8)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(32, 12, generator=g), torch.randn(32, 3, generator=g)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model[1:](model[0](x.cuda()).cpu()), y)
+            scaler.scale(loss.cuda()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        runs.append(list(model.parameters()))
+    for p, q in zip(*runs, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_one_launch_over_two_devices_raises_value_error(device, monkeypatch):
+    """A kernel reads one device's memory: tensors on two reach no launch (the second
+    device faked, as above; on a GPU a pointer into another's memory would fault)."""
+    from mpgemm.kernels import tensor_table
+
+    grads = [torch.ones(5, device=device), torch.ones(7, device=device)]
+    elsewhere = id(grads[1])
+    monkeypatch.setattr(tensor_table, "_device_index", lambda t: int(id(t) == elsewhere))
+    monkeypatch.setattr(tensor_table, "_cache", type(tensor_table._cache)())  # (built anew)
+    with pytest.raises(ValueError, match="one launch's tensors are on"):
+        with intercept(lambda *launch: None):  # (CPU tensors take the kernel path)
+            scaling.unscale_(grads, torch.zeros((), device=device), torch.ones((), device=device))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mpgemm
+from mpgemm import scaling
 from tests.accuracy import assert_same_bits
 
 SHAPES = [(48, 32), (32,), (10, 48), (10,)]
@@ -350,21 +351,22 @@ def test_a_pickled_loss_scale_optimizers_scaler_still_reduces_its_flag(device, m
     assert reduced == [0.0]  # the hook was lost in pickling before: no reduction
 
 
-def test_gradients_are_unscaled_per_device_in_their_order():
+def test_gradients_are_unscaled_per_device_in_their_order(monkeypatch):
     """``_unscale_grads_`` launches once per device: the (source, destination) pairs
-    split by the source's device, in order; one device keeps the lists themselves."""
-    from mpgemm.grad_scaler import _by_device
-
-    cpu = [torch.zeros(2), torch.zeros(3), torch.zeros(4)]
-    meta = [torch.zeros(5, device="meta"), torch.zeros(6, device="meta")]
-    srcs = [cpu[0], meta[0], cpu[1], meta[1], cpu[2]]
+    split by the source's device, in order; one device keeps the lists themselves. (A
+    second device is faked: the split reads each tensor's device index.)"""
+    first = [torch.zeros(2), torch.zeros(3), torch.zeros(4)]
+    second = [torch.zeros(5), torch.zeros(6)]
+    on_second = {id(t) for t in second}
+    monkeypatch.setattr(scaling, "_device_index", lambda t: int(id(t) in on_second))
+    srcs = [first[0], second[0], first[1], second[1], first[2]]
     dsts = [torch.empty_like(t) for t in srcs]
     pair = {id(s): d for s, d in zip(srcs, dsts, strict=True)}
-    split = _by_device(srcs, dsts)
-    assert list(split) == [torch.device("cpu"), torch.device("meta")]
-    for device, tensors in ((torch.device("cpu"), cpu), (torch.device("meta"), meta)):
-        got_srcs, got_dsts = split[device]
+    split = scaling.by_device(srcs, dsts)
+    assert len(split) == 2
+    for (got_srcs, got_dsts), tensors in zip(split, (first, second), strict=True):
         assert [id(t) for t in got_srcs] == [id(t) for t in tensors]
         assert [id(t) for t in got_dsts] == [id(pair[id(t)]) for t in tensors]
-    (only_srcs, only_dsts), *rest = _by_device(cpu, cpu).values()
-    assert not rest and only_srcs is cpu and only_dsts is cpu
+    monkeypatch.undo()
+    (only_srcs, only_dsts), *rest = scaling.by_device(srcs, srcs)
+    assert not rest and only_srcs is srcs and only_dsts is srcs
