@@ -476,7 +476,7 @@ def sgd_step_(
     one-element tensor, read on the device at each step (``_hyperparameters_on``).
 
     Raises ValueError for momentum with dampening and no ``steps``."""
-    if hyper["momentum"] != 0 and hyper.get("dampening", 0.0) != 0 and steps is None:
+    if hyper.get("momentum", 0.0) != 0 and hyper.get("dampening", 0.0) != 0 and steps is None:
         raise ValueError(
             "mpgemm.scaling.sgd_step_: momentum with dampening needs the parameters' step "
             "counts (steps=)"
