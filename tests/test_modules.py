@@ -202,3 +202,24 @@ def test_repr_shows_out_dtype_as_set(device):
     model = mpgemm.convert(mlp(device))
     assert "out_dtype=None" in repr(model[0])  # the compute dtype's
     assert "out_dtype=torch.float32" in repr(model[4])  # the logits
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients(device, reentrant):
+    """torch.utils.checkpoint over converted layers (fused ReLU and GELU): the forward
+    runs again in the backward (under no_grad first, when reentrant) and the gradients
+    are those of the plain model, bit for bit."""
+    x = torch.randn(16, 33, device=device)
+    grads = []
+    for checkpointed in (False, True):
+        model = mpgemm.convert(mlp(device))
+        inputs = x.clone().requires_grad_(reentrant)  # (reentrant needs an input that does)
+        hidden = model[:4]
+        if checkpointed:
+            h = torch.utils.checkpoint.checkpoint(hidden, inputs, use_reentrant=reentrant)
+        else:
+            h = hidden(inputs)
+        model[4](h).square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for got, want in zip(*grads, strict=True):
+        assert torch.equal(got, want)
