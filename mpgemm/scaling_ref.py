@@ -138,12 +138,11 @@ def sgd_step_ref_(
             g = g + weight_decay * p32
         if momentum != 0:
             assert momentum_buffers is not None, "momentum needs buffers"
+            # (Without dampening, 1.0 * g is g, exactly.)
+            buf = momentum_buffers[i].float() * momentum + (1 - dampening) * g
             if dampening != 0:
                 assert steps is not None, "dampening needs the step counts"
-                damped = momentum_buffers[i].float() * momentum + (1 - dampening) * g
-                buf = torch.where(steps[i] == 1, g, damped)
-            else:
-                buf = momentum_buffers[i].float() * momentum + g
+                buf = torch.where(steps[i] == 1, g, buf)
             g = g + momentum * buf if nesterov else buf
             _store_unless_skipped(momentum_buffers[i], buf, found_inf)
         _store_param(p, copies[i], p32 - lr * g, found_inf)
