@@ -289,9 +289,10 @@ def test_a_cpu_tensor_lr_steps_gpu_parameters_as_its_value():
         model = _mlp(torch.device("cuda"))
         optimizer = mpgemm.optim.Adam(model.parameters(), lr=lr)
         _train(model, optimizer, 1, torch.device("cuda"))  # builds the state
+        batches = _batches(2, torch.device("cuda"))
         torch.cuda.set_sync_debug_mode("error")
         try:
-            _train(model, optimizer, 2, torch.device("cuda"))
+            _train(model, optimizer, 2, torch.device("cuda"), batches=batches)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         runs.append(list(model.parameters()))
@@ -456,11 +457,18 @@ def _mlp(device):
     )
 
 
-def _train(model, optimizer, steps, device, seed=1):
+def _batches(steps, device, seed=1):
+    """``steps`` batches for ``_mlp``, drawn on the CPU (the same on any device) and
+    moved to ``device``: a copy from pageable memory waits for the GPU."""
     g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(32, 12, generator=g).to(device)
-        y = torch.randn(32, 3, generator=g).to(device)
+    return [
+        (torch.randn(32, 12, generator=g).to(device), torch.randn(32, 3, generator=g).to(device))
+        for _ in range(steps)
+    ]
+
+
+def _train(model, optimizer, steps, device, seed=1, batches=None):
+    for x, y in batches or _batches(steps, device, seed):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
