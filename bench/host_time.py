@@ -29,6 +29,7 @@ from triton.runtime.jit import JITFunction
 import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import launches
+from mpgemm.kernels.aot import _hopper_target
 from mpgemm.scaling import unscale_
 
 
@@ -42,8 +43,21 @@ def _first_config(self, *args, **kwargs):
     return self.fn.run(*args, **kwargs, **self.best_config.all_kwargs())
 
 
-def _no_launch(self, *args, grid, warmup, **kwargs) -> None:
-    return None
+class _NoBinary:
+    """Stands in for a compiled kernel, which the launch layer launches itself once the
+    JIT has: its launcher does nothing."""
+
+    function = packed_metadata = None
+
+    def run(self, *args) -> None:
+        return None
+
+    def launch_metadata(self, *args) -> None:
+        return None
+
+
+def _no_launch(self, *args, grid, warmup, **kwargs) -> _NoBinary:
+    return _NoBinary()
 
 
 # The kernels are JIT functions, or the interpreter's under TRITON_INTERPRET=1 (the
@@ -53,21 +67,28 @@ _STUBS = ((JITFunction, _no_launch), (InterpretedFunction, _no_launch), (Autotun
 
 @contextmanager
 def triton_stubbed() -> Iterator[None]:
-    """Within the block, mpgemm's launches run down to a no-op JIT launch. The configs
-    chosen meanwhile (the first of each autotuner's) are forgotten afterwards: later
-    launches of a kind first met here still go through the autotuner."""
+    """Within the block, mpgemm's launches run down to a no-op JIT launch, or a no-op
+    launcher where the launch layer calls the binary's itself; real binaries are not
+    used within. The configs chosen meanwhile (the first of each autotuner's) and the
+    stand-in binaries are forgotten afterwards: later launches of a kind first met here
+    still go through the autotuner and the JIT."""
     saved = [(cls, cls.run) for cls, _ in _STUBS]
     chosen = dict(launches._chosen)
+    # The real binaries stay out of the block: their launchers would run.
+    binaries, launches._binaries = launches._binaries, {}
     for cls, stub in _STUBS:
         cls.run = stub
     try:
-        with launches.intercept(_through_launch):
+        # The launch layer asks triton's driver for the device and stream, as the JIT
+        # does: the compile check's stand-in answers on a machine without a GPU.
+        with launches.intercept(_through_launch), _hopper_target():
             yield
     finally:
         for cls, run in saved:
             cls.run = run
         launches._chosen.clear()
         launches._chosen.update(chosen)
+        launches._binaries = binaries
 
 
 def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:

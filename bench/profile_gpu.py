@@ -30,10 +30,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
-from mpgemm.kernels import gemm, gemm_tma
+from mpgemm.kernels import gemm, gemm_tma, launches
 from mpgemm.kernels.activation import triton_activation_backward
 from mpgemm.kernels.gemm import triton_gemm, use_kernel
-from mpgemm.kernels.launches import intercept, jit_function, launch_options
+from mpgemm.kernels.launches import intercept, jit_function, launch, launch_options
 from mpgemm.reference import activation_backward_ref
 from mpgemm.scaling import unscale_
 
@@ -153,6 +153,7 @@ def launch_costs(out: Path) -> None:
     kernel, grid, args, kwargs = _captured_launch(tma_launcher)
     kernel[grid](*args, **kwargs)
     jit_kwargs = launch_options(kernel, args, kwargs, kernel.best_config)
+    kind = ("profile", *jit_kwargs.items())
     jit = jit_function(kernel)
     cases = {
         "triton empty kernel": lambda: _empty_kernel[(1,)](x),
@@ -169,7 +170,13 @@ def launch_costs(out: Path) -> None:
             gemm_tma._descriptor(b, False),
         ),
         "  autotuner[grid](captured arguments)": lambda: kernel[grid](*args, **kwargs),
+        "  launch(captured arguments): kind, pre-hook, the binary's launcher": lambda: launch(
+            kernel, grid, *args, **kwargs
+        ),
         "  JIT[grid](captured arguments, best config)": lambda: jit[grid](*args, **jit_kwargs),
+        "  the launch layer's _run (a cached binary), best config": lambda: launches._run(
+            jit, grid, args, jit_kwargs, kind
+        ),
         **_jit_parts(jit, grid, args, jit_kwargs),
     }
     lines = ["## launch costs (host us per call, 300 queued calls, median of 5 runs)"]

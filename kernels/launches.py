@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,7 +36,11 @@ from contextlib import contextmanager
 import torch
 import triton
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime import driver
 from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # interceptor(kernel, grid, args, kwargs, configs): what launch does instead of running.
@@ -73,11 +78,11 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> None:
     if _interceptor is not None:
         _interceptor(kernel, grid, args, kwargs, gpu_configs)
     elif not isinstance(kernel, Autotuner):
-        kernel[grid](*args, **kwargs)
+        _run(kernel, grid, args, kwargs, (kernel, *kwargs.items()))
     elif (chosen := _chosen.get(kind := _kind(kernel, args, kwargs))) is not None:
         config, options = chosen
         _run_pre_hook(kernel, args, config, options)
-        kernel.fn.run(*args, grid=grid, warmup=False, **options)
+        _run(kernel.fn, grid, args, options, kind)
     else:
         kernel[grid](*args, **kwargs)
         _chosen[kind] = (kernel.best_config, _options(kwargs, kernel.best_config))
@@ -89,6 +94,109 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> None:
 # arguments), more than the JIT launch behind it (28.5 us):
 # bench/results/h100-2026-11-22/run5-at-4d25c67/host/profile.md.
 _chosen: dict[tuple, tuple[triton.Config, dict]] = {}
+
+
+def _run(jit, grid, args: tuple, kwargs: dict, kind: tuple) -> None:
+    """``jit[grid](*args, **kwargs)``; ``kind``: the launch's constant part (the kernel,
+    its keyword arguments: constexprs and launch options).
+
+    A compiled JIT function's launch calls the binary's launcher directly once the JIT
+    has launched the same kind with the same integers, tensor dtypes and alignments
+    (``_binary_key``) on this device: the JIT's binder, cache key and launch metadata
+    took 37 of its 56 us of host time on the H100
+    (``bench/results/h100-2026-11-24/run1-at-f281bd9/prof/profile.md``), and an eager
+    training step makes some 14 launches. The launcher is given what the JIT gives it
+    (``tests/test_launches.py`` compares the two). Triton's global knobs (debug,
+    instrumentation) are those of the binary's first launch; a JIT function with
+    pre-run hooks, and the interpreter's kernels, always go through the JIT."""
+    if not isinstance(jit, JITFunction) or jit.pre_run_hooks:
+        jit[grid](*args, **kwargs)
+        return
+    device = driver.active.get_current_device()
+    key = _binary_key(kind, device, args)
+    binary = _binaries.get(key)
+    if binary is None:
+        if len(_binaries) >= _MAX_BINARIES:  # shapes without end: keep the newest
+            _binaries.clear()
+        _binaries[key] = _Binary(
+            jit.run(*args, grid=grid, warmup=False, **kwargs), jit, args, kwargs
+        )
+        return
+    bound = [*args, *binary.tail]
+    if callable(grid):
+        grid = grid(dict(zip(binary.names, bound, strict=True)))
+    size = len(grid)
+    stream = driver.active.get_current_stream(device)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    # Hook chains are always set; the JIT builds the launch metadata even for empty ones.
+    if _no_hooks(enter) and _no_hooks(leave):
+        metadata = enter = leave = None
+    else:
+        metadata = binary.kernel.launch_metadata(grid, stream, *bound)
+    binary.launcher(
+        grid[0],
+        grid[1] if size > 1 else 1,
+        grid[2] if size > 2 else 1,
+        stream,
+        binary.function,
+        binary.packed_metadata,
+        metadata,
+        enter,
+        leave,
+        *bound,
+    )
+
+
+def _no_hooks(hook) -> bool:
+    return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def _binary_key(kind: tuple, device: int, args: tuple) -> tuple:
+    """What the JIT's choice of binary depends on among the positional arguments, or
+    more: an integer's value (the JIT's: whether it is 1, a multiple of 16, its width;
+    a constexpr's value), a tensor's dtype and 16-byte alignment, a descriptor's dtype,
+    block shape and options, the type of any other value (a float is an FP32)."""
+    key = [kind, device]
+    for a in args:
+        if type(a) is int:
+            key.append(a)
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif isinstance(a, TensorDescriptor):
+            key.append((a.base.dtype, *a.block_shape, *_descriptor_options(a)))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _descriptor_options(descriptor: TensorDescriptor) -> tuple:
+    """A descriptor's fields besides its tensor, shapes and strides: ``padding``, and
+    triton 3.9's ``round_f32_to_tf32``."""
+    return descriptor.padding, getattr(descriptor, "round_f32_to_tf32", False)
+
+
+# Binaries by ``_binary_key``, at most so many: a run whose shapes never repeat (a new
+# sequence length each batch) makes one per launch.
+_MAX_BINARIES = 4096
+_binaries: dict[tuple, _Binary] = {}
+
+
+class _Binary:
+    """What ``_run`` launches a compiled kernel with: its launcher, function handle and
+    packed metadata, and the arguments after the positional ones (constexprs given by
+    keyword and defaults, constant for a kind), as the JIT binds them."""
+
+    def __init__(self, kernel, jit, args: tuple, kwargs: dict) -> None:
+        self.kernel = kernel
+        self.launcher = kernel.run  # loads the module on first use: before .function
+        self.function = kernel.function
+        self.packed_metadata = kernel.packed_metadata
+        signature = inspect.signature(jit.fn)
+        given = {name: value for name, value in kwargs.items() if name in signature.parameters}
+        bound = signature.bind(*args, **given)
+        bound.apply_defaults()
+        self.names = list(signature.parameters)
+        self.tail = [bound.arguments[name] for name in self.names[len(args) :]]
 
 
 def _kind(kernel: Autotuner, args: tuple, kwargs: dict) -> tuple:

@@ -21,6 +21,8 @@ def test_launches_pass_the_launch_layer_and_stop_at_the_jit(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(launches, "_chosen", {})
+    before = {("a binary from before",): None}
+    monkeypatch.setattr(launches, "_binaries", dict(before))
     a, b = (torch.randn(64, 64, dtype=torch.float16) for _ in range(2))
     original = JITFunction.run
     with host_time.triton_stubbed():
@@ -28,5 +30,8 @@ def test_launches_pass_the_launch_layer_and_stop_at_the_jit(monkeypatch):
             assert mpgemm.matmul(a, b).shape == (64, 64)
         assert JITFunction.run is not original
         assert [kind[0] for kind in launches._chosen] == [tuned_gemm_tma_kernel]
+        assert ("a binary from before",) not in launches._binaries  # its launcher would run
+        launches._binaries[("a stand-in binary",)] = host_time._NoBinary()
     assert JITFunction.run is original
-    assert launches._chosen == {}  # the stub's first-config choices are forgotten
+    # The stub's first-config choices and stand-in binaries are forgotten.
+    assert launches._chosen == {} and launches._binaries == before

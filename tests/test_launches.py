@@ -11,6 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import mpgemm  # noqa: E402
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 from mpgemm.kernels.launches import (  # noqa: E402
@@ -222,3 +225,102 @@ def test_an_autotuner_runs_once_per_launch_kind_then_its_choice_directly(device,
     assert torch.equal(fewer_rows, first[:60])
     mpgemm.matmul(a, b, out_dtype=torch.float32)
     assert len(runs) == 2 and len(launches._chosen) == 2
+
+
+def _probe(x_ptr, y_ptr, n, scale, flag, MODE: tl.constexpr, BLOCK: tl.constexpr = 64):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    value = tl.load(x_ptr + offsets, mask=mask)
+    if flag:
+        value = value * scale
+    tl.store(y_ptr + offsets, value + MODE, mask=mask)
+
+
+def test_a_launch_hands_the_launcher_what_the_jit_would(tmp_path):
+    """``launch`` on a compiled JIT function (for an H100 through the compile check's
+    stand-in driver, the launcher recorded instead of run) calls the binary the JIT
+    chooses with the JIT's grid, stream and arguments, for each specialisation
+    (alignment, an integer 1, a multiple of 16 or neither, a positional constexpr), met
+    first or again after others; without launch hooks it skips the launch metadata, and
+    with one it passes what the JIT passes. In a process of its own: triton's
+    interpreter leaves the language patched after a launch, which breaks compiling."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    script = "from tests.test_launches import _compare_launchers; _compare_launchers()"
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["compared", "13"]
+
+
+def _compare_launchers():
+    from triton import knobs
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
+    from mpgemm.kernels import launches
+    from mpgemm.kernels.aot import _hopper_target
+
+    calls = []
+
+    def recorder(kernel):
+        return lambda *launched: calls.append((kernel, launched))
+
+    # No module is loaded (no driver): the function handle stays None for both paths.
+    CompiledKernel._init_handles = lambda self: None
+    CompiledKernel.run = property(recorder)
+    jit = JITFunction(_probe)
+    x = torch.randn(80)
+    y = torch.empty(80)
+
+    def grid(meta):
+        return (triton.cdiv(meta["n"], meta["BLOCK"]),)
+
+    def both(*args, **kwargs):
+        """(the JIT's launch, ours): what each handed the launcher."""
+        jit[grid](*args, **kwargs)
+        launches.launch(jit, grid, *args, **kwargs)
+        return calls[-2], calls[-1]
+
+    compared = 0
+
+    def same(ours, theirs):
+        nonlocal compared
+        (kernel, launched), (their_kernel, their_launched) = ours, theirs
+        assert kernel is their_kernel
+        assert launched[:6] == their_launched[:6]  # grid, stream, function, metadata
+        assert [id(a) for a in launched[9:]] == [id(a) for a in their_launched[9:]]
+        compared += 1
+        return launched[6:9], their_launched[6:9]
+
+    cases = [
+        (x, y, 64, 2.0, True, 16),
+        (x[1:], y, 64, 2.0, True, 16),  # 4 bytes off: not 16-byte aligned
+        (x, y, 63, 2.0, True, 16),
+        (x, y, 1, 2.0, True, 16),
+        (x, y, 64, 2.0, True, 32),  # the constexpr MODE, given by position
+        (x, y, 80, 0.5, False, 16, 32),  # BLOCK by position too
+    ]
+    with _hopper_target():
+        for args in cases:
+            theirs, first = both(*args, num_warps=4)  # ours goes through the JIT
+            same(first, theirs)
+        binaries = {id(kernel) for kernel, _ in calls}
+        assert len(binaries) == len(cases) == len(launches._binaries)
+        for args in cases:
+            theirs, ours = both(*args, num_warps=4)
+            ours_hooks, their_hooks = same(ours, theirs)
+            assert ours_hooks == (None, None, None)
+            hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+            assert their_hooks[1:] == hooks
+        assert {id(kernel) for kernel, _ in calls} == binaries
+        assert len(launches._binaries) == len(cases)
+
+        seen = []
+        knobs.runtime.launch_enter_hook.add(seen.append)
+        theirs, ours = both(*cases[0], num_warps=4)
+        ours_hooks, their_hooks = same(ours, theirs)
+        assert ours_hooks[1:] == their_hooks[1:]
+        assert ours_hooks[0].get() == their_hooks[0].get() != {}
+    print("compared", compared)
