@@ -113,7 +113,7 @@ def _run(jit, grid, args: tuple, kwargs: dict, kind: tuple) -> None:
         jit[grid](*args, **kwargs)
         return
     device = driver.active.get_current_device()
-    key = _binary_key(kind, device, args)
+    key = _binary_key(kind, device, args, _constexpr_positions(jit))
     binary = _binaries.get(key)
     if binary is None:
         if len(_binaries) >= _MAX_BINARIES:  # shapes without end: keep the newest
@@ -151,12 +151,13 @@ def _no_hooks(hook) -> bool:
     return hook is None or (type(hook) is HookChain and not hook.calls)
 
 
-def _binary_key(kind: tuple, device: int, args: tuple) -> tuple:
+def _binary_key(kind: tuple, device: int, args: tuple, constexprs: tuple[int, ...]) -> tuple:
     """What the JIT's choice of binary depends on among the positional arguments, or
-    more: an integer's value (the JIT's: whether it is 1, a multiple of 16, its width;
-    a constexpr's value), a tensor's dtype and 16-byte alignment, a descriptor's dtype,
-    block shape and options, the type of any other value (a float is an FP32)."""
-    key = [kind, device]
+    more: an integer's value (the JIT's: whether it is 1, a multiple of 16, its width),
+    a tensor's dtype and 16-byte alignment, a descriptor's dtype, block shape and
+    options, the type of any other value (a float is an FP32), and the value of each
+    constexpr at ``constexprs`` (positions)."""
+    key = [kind, device, *[args[i] for i in constexprs if i < len(args)]]
     for a in args:
         if type(a) is int:
             key.append(a)
@@ -167,6 +168,11 @@ def _binary_key(kind: tuple, device: int, args: tuple) -> tuple:
         else:
             key.append(type(a))
     return tuple(key)
+
+
+@functools.cache
+def _constexpr_positions(jit: JITFunction) -> tuple[int, ...]:
+    return tuple(i for i, param in enumerate(jit.params) if param.is_constexpr)
 
 
 def _descriptor_options(descriptor: TensorDescriptor) -> tuple:

@@ -227,12 +227,23 @@ def test_an_autotuner_runs_once_per_launch_kind_then_its_choice_directly(device,
     assert len(runs) == 2 and len(launches._chosen) == 2
 
 
-def _probe(x_ptr, y_ptr, n, scale, flag, MODE: tl.constexpr, BLOCK: tl.constexpr = 64):
+def _probe(
+    x_ptr,
+    y_ptr,
+    n,
+    scale,
+    flag,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr = 64,
+    NEG: tl.constexpr = False,
+):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     value = tl.load(x_ptr + offsets, mask=mask)
     if flag:
         value = value * scale
+    if NEG:
+        value = -value
     tl.store(y_ptr + offsets, value + MODE, mask=mask)
 
 
@@ -240,7 +251,7 @@ def test_a_launch_hands_the_launcher_what_the_jit_would(tmp_path):
     """``launch`` on a compiled JIT function (for an H100 through the compile check's
     stand-in driver, the launcher recorded instead of run) calls the binary the JIT
     chooses with the JIT's grid, stream and arguments, for each specialisation
-    (alignment, an integer 1, a multiple of 16 or neither, a positional constexpr), met
+    (alignment, an integer 1, a multiple of 16 or neither, positional constexprs), met
     first or again after others; without launch hooks it skips the launch metadata, and
     with one it passes what the JIT passes. In a process of its own: triton's
     interpreter leaves the language patched after a launch, which breaks compiling."""
@@ -251,7 +262,7 @@ def test_a_launch_hands_the_launcher_what_the_jit_would(tmp_path):
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["compared", "13"]
+    assert run.stdout.split() == ["compared", "15"]
 
 
 def _compare_launchers():
@@ -300,7 +311,8 @@ def _compare_launchers():
         (x, y, 63, 2.0, True, 16),
         (x, y, 1, 2.0, True, 16),
         (x, y, 64, 2.0, True, 32),  # the constexpr MODE, given by position
-        (x, y, 80, 0.5, False, 16, 32),  # BLOCK by position too
+        (x, y, 80, 0.5, False, 16, 32, False),  # BLOCK and a constexpr bool too
+        (x, y, 80, 0.5, False, 16, 32, True),
     ]
     with _hopper_target():
         for args in cases:
