@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import inspect
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -112,7 +111,8 @@ def _run(jit, grid, args: tuple, kwargs: dict, kind: tuple) -> None:
     if not isinstance(jit, JITFunction) or jit.pre_run_hooks:
         jit[grid](*args, **kwargs)
         return
-    device = driver.active.get_current_device()
+    active = driver.active
+    device = active.get_current_device()
     key = _binary_key(kind, device, args, _constexpr_positions(jit))
     binary = _binaries.get(key)
     if binary is None:
@@ -126,7 +126,7 @@ def _run(jit, grid, args: tuple, kwargs: dict, kind: tuple) -> None:
     if callable(grid):
         grid = grid(dict(zip(binary.names, bound, strict=True)))
     size = len(grid)
-    stream = driver.active.get_current_stream(device)
+    stream = active.get_current_stream(device)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     # Hook chains are always set; the JIT builds the launch metadata even for empty ones.
     if _no_hooks(enter) and _no_hooks(leave):
@@ -197,11 +197,11 @@ class _Binary:
         self.launcher = kernel.run  # loads the module on first use: before .function
         self.function = kernel.function
         self.packed_metadata = kernel.packed_metadata
-        signature = inspect.signature(jit.fn)
-        given = {name: value for name, value in kwargs.items() if name in signature.parameters}
-        bound = signature.bind(*args, **given)
+        # The JIT's own signature of the kernel, its parameters in order.
+        given = {name: value for name, value in kwargs.items() if name in jit.arg_names}
+        bound = jit.signature.bind(*args, **given)
         bound.apply_defaults()
-        self.names = list(signature.parameters)
+        self.names = jit.arg_names
         self.tail = [bound.arguments[name] for name in self.names[len(args) :]]
 
 

@@ -300,7 +300,7 @@ def _compare_launchers():
         nonlocal compared
         (kernel, launched), (their_kernel, their_launched) = ours, theirs
         assert kernel is their_kernel
-        assert launched[:6] == their_launched[:6]  # grid, stream, function, metadata
+        assert launched[:6] == their_launched[:6]  # grid, stream, function, packed metadata
         assert [id(a) for a in launched[9:]] == [id(a) for a in their_launched[9:]]
         compared += 1
         return launched[6:9], their_launched[6:9]
