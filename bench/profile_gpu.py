@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
-from mpgemm.kernels import gemm, gemm_tma, launches
+from mpgemm.kernels import gemm, gemm_tma
 from mpgemm.kernels.activation import triton_activation_backward
 from mpgemm.kernels.gemm import triton_gemm, use_kernel
 from mpgemm.kernels.launches import intercept, jit_function, launch, launch_options
@@ -153,7 +153,6 @@ def launch_costs(out: Path) -> None:
     kernel, grid, args, kwargs = _captured_launch(tma_launcher)
     kernel[grid](*args, **kwargs)
     jit_kwargs = launch_options(kernel, args, kwargs, kernel.best_config)
-    kind = ("profile", *jit_kwargs.items())
     jit = jit_function(kernel)
     cases = {
         "triton empty kernel": lambda: _empty_kernel[(1,)](x),
@@ -174,8 +173,8 @@ def launch_costs(out: Path) -> None:
             kernel, grid, *args, **kwargs
         ),
         "  JIT[grid](captured arguments, best config)": lambda: jit[grid](*args, **jit_kwargs),
-        "  the launch layer's _run (a cached binary), best config": lambda: launches._run(
-            jit, grid, args, jit_kwargs, kind
+        "  launch(JIT function, best config): a cached binary's launcher": lambda: launch(
+            jit, grid, *args, **jit_kwargs
         ),
         **_jit_parts(jit, grid, args, jit_kwargs),
     }

@@ -29,7 +29,7 @@ import atexit
 import functools
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -71,20 +71,51 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> None:
 
     An autotuned kernel goes through its autotuner once per launch kind (``_kind``);
     later launches of the kind run the JIT function with the config it chose
-    (``_chosen``). ``gpu_configs()``: for an autotuned kernel, the configs that pruning
-    keeps for this launch on a GPU (asked only by interceptors that record or compile;
-    the interpreter tunes over a config of its own)."""
+    (``_chosen``). A compiled JIT function is then launched by calling its binary's
+    launcher directly, once the JIT has launched the same kind with the same integers,
+    tensor dtypes and alignments on this device (``_binary_key``): the JIT's binder,
+    cache key and launch metadata took 37 of its 56 us of host time on the H100
+    (``bench/results/h100-2026-11-24/run1-at-f281bd9/prof/profile.md``), and an eager
+    training step makes some 14 launches. The launcher is given what the JIT gives it
+    (``tests/test_launches.py`` compares the two). Triton's global knobs (debug,
+    instrumentation) are those of the binary's first launch; a JIT function with
+    pre-run hooks, and the interpreter's kernels, always go through the JIT.
+
+    A callable ``grid`` is called with the launch's arguments by name (the JIT
+    function's parameters, the config's included), as triton calls it.
+    ``gpu_configs()``: for an autotuned kernel, the configs that pruning keeps for this
+    launch on a GPU (asked only by interceptors that record or compile; the interpreter
+    tunes over a config of its own)."""
     if _interceptor is not None:
         _interceptor(kernel, grid, args, kwargs, gpu_configs)
-    elif not isinstance(kernel, Autotuner):
-        _run(kernel, grid, args, kwargs, (kernel, *kwargs.items()))
-    elif (chosen := _chosen.get(kind := _kind(kernel, args, kwargs))) is not None:
+        return
+    tuned = isinstance(kernel, Autotuner)
+    jit = kernel.fn if tuned else kernel
+    direct = isinstance(jit, JITFunction) and not jit.pre_run_hooks
+    if direct:
+        active = driver.active
+        device = active.get_current_device()
+        key = _binary_key(kernel, device, args, kwargs, _constexpr_positions(jit))
+        binary = _binaries.get(key)
+        if binary is not None:
+            binary.launch(active, device, grid, args)
+            return
+    config, options = None, kwargs
+    if tuned:
+        chosen = _chosen.get(kind := _kind(kernel, args, kwargs))
+        if chosen is None:
+            kernel[grid](*args, **kwargs)  # times the configs, then launches the best
+            _chosen[kind] = (kernel.best_config, _options(kwargs, kernel.best_config))
+            return
         config, options = chosen
         _run_pre_hook(kernel, args, config, options)
-        _run(kernel.fn, grid, args, options, kind)
-    else:
-        kernel[grid](*args, **kwargs)
-        _chosen[kind] = (kernel.best_config, _options(kwargs, kernel.best_config))
+    if not direct:
+        jit[grid](*args, **options)
+        return
+    if len(_binaries) >= _MAX_BINARIES:  # shapes without end: keep the newest
+        _binaries.clear()
+    compiled = jit.run(*args, grid=grid, warmup=False, **options)
+    _binaries[key] = _Binary(kernel, compiled, jit, args, options, config)
 
 
 # The config an autotuner chose, by launch kind, with the JIT function's keyword
@@ -95,69 +126,22 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> None:
 _chosen: dict[tuple, tuple[triton.Config, dict]] = {}
 
 
-def _run(jit, grid, args: tuple, kwargs: dict, kind: tuple) -> None:
-    """``jit[grid](*args, **kwargs)``; ``kind``: the launch's constant part (the kernel,
-    its keyword arguments: constexprs and launch options).
-
-    A compiled JIT function's launch calls the binary's launcher directly once the JIT
-    has launched the same kind with the same integers, tensor dtypes and alignments
-    (``_binary_key``) on this device: the JIT's binder, cache key and launch metadata
-    took 37 of its 56 us of host time on the H100
-    (``bench/results/h100-2026-11-24/run1-at-f281bd9/prof/profile.md``), and an eager
-    training step makes some 14 launches. The launcher is given what the JIT gives it
-    (``tests/test_launches.py`` compares the two). Triton's global knobs (debug,
-    instrumentation) are those of the binary's first launch; a JIT function with
-    pre-run hooks, and the interpreter's kernels, always go through the JIT."""
-    if not isinstance(jit, JITFunction) or jit.pre_run_hooks:
-        jit[grid](*args, **kwargs)
-        return
-    active = driver.active
-    device = active.get_current_device()
-    key = _binary_key(kind, device, args, _constexpr_positions(jit))
-    binary = _binaries.get(key)
-    if binary is None:
-        if len(_binaries) >= _MAX_BINARIES:  # shapes without end: keep the newest
-            _binaries.clear()
-        _binaries[key] = _Binary(
-            jit.run(*args, grid=grid, warmup=False, **kwargs), jit, args, kwargs
-        )
-        return
-    bound = [*args, *binary.tail]
-    if callable(grid):
-        grid = grid(dict(zip(binary.names, bound, strict=True)))
-    size = len(grid)
-    stream = active.get_current_stream(device)
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    # Hook chains are always set; the JIT builds the launch metadata even for empty ones.
-    if _no_hooks(enter) and _no_hooks(leave):
-        metadata = enter = leave = None
-    else:
-        metadata = binary.kernel.launch_metadata(grid, stream, *bound)
-    binary.launcher(
-        grid[0],
-        grid[1] if size > 1 else 1,
-        grid[2] if size > 2 else 1,
-        stream,
-        binary.function,
-        binary.packed_metadata,
-        metadata,
-        enter,
-        leave,
-        *bound,
-    )
-
-
 def _no_hooks(hook) -> bool:
     return hook is None or (type(hook) is HookChain and not hook.calls)
 
 
-def _binary_key(kind: tuple, device: int, args: tuple, constexprs: tuple[int, ...]) -> tuple:
-    """What the JIT's choice of binary depends on among the positional arguments, or
-    more: an integer's value (the JIT's: whether it is 1, a multiple of 16, its width),
-    a tensor's dtype and 16-byte alignment, a descriptor's dtype, block shape and
-    options, the type of any other value (a float is an FP32), and the value of each
-    constexpr at ``constexprs`` (positions)."""
-    key = [kind, device, *[args[i] for i in constexprs if i < len(args)]]
+def _binary_key(
+    kernel, device: int, args: tuple, kwargs: dict, constexprs: tuple[int, ...]
+) -> tuple:
+    """What the launch's binary depends on, or more: the kernel (by id: a JIT
+    function's hash is computed in Python; the binary holds the kernel, so that its id
+    is not reused while the key is kept), the
+    device, the keyword arguments (constexprs and launch options, which also fix an
+    autotuner's kind), the value of each constexpr at ``constexprs`` (positions), and
+    per positional argument an integer's value (the JIT's: whether it is 1, a multiple
+    of 16, its width), a tensor's dtype and 16-byte alignment, a descriptor's dtype,
+    block shape and options, or the type of any other value (a float is an FP32)."""
+    key = [id(kernel), device, *kwargs.items(), *[args[i] for i in constexprs if i < len(args)]]
     for a in args:
         if type(a) is int:
             key.append(a)
@@ -170,9 +154,18 @@ def _binary_key(kind: tuple, device: int, args: tuple, constexprs: tuple[int, ..
     return tuple(key)
 
 
-@functools.cache
 def _constexpr_positions(jit: JITFunction) -> tuple[int, ...]:
-    return tuple(i for i, param in enumerate(jit.params) if param.is_constexpr)
+    # By id: a JIT function's own hash (what functools.cache would take) is a property
+    # computed under a lock, a microsecond a launch. The entry keeps the function, so
+    # that its id is not reused.
+    known = _constexprs.get(id(jit))
+    if known is None:
+        positions = tuple(i for i, param in enumerate(jit.params) if param.is_constexpr)
+        known = _constexprs[id(jit)] = (jit, positions)
+    return known[1]
+
+
+_constexprs: dict[int, tuple[JITFunction, tuple[int, ...]]] = {}
 
 
 def _descriptor_options(descriptor: TensorDescriptor) -> tuple:
@@ -188,21 +181,75 @@ _binaries: dict[tuple, _Binary] = {}
 
 
 class _Binary:
-    """What ``_run`` launches a compiled kernel with: its launcher, function handle and
-    packed metadata, and the arguments after the positional ones (constexprs given by
-    keyword and defaults, constant for a kind), as the JIT binds them."""
+    """A compiled kernel and how ``launch`` calls its launcher: its function handle and
+    packed metadata, the arguments after the positional ones (constexprs given by
+    keyword and defaults, constant for a key) as the JIT binds them, and the chosen
+    config's pre-hook, if any. ``launched``: the kernel given to ``launch`` (a JIT
+    function or its autotuner)."""
 
-    def __init__(self, kernel, jit, args: tuple, kwargs: dict) -> None:
-        self.kernel = kernel
-        self.launcher = kernel.run  # loads the module on first use: before .function
-        self.function = kernel.function
-        self.packed_metadata = kernel.packed_metadata
+    def __init__(self, launched, compiled, jit, args: tuple, options: dict, config) -> None:
+        self.launched = launched
+        self.compiled = compiled
+        self.launcher = compiled.run  # loads the module on first use: before .function
+        self.function = compiled.function
+        self.packed_metadata = compiled.packed_metadata
+        self.pre_hook = None if config is None else config.pre_hook
         # The JIT's own signature of the kernel, its parameters in order.
-        given = {name: value for name, value in kwargs.items() if name in jit.arg_names}
+        given = {name: value for name, value in options.items() if name in jit.arg_names}
         bound = jit.signature.bind(*args, **given)
         bound.apply_defaults()
-        self.names = jit.arg_names
-        self.tail = [bound.arguments[name] for name in self.names[len(args) :]]
+        self.tail = [bound.arguments[name] for name in jit.arg_names[len(args) :]]
+        self.positions = {name: index for index, name in enumerate(jit.arg_names)}
+
+    def launch(self, active, device: int, grid, args: tuple) -> None:
+        values = [*args, *self.tail]
+        if self.pre_hook is not None or callable(grid):
+            named = _Arguments(self.positions, values)
+            if self.pre_hook is not None:
+                self.pre_hook(named)
+            if callable(grid):
+                grid = grid(named)
+        size = len(grid)
+        stream = active.get_current_stream(device)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        # Hook chains are always set; the JIT builds the launch metadata even for empty
+        # ones.
+        if _no_hooks(enter) and _no_hooks(leave):
+            metadata = enter = leave = None
+        else:
+            metadata = self.compiled.launch_metadata(grid, stream, *values)
+        self.launcher(
+            grid[0],
+            grid[1] if size > 1 else 1,
+            grid[2] if size > 2 else 1,
+            stream,
+            self.function,
+            self.packed_metadata,
+            metadata,
+            enter,
+            leave,
+            *values,
+        )
+
+
+class _Arguments(Mapping):
+    """A launch's arguments by parameter name, as triton hands them to a grid function
+    and a config's pre-hook, read from the bound values without building a dict."""
+
+    __slots__ = ("_positions", "_values")
+
+    def __init__(self, positions: dict[str, int], values: list) -> None:
+        self._positions = positions
+        self._values = values
+
+    def __getitem__(self, name: str):
+        return self._values[self._positions[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._positions)
+
+    def __len__(self) -> int:
+        return len(self._positions)
 
 
 def _kind(kernel: Autotuner, args: tuple, kwargs: dict) -> tuple:

@@ -7,6 +7,7 @@ transposed view, so one forward and one backward serve both. A layer's activatio
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -96,16 +97,22 @@ def _implementation(
 ) -> Callable:
     """Op ``op``'s implementation for these tensors: its reference (torch ops) on the
     reference backend or for a tensor subclass, else its Triton kernel."""
-    reference, module, launcher = _OPS[op]
     plain = all(t is None or is_plain(t) for t in tensors)
     if backend(device) == "reference" or not plain:
-        return reference
+        return _OPS[op][0]
     try:
-        return getattr(importlib.import_module(module), launcher)
+        return _launcher(op)
     except ImportError:
         raise RuntimeError(
             f"mpgemm: tensors on {device} need triton, which is not installed"
         ) from None
+
+
+@functools.cache
+def _launcher(op: str) -> Callable:
+    """Op ``op``'s Triton launcher, imported once (asked on every launch)."""
+    _, module, launcher = _OPS[op]
+    return getattr(importlib.import_module(module), launcher)
 
 
 # ---------------------------------------------------------------------------------------

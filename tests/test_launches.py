@@ -247,12 +247,23 @@ def _probe(
     tl.store(y_ptr + offsets, value + MODE, mask=mask)
 
 
+def _desc_probe(in_desc, y_ptr, n, BLOCK: tl.constexpr):
+    tile = in_desc.load([0, 0])
+    offsets = tl.arange(0, BLOCK)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    tl.store(y_ptr + offsets, tile, mask=offsets < n)
+
+
+def _set_probe_block(nargs):
+    nargs["in_desc"].block_shape = [nargs["BLOCK"], nargs["BLOCK"]]
+
+
 def test_a_launch_hands_the_launcher_what_the_jit_would(tmp_path):
     """``launch`` on a compiled JIT function (for an H100 through the compile check's
     stand-in driver, the launcher recorded instead of run) calls the binary the JIT
     chooses with the JIT's grid, stream and arguments, for each specialisation
     (alignment, an integer 1, a multiple of 16 or neither, positional constexprs), met
-    first or again after others; without launch hooks it skips the launch metadata, and
+    first or again after others, and an autotuned kernel's whose config pre-hook sets
+    a descriptor's block shape; without launch hooks it skips the launch metadata, and
     with one it passes what the JIT passes. In a process of its own: triton's
     interpreter leaves the language patched after a launch, which breaks compiling."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -262,13 +273,14 @@ def test_a_launch_hands_the_launcher_what_the_jit_would(tmp_path):
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["compared", "15"]
+    assert run.stdout.split() == ["compared", "18"]
 
 
 def _compare_launchers():
     from triton import knobs
     from triton.compiler.compiler import CompiledKernel
     from triton.runtime.jit import JITFunction
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from mpgemm.kernels import launches
     from mpgemm.kernels.aot import _hopper_target
@@ -328,6 +340,28 @@ def _compare_launchers():
             assert their_hooks[1:] == hooks
         assert {id(kernel) for kernel, _ in calls} == binaries
         assert len(launches._binaries) == len(cases)
+
+        # An autotuned kernel whose config's pre-hook sets a descriptor's block shape
+        # (as the TMA GEMM's does): the autotuner's launch, then ours through the JIT
+        # with the chosen config, then ours from the cached binary, each with a
+        # descriptor made anew at [16, 16].
+        tuned = triton.autotune(
+            configs=[triton.Config({"BLOCK": 32}, pre_hook=_set_probe_block)], key=["n"]
+        )(JITFunction(_desc_probe))
+        square = torch.randn(32, 32)
+        for _ in range(3):
+            their_desc, ours_desc = (
+                TensorDescriptor(square, [32, 32], [32, 1], [16, 16]) for _ in range(2)
+            )
+            tuned[(1,)](their_desc, y, 64)
+            launches.launch(tuned, (1,), ours_desc, y, 64)
+            (kernel, launched), (their_kernel, their_launched) = calls[-1], calls[-2]
+            assert kernel is their_kernel
+            assert launched[:6] == their_launched[:6]
+            assert launched[9] is ours_desc and their_launched[9] is their_desc
+            assert ours_desc.block_shape == their_desc.block_shape == [32, 32]
+            assert [id(a) for a in launched[10:]] == [id(a) for a in their_launched[10:]]
+            compared += 1
 
         seen = []
         knobs.runtime.launch_enter_hook.add(seen.append)
