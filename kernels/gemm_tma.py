@@ -288,7 +288,9 @@ tuned_gemm_tma_kernel = triton.autotune(
 def _describable(t: torch.Tensor, transposed: bool) -> bool:
     """Whether a TMA descriptor can describe ``t`` (or t.T when ``transposed``): a unit
     stride last, the other stride and the base 16-byte aligned, no empty dimension."""
-    rows, cols = t.t().stride() if transposed else t.stride()
+    rows, cols = t.stride()
+    if transposed:
+        rows, cols = cols, rows
     return (
         cols == 1
         and (rows * t.element_size()) % 16 == 0
