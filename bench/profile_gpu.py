@@ -6,7 +6,8 @@ layout (``matmul 8192x4096x4096``, ``... A.T``, ``torch ... A.T``), the guide he
 weight gradient three ways (``head dW``, ``head dW unswapped``, ``head dW torch``) and
 a 4096-wide layer's ReLU backward with its bias gradient two ways (``dZ relu``, ``dZ
 relu torch``): the host time to enqueue one call, the wall time of a synchronised call,
-torch.profiler's kernel table, and cProfile's top host functions.
+torch.profiler's kernel table, and cProfile's top host functions. ``phases``: the
+host time of each phase of the guide and small steps in each mode.
 
     python3 bench/profile_gpu.py [OUT_DIR]
 """
@@ -263,14 +264,95 @@ def sync_sites(out: Path) -> None:
         f.write(body + "\n\n")
 
 
+# A step's phases, each timed by wrapping what the step calls for it (the step itself
+# runs unchanged): the optimizer's ``zero_grad``, the forward and loss, ``backward``,
+# and the optimizer step (autocast's: ``scaler.step`` and ``scaler.update``).
+PHASES = ("zero_grad", "forward + loss", "backward", "optimizer step")
+
+
+def phase_times(recipe: Recipe, x: torch.Tensor, y: torch.Tensor, steps: int = 50) -> dict:
+    """Host microseconds of each phase of ``recipe.step(x, y)``, and of the whole step
+    (``"step"``) and what lies outside the phases (``"rest"``: the loss scaling's
+    multiply, the returned loss), medians over ``steps`` steps after 10 of warm-up. No
+    synchronisation inside the steps: on a GPU each time is the host's enqueue, which
+    the GPU's work overlaps."""
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    def timed(phase: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] += time.perf_counter() - start
+
+        return run
+
+    stepper = recipe.scaler if recipe.scaler is not None else recipe.optimizer
+    wrapped = [
+        (recipe.optimizer, "zero_grad", "zero_grad"),
+        (recipe, "loss", "forward + loss"),
+        (stepper, "step", "optimizer step"),
+    ]
+    if recipe.scaler is not None:
+        wrapped.append((recipe.scaler, "update", "optimizer step"))
+    for owner, name, phase in wrapped:
+        setattr(owner, name, timed(phase, getattr(owner, name)))
+    backward = torch.Tensor.backward
+    torch.Tensor.backward = timed("backward", backward)
+    rows: dict[str, list[float]] = {name: [] for name in (*PHASES, "step", "rest")}
+    try:
+        for call in range(10 + steps):
+            for phase in PHASES:
+                spent[phase] = 0.0
+            start = time.perf_counter()
+            recipe.step(x, y)
+            total = time.perf_counter() - start
+            if call >= 10:
+                for phase in PHASES:
+                    rows[phase].append(spent[phase] * 1e6)
+                rows["step"].append(total * 1e6)
+                rows["rest"].append((total - sum(spent.values())) * 1e6)
+    finally:
+        torch.Tensor.backward = backward
+        for owner, name, _ in wrapped:
+            delattr(owner, name)
+    return {name: sorted(values)[len(values) // 2] for name, values in rows.items()}
+
+
+def phases(out: Path) -> None:
+    """``phase_times`` of the guide and small steps in each mode (autocast with fused
+    Adam, FP32 with torch's default foreach Adam), as one table."""
+    lines = [
+        "## host time of a step by phase (us, medians of 50 steps)",
+        "| case | " + " | ".join((*PHASES, "rest", "step")) + " |",
+        "|" + " --- |" * (len(PHASES) + 3),
+    ]
+    for size, batch, hidden in (("guide", 8192, (4096, 4096)), ("small", 128, (128,))):
+        for mode, fused in (("mpgemm", False), ("autocast", True), ("fp32", False)):
+            times = phase_times(*step_inputs(mode, batch, hidden, fused))
+            row = " | ".join(f"{times[name]:.0f}" for name in (*PHASES, "rest", "step"))
+            lines.append(f"| {size} {mode} | {row} |")
+    body = "\n".join(lines)
+    print(body, flush=True)
+    with open(out / "profile.md", "a") as f:
+        f.write(body + "\n\n")
+
+
 def step_case(mode: str, batch: int, hidden: tuple[int, ...], fused: bool):
+    recipe, x, y = step_inputs(mode, batch, hidden, fused)
+    return lambda: recipe.step(x, y)
+
+
+def step_inputs(mode: str, batch: int, hidden: tuple[int, ...], fused: bool):
+    """(recipe, x, y): a step of the 784-input MLP with ``hidden`` widths, on the GPU."""
     torch.manual_seed(0)
     config = TrainConfig(hidden=hidden, batch_size=batch, device="cuda")
     net = build_mlp(784, hidden, 10).to(DEVICE)
     recipe = Recipe(mode, net, config, fused_torch_optimizer=fused)
     x = torch.randn(batch, 784, device=DEVICE)
     y = torch.randint(0, 10, (batch,), device=DEVICE)
-    return lambda: recipe.step(x, y)
+    return recipe, x, y
 
 
 def main() -> None:
@@ -298,6 +380,8 @@ def main() -> None:
         launch_costs(out)
     if only is None or "syncs" in only:
         sync_sites(out)
+    if only is None or "phases" in only:
+        phases(out)
     for name, build in cases.items():
         if only is None or name in only:
             report(name, build(), out)
