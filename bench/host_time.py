@@ -12,8 +12,11 @@ Prints microseconds per call (the best of 7 rounds) for a 512^2 FP16 product, an
 small MLP's training step (784-128-10, batch 128, Adam), ``mpgemm.scaling.unscale_``
 over 200 gradients, and a ``LossScaleOptimizer(Adam)`` step (the inf check, the fused
 step, the scale update) over 100 ``mpgemm.Linear(64, 64)`` layers: 100 weights with
-16-bit copies and 100 biases. On a shared machine compare two trees by alternating runs
-and reading each one's minimum."""
+16-bit copies and 100 biases. Then a tiny MLP's step (8-8-10, batch 4, so that the
+CPU's arithmetic hardly counts) split into its phases (``phase_times``: medians of 300
+steps), mpgemm's and FP32's (torch's Adam runs its for-loop implementation on a CPU,
+foreach on a GPU). On a shared machine compare two trees by alternating runs and
+reading each one's minimum."""
 
 from __future__ import annotations
 
@@ -96,6 +99,62 @@ def triton_stubbed() -> Iterator[None]:
         launches._binaries = binaries
 
 
+# A step's phases, each timed by wrapping what the step calls for it (the step itself
+# runs unchanged): the optimizer's ``zero_grad``, the forward and loss, ``backward``,
+# and the optimizer step (autocast's: ``scaler.step`` and ``scaler.update``).
+PHASES = ("zero_grad", "forward + loss", "backward", "optimizer step")
+
+
+def phase_times(recipe: Recipe, x: torch.Tensor, y: torch.Tensor, steps: int = 50) -> dict:
+    """Host microseconds of each phase of ``recipe.step(x, y)``, and of the whole step
+    (``"step"``) and what lies outside the phases (``"rest"``: the loss scaling's
+    multiply, the returned loss), medians over ``steps`` steps after 10 of warm-up. No
+    synchronisation inside the steps: on a GPU each time is the host's enqueue, which
+    the GPU's work overlaps."""
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    def timed(phase: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] += time.perf_counter() - start
+
+        return run
+
+    stepper = recipe.scaler if recipe.scaler is not None else recipe.optimizer
+    wrapped = [
+        (recipe.optimizer, "zero_grad", "zero_grad"),
+        (recipe, "loss", "forward + loss"),
+        (stepper, "step", "optimizer step"),
+    ]
+    if recipe.scaler is not None:
+        wrapped.append((recipe.scaler, "update", "optimizer step"))
+    for owner, name, phase in wrapped:
+        setattr(owner, name, timed(phase, getattr(owner, name)))
+    backward = torch.Tensor.backward
+    torch.Tensor.backward = timed("backward", backward)
+    rows: dict[str, list[float]] = {name: [] for name in (*PHASES, "step", "rest")}
+    try:
+        for call in range(10 + steps):
+            for phase in PHASES:
+                spent[phase] = 0.0
+            start = time.perf_counter()
+            recipe.step(x, y)
+            total = time.perf_counter() - start
+            if call >= 10:
+                for phase in PHASES:
+                    rows[phase].append(spent[phase] * 1e6)
+                rows["step"].append(total * 1e6)
+                rows["rest"].append((total - sum(spent.values())) * 1e6)
+    finally:
+        torch.Tensor.backward = backward
+        for owner, name, _ in wrapped:
+            delattr(owner, name)
+    return {name: sorted(values)[len(values) // 2] for name, values in rows.items()}
+
+
 def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
     for _ in range(max(calls // 10, 3)):
         fn()
@@ -127,11 +186,18 @@ def main() -> None:
         "unscale_ 200 tensors": (lambda: unscale_(grads, found, inv_scale), 500),
         "LossScaleOptimizer(Adam) step, 100 layers": (optimizer.step, 100),
     }
+    # An MLP too small for the CPU's arithmetic to count, for the phases.
+    tiny = TrainConfig(hidden=(8,), batch_size=4)
+    tiny_batch = torch.randn(4, 8), torch.randint(0, 10, (4,))
     with triton_stubbed():
         # The layers' gradients and 16-bit weight copies, which every step then reads.
         optimizer.scale_loss(layers(torch.randn(8, 64)).float().sum()).backward()
         for name, (fn, calls) in cases.items():
             print(f"{name}: {best_us(fn, calls):.1f} us", flush=True)
+        for mode in ("mpgemm", "fp32"):
+            times = phase_times(Recipe(mode, build_mlp(8, (8,), 10), tiny), *tiny_batch, 300)
+            row = ", ".join(f"{name} {times[name]:.0f}" for name in (*PHASES, "rest", "step"))
+            print(f"tiny MLP step by phase, {mode} (us): {row}", flush=True)
 
 
 if __name__ == "__main__":

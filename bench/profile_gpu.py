@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import triton
 from harness import SYNC_WARNING
+from host_time import PHASES, phase_times
 from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
@@ -262,62 +263,6 @@ def sync_sites(out: Path) -> None:
     print(body, flush=True)
     with open(out / "profile.md", "a") as f:
         f.write(body + "\n\n")
-
-
-# A step's phases, each timed by wrapping what the step calls for it (the step itself
-# runs unchanged): the optimizer's ``zero_grad``, the forward and loss, ``backward``,
-# and the optimizer step (autocast's: ``scaler.step`` and ``scaler.update``).
-PHASES = ("zero_grad", "forward + loss", "backward", "optimizer step")
-
-
-def phase_times(recipe: Recipe, x: torch.Tensor, y: torch.Tensor, steps: int = 50) -> dict:
-    """Host microseconds of each phase of ``recipe.step(x, y)``, and of the whole step
-    (``"step"``) and what lies outside the phases (``"rest"``: the loss scaling's
-    multiply, the returned loss), medians over ``steps`` steps after 10 of warm-up. No
-    synchronisation inside the steps: on a GPU each time is the host's enqueue, which
-    the GPU's work overlaps."""
-    spent = dict.fromkeys(PHASES, 0.0)
-
-    def timed(phase: str, fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[phase] += time.perf_counter() - start
-
-        return run
-
-    stepper = recipe.scaler if recipe.scaler is not None else recipe.optimizer
-    wrapped = [
-        (recipe.optimizer, "zero_grad", "zero_grad"),
-        (recipe, "loss", "forward + loss"),
-        (stepper, "step", "optimizer step"),
-    ]
-    if recipe.scaler is not None:
-        wrapped.append((recipe.scaler, "update", "optimizer step"))
-    for owner, name, phase in wrapped:
-        setattr(owner, name, timed(phase, getattr(owner, name)))
-    backward = torch.Tensor.backward
-    torch.Tensor.backward = timed("backward", backward)
-    rows: dict[str, list[float]] = {name: [] for name in (*PHASES, "step", "rest")}
-    try:
-        for call in range(10 + steps):
-            for phase in PHASES:
-                spent[phase] = 0.0
-            start = time.perf_counter()
-            recipe.step(x, y)
-            total = time.perf_counter() - start
-            if call >= 10:
-                for phase in PHASES:
-                    rows[phase].append(spent[phase] * 1e6)
-                rows["step"].append(total * 1e6)
-                rows["rest"].append((total - sum(spent.values())) * 1e6)
-    finally:
-        torch.Tensor.backward = backward
-        for owner, name, _ in wrapped:
-            delattr(owner, name)
-    return {name: sorted(values)[len(values) // 2] for name, values in rows.items()}
 
 
 def phases(out: Path) -> None:
