@@ -204,6 +204,8 @@ def test_an_autotuner_runs_once_per_launch_kind_then_its_choice_directly(device,
     from mpgemm.kernels import launches
 
     monkeypatch.setattr(launches, "_chosen", {})
+    # On a GPU, binaries cached by earlier tests' launches would skip the autotuner.
+    monkeypatch.setattr(launches, "_binaries", {})
     runs = []
     tuner_run = Autotuner.run
 
@@ -245,6 +247,92 @@ def _probe(
     if NEG:
         value = -value
     tl.store(y_ptr + offsets, value + MODE, mask=mask)
+
+
+def test_the_gemm_launches_hand_the_launcher_what_the_autotuner_would(tmp_path):
+    """Each launch ``triton_gemm`` makes (the TMA kernel plain and with a transposed
+    weight, bias and ReLU; the pointer kernel on an FP32 operand; split-K with its
+    reduction), compiled for an H100 through the stand-in driver with one config per
+    launch: ``launch`` hands the launcher what triton's autotuner (or JIT) hands it,
+    through the autotuner, the JIT with the chosen config and the cached binary alike
+    (descriptors compared by their fields). In a process of its own, as above."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["MPGEMM_SINGLE_CONFIG"] = "1"  # one config each: nothing to time
+    script = "from tests.test_launches import _compare_gemm_launches; _compare_gemm_launches()"
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["compared", "15"]
+
+
+def _compare_gemm_launches():
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mpgemm.kernels import launches
+    from mpgemm.kernels.aot import _HopperDriver
+    from mpgemm.kernels.gemm import triton_gemm
+
+    class Driver(_HopperDriver):
+        # Triton 3.6's autotuner times even one config when it caches its results: a
+        # call and a constant time stand in for the timing.
+        def get_benchmarker(self):
+            def bench(kernel_call, quantiles=None, **kwargs):
+                kernel_call()
+                return [1.0] * len(quantiles) if quantiles else 1.0
+
+            return bench
+
+    calls = []
+    CompiledKernel._init_handles = lambda self: None
+    CompiledKernel.run = property(lambda kernel: lambda *run: calls.append((kernel, run)))
+
+    def fields(arg):
+        if isinstance(arg, TensorDescriptor):
+            base = arg.base
+            return (base.data_ptr(), base.dtype, arg.shape, arg.strides, arg.block_shape)
+        return id(arg)
+
+    def fresh(arg):  # a descriptor as the launch sites make one, before any pre-hook
+        if isinstance(arg, TensorDescriptor):
+            return TensorDescriptor(arg.base, arg.shape, arg.strides, [16, 16])
+        return arg
+
+    g = torch.Generator().manual_seed(0)
+    half = torch.float16
+    a, b = torch.randn(64, 64, generator=g).to(half), torch.randn(64, 32, generator=g).to(half)
+    weight, bias = torch.randn(48, 64, generator=g).to(half), torch.randn(48, generator=g)
+    tall = torch.randn(16, 4096, generator=g).to(half), torch.randn(4096, 16, generator=g).to(half)
+    products = [
+        lambda: triton_gemm(a, b, compute_dtype=half, out_dtype=half),
+        lambda: triton_gemm(
+            a, weight.t(), compute_dtype=half, out_dtype=half, bias=bias, activation="relu"
+        ),
+        lambda: triton_gemm(a.float(), b, compute_dtype=half, out_dtype=torch.float32),
+        lambda: triton_gemm(*tall, compute_dtype=half, out_dtype=torch.float32),  # split-K
+    ]
+    compared = 0
+    driver.set_active(Driver())
+    for product in products:
+        for cached in (False, False, True):  # the autotuner, the JIT, the binary
+            captured: list[tuple] = []
+            with launches.intercept(lambda *launch_args, to=captured: to.append(launch_args)):
+                product()
+            for kernel, grid, args, kwargs, _ in captured:
+                ours = tuple(map(fresh, args))
+                kernel[grid](*args, **kwargs)
+                launches.launch(kernel, grid, *ours, **kwargs)
+                (their_kernel, theirs), (kernel_run, mine) = calls[-2], calls[-1]
+                assert kernel_run is their_kernel  # the same binary
+                assert mine[:6] == theirs[:6]  # grid, stream, function, packed metadata
+                if cached:  # no launch hooks: no launch metadata
+                    assert mine[6:9] == (None, None, None)
+                assert list(map(fields, mine[9:])) == list(map(fields, theirs[9:]))
+                compared += 1
+    print("compared", compared)
 
 
 def _desc_probe(in_desc, y_ptr, n, BLOCK: tl.constexpr):
