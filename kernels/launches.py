@@ -135,12 +135,12 @@ def _binary_key(
 ) -> tuple:
     """What the launch's binary depends on, or more: the kernel (by id: a JIT
     function's hash is computed in Python; the binary holds the kernel, so that its id
-    is not reused while the key is kept), the
-    device, the keyword arguments (constexprs and launch options, which also fix an
-    autotuner's kind), the value of each constexpr at ``constexprs`` (positions), and
-    per positional argument an integer's value (the JIT's: whether it is 1, a multiple
-    of 16, its width), a tensor's dtype and 16-byte alignment, a descriptor's dtype,
-    block shape and options, or the type of any other value (a float is an FP32)."""
+    is not reused while the key is kept), the device, the keyword arguments (constexprs
+    and launch options, which also fix an autotuner's kind), the value of each
+    constexpr at ``constexprs`` (positions), and per positional argument an integer's
+    value (the JIT's: whether it is 1, a multiple of 16, its width), a tensor's dtype
+    and 16-byte alignment, a descriptor's dtype, block shape and options, or the type of
+    any other value (a float is an FP32)."""
     key = [id(kernel), device, *kwargs.items(), *[args[i] for i in constexprs if i < len(args)]]
     for a in args:
         if type(a) is int:
