@@ -256,19 +256,11 @@ def test_the_gemm_launches_hand_the_launcher_what_the_autotuner_would(tmp_path):
     launch: ``launch`` hands the launcher what triton's autotuner (or JIT) hands it,
     through the autotuner, the JIT with the chosen config and the cached binary alike
     (descriptors compared by their fields). In a process of its own, as above."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["MPGEMM_SINGLE_CONFIG"] = "1"  # one config each: nothing to time
-    script = "from tests.test_launches import _compare_gemm_launches; _compare_gemm_launches()"
-    run = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["compared", "15"]
+    # One config each: nothing to time.
+    assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 15
 
 
 def _compare_gemm_launches():
-    from triton.compiler.compiler import CompiledKernel
     from triton.runtime import driver
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -286,9 +278,7 @@ def _compare_gemm_launches():
 
             return bench
 
-    calls = []
-    CompiledKernel._init_handles = lambda self: None
-    CompiledKernel.run = property(lambda kernel: lambda *run: calls.append((kernel, run)))
+    calls = _record_launchers()
 
     def fields(arg):
         if isinstance(arg, TensorDescriptor):
@@ -354,33 +344,49 @@ def test_a_launch_hands_the_launcher_what_the_jit_would(tmp_path):
     a descriptor's block shape; without launch hooks it skips the launch metadata, and
     with one it passes what the JIT passes. In a process of its own: triton's
     interpreter leaves the language patched after a launch, which breaks compiling."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    script = "from tests.test_launches import _compare_launchers; _compare_launchers()"
+    assert _compared_apart("_compare_launchers", tmp_path) == 18
+
+
+def _compared_apart(comparison: str, cache_dir, **env: str) -> int:
+    """Run ``comparison`` (a function of this module) in a process of its own, compiled
+    (no interpreter) into ``cache_dir``, with ``env`` added; how many launches it
+    compared."""
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+        "TRITON_CACHE_DIR": str(cache_dir),
+        **env,
+    }
+    script = f"from tests.test_launches import {comparison}; {comparison}()"
     run = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["compared", "18"]
+    printed, count = run.stdout.split()
+    assert printed == "compared"
+    return int(count)
+
+
+def _record_launchers() -> list[tuple]:
+    """Make every compiled kernel's launcher append (the kernel, what it was given) to
+    the list returned, instead of launching. No module is loaded (no driver): the
+    function handle stays None for both paths compared."""
+    from triton.compiler.compiler import CompiledKernel
+
+    calls: list[tuple] = []
+    CompiledKernel._init_handles = lambda self: None
+    CompiledKernel.run = property(lambda kernel: lambda *given: calls.append((kernel, given)))
+    return calls
 
 
 def _compare_launchers():
     from triton import knobs
-    from triton.compiler.compiler import CompiledKernel
     from triton.runtime.jit import JITFunction
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from mpgemm.kernels import launches
     from mpgemm.kernels.aot import _hopper_target
 
-    calls = []
-
-    def recorder(kernel):
-        return lambda *launched: calls.append((kernel, launched))
-
-    # No module is loaded (no driver): the function handle stays None for both paths.
-    CompiledKernel._init_handles = lambda self: None
-    CompiledKernel.run = property(recorder)
+    calls = _record_launchers()
     jit = JITFunction(_probe)
     x = torch.randn(80)
     y = torch.empty(80)
