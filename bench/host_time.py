@@ -103,6 +103,8 @@ def triton_stubbed() -> Iterator[None]:
 # runs unchanged): the optimizer's ``zero_grad``, the forward and loss, ``backward``,
 # and the optimizer step (autocast's: ``scaler.step`` and ``scaler.update``).
 PHASES = ("zero_grad", "forward + loss", "backward", "optimizer step")
+# What ``phase_times`` returns, in the order its tables print it.
+PHASE_COLUMNS = (*PHASES, "rest", "step")
 
 
 def phase_times(recipe: Recipe, x: torch.Tensor, y: torch.Tensor, steps: int = 50) -> dict:
@@ -135,7 +137,7 @@ def phase_times(recipe: Recipe, x: torch.Tensor, y: torch.Tensor, steps: int = 5
         setattr(owner, name, timed(phase, getattr(owner, name)))
     backward = torch.Tensor.backward
     torch.Tensor.backward = timed("backward", backward)
-    rows: dict[str, list[float]] = {name: [] for name in (*PHASES, "step", "rest")}
+    rows: dict[str, list[float]] = {name: [] for name in PHASE_COLUMNS}
     try:
         for call in range(10 + steps):
             for phase in PHASES:
@@ -196,7 +198,7 @@ def main() -> None:
             print(f"{name}: {best_us(fn, calls):.1f} us", flush=True)
         for mode in ("mpgemm", "fp32"):
             times = phase_times(Recipe(mode, build_mlp(8, (8,), 10), tiny), *tiny_batch, 300)
-            row = ", ".join(f"{name} {times[name]:.0f}" for name in (*PHASES, "rest", "step"))
+            row = ", ".join(f"{name} {times[name]:.0f}" for name in PHASE_COLUMNS)
             print(f"tiny MLP step by phase, {mode} (us): {row}", flush=True)
 
 

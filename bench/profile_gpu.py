@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import triton
 from harness import SYNC_WARNING
-from host_time import PHASES, phase_times
+from host_time import PHASE_COLUMNS, phase_times
 from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
@@ -270,13 +270,13 @@ def phases(out: Path) -> None:
     Adam, FP32 with torch's default foreach Adam), as one table."""
     lines = [
         "## host time of a step by phase (us, medians of 50 steps)",
-        "| case | " + " | ".join((*PHASES, "rest", "step")) + " |",
-        "|" + " --- |" * (len(PHASES) + 3),
+        "| case | " + " | ".join(PHASE_COLUMNS) + " |",
+        "|" + " --- |" * (len(PHASE_COLUMNS) + 1),
     ]
     for size, batch, hidden in (("guide", 8192, (4096, 4096)), ("small", 128, (128,))):
         for mode, fused in (("mpgemm", False), ("autocast", True), ("fp32", False)):
             times = phase_times(*step_inputs(mode, batch, hidden, fused))
-            row = " | ".join(f"{times[name]:.0f}" for name in (*PHASES, "rest", "step"))
+            row = " | ".join(f"{times[name]:.0f}" for name in PHASE_COLUMNS)
             lines.append(f"| {size} {mode} | {row} |")
     body = "\n".join(lines)
     print(body, flush=True)
