@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
@@ -75,11 +76,15 @@ def backend(device: torch.device | str) -> str:
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def is_plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass.
-    Any other (a DTensor, a user's subclass) takes the reference path, whose torch ops
-    it handles."""
-    return type(t) in PLAIN_TYPES
+    """Whether ``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass,
+    nor a tensor a ``torch.func`` transform wraps (batched by ``vmap``, tracked by
+    ``grad``: no memory of its own to read). Any other (a DTensor, a user's subclass,
+    a wrapped tensor) takes the reference path, whose torch ops it handles."""
+    return type(t) in PLAIN_TYPES and not _functorch_wrapped(t)
 
 
 def _gemm(device: torch.device, *tensors: torch.Tensor | None) -> Callable:
@@ -194,14 +199,12 @@ def _linear_forward(
     out_dtype: torch.dtype,
     weight_copy: torch.Tensor | None,
     store_act_grad: bool,
-    round_x: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """``LinearFunction``'s forward without autograd: (y, G or None, the x2d and W the
-    backward would read). ``round_x``: x2d is x rounded to the compute dtype."""
+    x_rounded: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``LinearFunction``'s forward without autograd: (y, G or None). ``x_rounded``:
+    None, or x as (prod(*), K) rounded to the compute dtype, which the GEMM then reads."""
     gemm = _gemm(x.device, x, weight, bias, weight_copy)
-    x2d = _as_rows(x)
-    if round_x:
-        x2d = x2d.to(compute_dtype)
+    x2d = _as_rows(x) if x_rounded is None else x_rounded
     w = weight if weight_copy is None else weight_copy
     out, act_grad, _ = gemm(
         x2d,
@@ -219,10 +222,26 @@ def _linear_forward(
         # nn.Linear's output may.
         out = out.view(shape).detach()
         act_grad = None if act_grad is None else act_grad.view(shape)
-    return out, act_grad, x2d, w
+    return out, act_grad
 
 
-class LinearFunction(torch.autograd.Function):
+class _Function(torch.autograd.Function):
+    """An autograd Function in ``setup_context`` form, which ``torch.func``'s transforms
+    need, applied outside a transform as one in the older form is: torch's ``apply``
+    binds the arguments to ``forward``'s signature (``inspect``) on every call of a
+    Function with ``setup_context``: 14 us a call here, where the rest of an apply of
+    a small Function costs 7. Callers pass every argument, so there is nothing to
+    bind."""
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        # What torch's apply does outside a transform, less the binding.
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
+
+
+class LinearFunction(_Function):
     """act(x @ W.T + bias) with 16-bit operands and FP32 accumulation: the layer's GEMMs.
     With an activation and a gradient to compute, ``ActivationFunction`` follows it in
     the graph (``_linear``) and owns the derivative and the bias gradient.
@@ -230,46 +249,45 @@ class LinearFunction(torch.autograd.Function):
     x: (*, K) float32/float16/bfloat16; W: (N, K), any strides; bias: (N,) or None;
     weight_copy: None, or W in the compute dtype (``mpgemm.Linear``'s current copy of
     its FP32 master), which the GEMMs then read in W's place; store_act_grad: also
-    return G = act'(z) in FP32 (GELU's derivative, for ``ActivationFunction``).
+    return G = act'(z) in FP32 (GELU's derivative, for ``ActivationFunction``);
+    x_rounded: None, or x as (prod(*), K) rounded to the compute dtype (no gradient),
+    which the GEMMs then read in x's place (the caller rounds an FP32 x whose weight
+    gradient is needed: the GEMMs would round it anyway, and it is half the memory).
     Forward: one GEMM with bias, activation and the output cast in the epilogue; returns
-    (y, G or None). An FP32 x that the weight gradient needs is rounded to the compute
-    dtype once, and the rounded x is what is saved (the GEMMs would round it anyway;
-    half the memory).
+    (y, G or None).
     Backward, from the gradient at its output (dZ where an activation's node precedes
     it, dY otherwise): dx = dZ @ W (in x's dtype) and dW = dZ.T @ x (in W's dtype, FP32
     for master weights, laid out like W), with the bias gradient, the FP32 column sums
     of dZ, computed by the dW GEMM as it reads dZ (where the TMA kernel runs it, which
     fuses no sums, by one pass beforehand).
+
+    In ``setup_context`` form, so that ``torch.func``'s transforms apply (``grad``,
+    ``vjp``, ``vmap``, ``jacrev``, per-sample gradients): under ``vmap`` the forward and
+    backward run as written on the batched tensors (``generate_vmap_rule``), which take
+    the reference path (``is_plain``), as do the tensors ``grad`` tracks in the backward.
     """
 
+    generate_vmap_rule = True
+
+    forward = staticmethod(_linear_forward)
+
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        weight,
-        bias,
-        activation,
-        compute_dtype,
-        out_dtype,
-        weight_copy=None,
-        store_act_grad=False,
-    ):
-        # An FP32 x that the weight gradient needs is saved rounded (half the memory).
-        round_x = ctx.needs_input_grad[1] and x.dtype == torch.float32
-        args = (x, weight, bias, activation, compute_dtype, out_dtype, weight_copy, store_act_grad)
-        out, act_grad, x2d, w = _linear_forward(*args, round_x=round_x)
-        if act_grad is not None:
-            ctx.mark_non_differentiable(act_grad)
-        ctx.save_for_backward(x2d, w)
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, _, compute_dtype, _, weight_copy, _, x_rounded = inputs
+        if output[1] is not None:
+            ctx.mark_non_differentiable(output[1])
+        # What the GEMMs read: x (or its rounding) and W (or its copy).
+        ctx.save_for_backward(
+            x if x_rounded is None else x_rounded, weight if weight_copy is None else weight_copy
+        )
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.compute_dtype = compute_dtype
         ctx.has_bias = bias is not None
-        return out, act_grad
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_z, _):
-        x2d, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Compiled, the whole backward is one op (mpgemm.ops.linear_backward), which
         # runs this same function: its choices (the bias gradient fused or not) need the
@@ -279,7 +297,7 @@ class LinearFunction(torch.autograd.Function):
             from mpgemm.ops import linear_backward as backward
         grad_x, grad_w, grad_b = backward(
             grad_z,
-            x2d,
+            _as_rows(x),
             weight,
             x_shape=ctx.x_shape,
             x_dtype=ctx.x_dtype,
@@ -289,7 +307,7 @@ class LinearFunction(torch.autograd.Function):
             need_w=need_w,
             need_b=need_b and ctx.has_bias,
         )
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _records_grad(*tensors: torch.Tensor | None) -> bool:
@@ -324,12 +342,16 @@ def _linear_function(
     ``mpgemm.matmul``'s 43 us of host time (``bench/host_time.py``)."""
     args = (x, weight, bias, activation, compute_dtype, out_dtype, weight_copy, store_act_grad)
     if _autograd_idle(x, weight, bias):
-        out, act_grad, _, _ = _linear_forward(*args, round_x=False)
-        return out, act_grad
-    return LinearFunction.apply(*args)
+        return _linear_forward(*args, None)
+    # An FP32 x that the weight gradient needs is rounded once, here: the GEMMs read
+    # the rounding and the backward keeps it (half the memory).
+    x_rounded = None
+    if x.dtype == torch.float32 and weight.requires_grad and torch.is_grad_enabled():
+        x_rounded = _as_rows(x.detach()).to(compute_dtype)
+    return LinearFunction.apply(*args, x_rounded)
 
 
-class ActivationFunction(torch.autograd.Function):
+class ActivationFunction(_Function):
     """y = act(z + bias) in the autograd graph, after ``LinearFunction`` (given the bias
     detached), whose epilogue has already computed y: the forward passes y on (the same
     memory); the backward turns dY into dZ = dY * act'(z) for the GEMMs' backward, and
@@ -339,16 +361,23 @@ class ActivationFunction(torch.autograd.Function):
     gradient until the node returns, and its saved tensors until then too, so with the
     derivative inside the layer's node dY and y would outlive the layer's GEMMs (two
     activations' worth more at the backward's peak than under autocast, whose ReLU frees
-    both first). y: the layer's output; act_grad: GELU's stored act'(z), else None."""
+    both first). y: the layer's output; act_grad: GELU's stored act'(z), else None.
+    Under ``torch.vmap`` it runs as written on batched tensors, as ``LinearFunction``
+    does."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, y, act_grad, bias, activation, compute_dtype):
-        out = y.detach()  # y's memory, as this node's output
+    def forward(y, act_grad, bias, activation, compute_dtype):
+        return y.detach()  # y's memory, as this node's output
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, act_grad, _, activation, compute_dtype = inputs
         # ReLU's mask reads the output as saved here: an in-place change of it then
         # fails the backward, as it does after torch.relu.
-        ctx.save_for_backward(out if activation == "relu" else act_grad)
+        ctx.save_for_backward(output if activation == "relu" else act_grad)
         ctx.activation, ctx.compute_dtype = activation, compute_dtype
-        return out
 
     @staticmethod
     @once_differentiable
@@ -405,8 +434,10 @@ def _linear_backward(
     if need_w or need_b:
         # A frozen weight still lets its GEMM sum the bias gradient: B gets no columns.
         x_operand = x2d if need_w else x2d[:, :0]
-        # Laid out like the weight (its copy is), in the weight's own dtype.
-        grad_w = torch.empty_like(weight, dtype=weight_dtype) if need_w else None
+        # Laid out like the weight (its copy is), in the weight's own dtype. Not under
+        # vmap, where dZ may be batched and the weight not (per-sample gradients).
+        laid_out = need_w and not (_functorch_wrapped(dz) or _functorch_wrapped(x2d))
+        grad_w = torch.empty_like(weight, dtype=weight_dtype) if laid_out else None
         product, _, grad_b = gemm(
             dz.t(),
             x_operand,

@@ -13,6 +13,7 @@ from mpgemm.functional import (
     _check_activation,
     _check_compute_dtype,
     _check_out_dtype,
+    _functorch_wrapped,
     _linear,
 )
 
@@ -66,10 +67,11 @@ class Linear(nn.Linear):
         copy = None
         if self.weight.dtype == torch.float32:
             # The copy is a cache keyed by the weight's storage and version, for eager
-            # code; a compiled graph casts in the graph, which is the same rounding.
+            # code; a compiled graph casts in the graph, which is the same rounding, as
+            # does a weight a torch.func transform wraps (it has no storage to key by).
             copy = (
                 self.weight.to(self.compute_dtype)
-                if torch.compiler.is_compiling()
+                if torch.compiler.is_compiling() or _functorch_wrapped(self.weight)
                 else self._weight_copy.of(self.weight)
             )
         return _linear(

@@ -79,11 +79,9 @@ def activation_backward_ref(
     = act'(z), FP32): the product in FP32, rounded once to ``compute_dtype``."""
     if activation == "relu":
         grad_z = exact = torch.ops.aten.threshold_backward(grad_y, saved, 0)
-    elif bias_grad:
+    else:
         exact = torch.mul(grad_y, saved)  # FP32, for the sums
         grad_z = exact.to(compute_dtype)
-    else:  # one pass: computed in FP32, rounded as it is stored
-        return torch.mul(grad_y, saved, out=torch.empty_like(grad_y, dtype=compute_dtype)), None
     return grad_z, torch.sum(exact, dim=0, dtype=torch.float32) if bias_grad else None
 
 

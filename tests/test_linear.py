@@ -348,7 +348,8 @@ def test_a_product_autograd_does_not_record_runs_without_the_autograd_function(
 
     with fwAD.dual_level(), pytest.raises(NotImplementedError, match="jvp"):
         mpgemm.matmul(fwAD.make_dual(x, torch.ones_like(x)), w.t())
-    # Under a functorch transform too: it raises as torch does for such a Function.
-    with torch.no_grad(), pytest.raises(RuntimeError, match="setup_context"):
+    # Under a functorch transform too (tests/test_func_transforms.py), even with no
+    # gradient asked for.
+    with torch.no_grad():
         torch.func.vmap(lambda t: mpgemm.matmul(t, w.t()))(x.unsqueeze(0))
     assert len(applied) == 3

@@ -1,0 +1,160 @@
+"""torch.func's transforms over mpgemm's layers: per-sample gradients (vmap of grad),
+model ensembles (vmap over stacked parameters), grad, vjp and jacrev. Each is held to
+what the same computation gives without the transform: the eager layer per sample or
+per model (itself held to FP64 elsewhere), or FP64 where the transform's math is
+torch's own."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jacrev, stack_module_state, vjp, vmap
+
+import mpgemm
+from tests.accuracy import assert_within_torch_error, launched_kernels
+
+
+def mlp(device, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10)
+    ).to(device, dtype)
+
+
+def converted(device, seed=0):
+    return mpgemm.convert(mlp(device, seed))
+
+
+def test_per_sample_gradients_are_each_samples_own_backward(device):
+    """vmap(grad(loss)) over a batch, the parameters shared: each sample's gradients
+    within twice the error (against FP64) of that sample's own eager backward."""
+    model = converted(device)
+    exact_model = mlp(device, dtype=torch.float64)
+    x = torch.randn(6, 33, device=device)
+    y = torch.randint(0, 10, (6,), device=device)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(params, xi, yi):
+        logits = functional_call(model, params, (xi.unsqueeze(0),))
+        return nn.functional.cross_entropy(logits, yi.unsqueeze(0))
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    assert all(p.grad is None for p in model.parameters())  # functional: nothing kept
+    assert per_sample.keys() == params.keys()
+    for i in range(len(x)):
+        for net, xi in ((model, x[i : i + 1]), (exact_model, x[i : i + 1].double())):
+            net.zero_grad()
+            nn.functional.cross_entropy(net(xi), y[i : i + 1]).backward()
+        eager = dict(model.named_parameters())
+        for name, exact in exact_model.named_parameters():
+            got = per_sample[name][i]
+            assert got.dtype == torch.float32, name  # the masters' dtype, as eager
+            assert_within_torch_error(got, exact.grad, eager[name].grad, f"sample {i} {name}")
+
+
+def test_an_ensemble_runs_under_vmap_over_stacked_parameters(device):
+    """stack_module_state + vmap(functional_call): each model's output is its own
+    forward's, to FP32 rounding (the batched GEMMs run as torch ops on the same 16-bit
+    operands)."""
+    models = [converted(device, seed) for seed in range(3)]
+    params, buffers = stack_module_state(models)
+    skeleton = copy.deepcopy(models[0]).to("meta")
+    x = torch.randn(5, 33, device=device)
+
+    def forward(params, buffers, x):
+        return functional_call(skeleton, (params, buffers), (x,))
+
+    out = vmap(forward, in_dims=(0, 0, None))(params, buffers, x)
+    assert out.shape == (3, 5, 10) and out.dtype == torch.float32  # FP32 logits
+    for model, got in zip(models, out, strict=True):
+        torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_grad_runs_the_forward_kernels_and_tracks_the_backward(device):
+    """grad alone hands the forward plain tensors: the kernels run it, as eagerly. Its
+    backward sees the transform's wrapped tensors and runs as torch ops, the same
+    roundings: the input's gradient within twice the eager backward's error."""
+    model = converted(device)
+    x = torch.randn(7, 33, device=device)
+    kernels, got = launched_kernels(lambda: grad(lambda t: model(t).sum())(x))
+    assert kernels == ["_gemm_kernel", "_gemm_tma_kernel", "_gemm_tma_kernel"]
+    eager, exact = x.clone().requires_grad_(), x.double().requires_grad_()
+    model(eager).sum().backward()
+    mlp(device, dtype=torch.float64)(exact).sum().backward()
+    assert_within_torch_error(got, exact.grad, eager.grad, "input gradient")
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_jacrev_and_vjp_of_linear_match_the_reference(device, activation):
+    """jacrev (vmap over vjp) and vjp of ``mpgemm.linear`` against the same of
+    ``mpgemm.linear_ref`` (torch ops, whose derivative autograd takes: the same rounded
+    operands, FP32 sums) and against the eager backward."""
+    x = torch.randn(2, 12, device=device)
+    w = torch.randn(9, 12, device=device)
+    b = torch.randn(9, device=device)
+    kw = dict(activation=activation, out_dtype=torch.float32)
+
+    def ours(x, w, b):
+        return mpgemm.linear(x, w, b, **kw)
+
+    def ref(x, w, b):
+        return mpgemm.linear_ref(x, w, b, **kw)
+
+    got, want = (jacrev(f, argnums=(0, 1, 2))(x, w, b) for f in (ours, ref))
+    for name, g, r in zip("xwb", got, want, strict=True):
+        # The reference's backward does not round dZ to 16 bits; ours does.
+        torch.testing.assert_close(g, r, rtol=2e-3, atol=2e-3, msg=name)
+    out, pull = vjp(ours, x, w, b)
+    cotangent = torch.randn_like(out)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    ours(*leaves).backward(cotangent)
+    for name, g, leaf in zip("xwb", pull(cotangent), leaves, strict=True):
+        # The eager backward's math as torch ops (summed in another order).
+        torch.testing.assert_close(g, leaf.grad, msg=name)
+
+
+def test_vmap_of_matmul_over_either_operand(device):
+    a = torch.randn(4, 5, 12, device=device)
+    b = torch.randn(3, 12, 7, device=device)
+    for got, want in (
+        (vmap(lambda t: mpgemm.matmul(t, b[0]))(a), [mpgemm.matmul(t, b[0]) for t in a]),
+        (vmap(lambda t: mpgemm.matmul(a[0], t))(b), [mpgemm.matmul(a[0], t) for t in b]),
+    ):
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got, torch.stack(want), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+def test_forward_mode_transforms_raise_for_want_of_a_jvp(device, transform):
+    """Forward-mode AD is not supported: torch's own error, naming the missing jvp."""
+    layer = mpgemm.Linear(6, 4, device=device)
+    x = torch.randn(3, 6, device=device)
+    with pytest.raises(NotImplementedError, match="jvp"):
+        if transform == "jvp":
+            torch.func.jvp(layer, (x,), (torch.ones_like(x),))
+        else:
+            torch.func.jacfwd(layer)(x)
+
+
+def test_outside_a_transform_apply_binds_no_signature(device, monkeypatch):
+    """torch's ``Function.apply`` binds the arguments to ``forward``'s signature on every
+    call of a Function with ``setup_context`` (``inspect.signature``: twice the cost of
+    the rest of an apply); mpgemm's Functions skip it outside a transform, and use it
+    inside one."""
+    import inspect
+
+    layer = mpgemm.Linear(8, 4, activation="gelu", device=device)
+    x = torch.randn(3, 8, device=device)
+    real_signature = inspect.signature
+    bound = []
+
+    def signature(fn, *args, **kwargs):
+        bound.append(getattr(fn, "__name__", fn))
+        return real_signature(fn, *args, **kwargs)
+
+    monkeypatch.setattr(inspect, "signature", signature)
+    layer(x).sum().backward()
+    assert bound == []
+    grad(lambda t: layer(t).sum())(x)
+    assert "_linear_forward" in bound and "forward" in bound, bound
