@@ -1,5 +1,6 @@
-"""Under torch.distributed every rank takes the same skip decision: two CPU processes
-on the gloo backend, an inf gradient on one rank only."""
+"""Under torch.distributed every rank takes the same skip decision, and a model of
+mpgemm.Linear layers under FSDP2 or DDP trains as one process would: two CPU
+processes on the gloo backend, an inf on one rank only."""
 
 import gc
 import os
@@ -85,7 +86,7 @@ def test_ranks_skip_together(tmp_path):
         assert torch.equal(a, b)
 
 
-# -- FSDP2: each rank holds a shard of every parameter, gradient and optimizer state ----
+# -- FSDP2 (each rank holds a shard of every parameter, gradient and state) and DDP ---
 
 FSDP_STEPS = 4
 FSDP_BATCH = 16
@@ -104,9 +105,11 @@ def _mlp() -> torch.nn.Module:
     )
 
 
-def _fsdp_train(model, rank, world, case):
+def _train_on_share(model, rank, world, case, inf_in="gradient"):
     """Each rank trains on its share of the same batches; at INF_STEP one element of
-    rank 1's shard of the first weight's gradient is inf (world 1: of the whole one)."""
+    rank 1's shard of the first weight's gradient is inf (world 1: of the whole one),
+    or, ``inf_in="input"``, the first element of rank 1's first sample (world 1: of
+    the same sample)."""
     params = list(model.parameters())
     # The optimizers' extra state: AMSGrad's maxima (DTensors, as the moments) and
     # damped SGD's step counts (plain tensors beside DTensor parameters).
@@ -120,12 +123,14 @@ def _fsdp_train(model, rank, world, case):
     for step in range(FSDP_STEPS):
         x = torch.randn(FSDP_BATCH, 16, generator=g)
         y = torch.randn(FSDP_BATCH, 8, generator=g)
+        if step == INF_STEP and inf_in == "input":
+            x[FSDP_BATCH // WORLD, 0] = float("inf")
         loss = torch.nn.functional.mse_loss(
             model(x.chunk(world)[rank]).float(), y.chunk(world)[rank]
         )
         optimizer.zero_grad()
         (scaler.scale(loss) if scaler else optimizer.scale_loss(loss)).backward()
-        if step == INF_STEP and rank == world - 1:
+        if step == INF_STEP and rank == world - 1 and inf_in == "gradient":
             grad = params[0].grad
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
         if scaler:
@@ -151,7 +156,11 @@ def _fsdp_worker(rank, port, out_dir, path):
     mesh = init_device_mesh("cpu", (WORLD,))
     results = {}
     for case in ("loss_scale_optimizer", "grad_scaler"):
-        results[case] = _fsdp_case(mesh, rank, case)
+        results["fsdp2", case] = _fsdp_case(mesh, rank, case)
+        # DDP all-reduces the gradients in the backward, so a rank's inf reaches every
+        # rank's gradients: it is put in rank 1's input.
+        model = torch.nn.parallel.DistributedDataParallel(_mlp())
+        results["ddp", case] = _train_on_share(model, rank, WORLD, case, inf_in="input")
     _save_and_leave(results, os.path.join(out_dir, f"{path}{rank}.pt"))
 
 
@@ -163,7 +172,7 @@ def _fsdp_case(mesh, rank, case):
         if isinstance(layer, mpgemm.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return _fsdp_train(model, rank, WORLD, case)
+    return _train_on_share(model, rank, WORLD, case)
 
 
 def _interpreter_runs_the_gemms() -> bool:
@@ -190,17 +199,26 @@ def _interpreter_runs_the_gemms() -> bool:
         ),
     ],
 )
-def test_fsdp2_matches_one_process_on_the_whole_batch(tmp_path, path):
+def test_fsdp2_and_ddp_match_one_process_on_the_whole_batch(tmp_path, path):
+    """A model of mpgemm.Linear layers sharded by FSDP2 or replicated by DDP over two
+    ranks, each on half of every batch, trains as one process on the whole batches,
+    with LossScaleOptimizer(Adam with AMSGrad) or GradScaler and damped SGD; rank 1's
+    inf skips the same step on both ranks."""
     mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path), path), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"{path}{r}.pt") for r in range(WORLD)]
-    for case in ("loss_scale_optimizer", "grad_scaler"):
-        scale, expected = _fsdp_train(_mlp(), 0, 1, case)
+    for wrapper, case in ranks[0]:
+        inf_in = "input" if wrapper == "ddp" else "gradient"
+        scale, expected = _train_on_share(_mlp(), 0, 1, case, inf_in)
         # Rank 1's inf skipped the step on both ranks: the scale backed off once.
         assert scale == 2.0**15
         for rank in ranks:
-            got_scale, params = rank[case]
-            assert got_scale == scale, case
+            got_scale, params = rank[wrapper, case]
+            assert got_scale == scale, (wrapper, case)
             for got, want in zip(params, expected, strict=True):
                 torch.testing.assert_close(
-                    got, want, rtol=1e-4, atol=1e-5, msg=lambda m, case=case: f"{case}: {m}"
+                    got,
+                    want,
+                    rtol=1e-4,
+                    atol=1e-5,
+                    msg=lambda m, w=wrapper, c=case: f"{w} {c}: {m}",
                 )
