@@ -78,7 +78,9 @@ def test_grad_runs_the_forward_kernels_and_tracks_the_backward(device):
     model = converted(device)
     x = torch.randn(7, 33, device=device)
     kernels, got = launched_kernels(lambda: grad(lambda t: model(t).sum())(x))
-    assert kernels == ["_gemm_kernel", "_gemm_tma_kernel", "_gemm_tma_kernel"]
+    # The three layers' forward GEMMs (pointer or TMA kernel, by the operands), and
+    # nothing of the backward.
+    assert len(kernels) == 3 and set(kernels) <= {"_gemm_kernel", "_gemm_tma_kernel"}, kernels
     eager, exact = x.clone().requires_grad_(), x.double().requires_grad_()
     model(eager).sum().backward()
     mlp(device, dtype=torch.float64)(exact).sum().backward()
