@@ -13,7 +13,7 @@ writes at most 8 files no more than 2 folders down (what the device returns).
 
 Set-up comes first and stops the stage if it fails: ``pip install -e .`` without build
 isolation or dependencies (the machine has no network), then a check that torch sees
-a GPU. The bench and train stages first compile every kernel their run will launch,
+a GPU, then (best effort) the install of any wheels carried in ``.whl/``. The bench and train stages first compile every kernel their run will launch,
 on a thread per core, into triton's cache (``MPGEMM_PRECOMPILE=1``): the run then
 autotunes without compiling.
 
@@ -336,6 +336,21 @@ _VERSIONS = (
 )
 
 
+# Wheels carried to the device (the device tool's ``carry``; bench/NOTES.md says how):
+# what the test extra needs and the device's image lacks, such as expecttest.
+WHEELS = ROOT / ".whl"
+
+
+def carried_wheels(folder: Path) -> Command | None:
+    """The install of the wheels in ``folder`` (from it alone), or None if none."""
+    wheels = sorted(str(w) for w in folder.glob("*.whl"))
+    if not wheels:
+        return None
+    return Command(
+        [PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels], "env.txt"
+    )
+
+
 def _set_up(out: Path, dry: bool, env: dict[str, str]) -> bool:
     """Install, check the GPU, write env.txt; False when a step failed."""
     steps = (
@@ -380,6 +395,9 @@ def _set_up(out: Path, dry: bool, env: dict[str, str]) -> bool:
         if _run(step, out, deadline, env) != 0:
             print(f"gpu_check: set-up step failed: {' '.join(step.argv)}", file=sys.stderr)
             return False
+    carried = None if dry else carried_wheels(WHEELS)
+    if carried is not None:  # best effort: without them, the tests that need them skip
+        _run(carried, out, deadline, env)
     if dry:
         with open(out / "env.txt", "a") as f:
             f.write("dry run: on the CPU, at toy scale\n")

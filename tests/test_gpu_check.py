@@ -167,3 +167,28 @@ def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
         assert [r["copies"] for r in ours] == [True] * 6 + [False] * 6
         assert block[-1]["impl"] == f"torch fused {name}"
     assert len(rows) == 26
+
+
+def test_carried_wheels_install_from_their_folder_alone(tmp_path):
+    """The set-up's install of wheels carried to the device (which has no network):
+    none carried, none installed; a carried one installs with no index (pip's dry run
+    on a wheel built here)."""
+    assert gpu_check.carried_wheels(tmp_path) is None
+    project = tmp_path / "project"
+    (project / "carried_probe").mkdir(parents=True)
+    (project / "carried_probe" / "__init__.py").write_text("")
+    (project / "pyproject.toml").write_text(
+        '[project]\nname = "carried-probe"\nversion = "0.1"\n'
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+    )
+    wheels = tmp_path / "whl"
+    pip = [sys.executable, "-m", "pip"]
+    build = [*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels)]
+    subprocess.run([*build, str(project)], check=True, capture_output=True, timeout=300)
+    command = gpu_check.carried_wheels(wheels)
+    report = tmp_path / "report.json"
+    dry_run = [*command.argv, "--dry-run", "--report", str(report)]
+    run = subprocess.run(dry_run, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    installs = json.loads(report.read_text())["install"]
+    assert [item["metadata"]["name"] for item in installs] == ["carried-probe"]
