@@ -200,6 +200,14 @@ def _local_list(
     return [shards[id(t)] for t in tensors]
 
 
+def _shards(*lists: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The lists as lists, each DTensor as its local shard, one per DTensor across them
+    (``_local_list``): what the custom ops take under ``torch.compile``, as the kernels
+    do eagerly (``_dispatch``)."""
+    shards: dict[int, torch.Tensor] = {}
+    return [list(_local_list(lst, shards)) for lst in lists]
+
+
 _PLAIN_SET = frozenset(PLAIN_TYPES)
 _KERNEL_DTYPE_SET = frozenset(KERNEL_DTYPES)
 _dtype = operator.attrgetter("dtype")
@@ -296,7 +304,9 @@ def unscale_(
     if inv_scale is not None:
         _check_scalar("unscale_", "inv_scale", inv_scale, device)
     if torch.compiler.is_compiling():
-        ops.unscale_(list(src), found_inf, inv_scale, list(dst or ()))
+        local_src, local_dst = _shards(src, dst or ())
+        ops.unscale_(local_src, found_inf, inv_scale, local_dst)
+        _reduce_over_shards(src, src_types, found_inf)
         return
     lists = [src, src if dst is None else dst]
     _dispatch(
@@ -483,11 +493,7 @@ def sgd_step_(
         )
     if torch.compiler.is_compiling():
         ops.sgd_step_(
-            list(params),
-            list(grads),
-            list(momentum_buffers or ()),
-            list(compute_copies or ()),
-            list(steps or ()),
+            *_shards(params, grads, momentum_buffers or (), compute_copies or (), steps or ()),
             **_as_op_arguments({"dampening": 0.0, **hyper}),  # (the op's schema has no default)
         )
         return
@@ -532,13 +538,15 @@ def adam_step_(
     one-element tensors, as ``sgd_step_``'s ``lr``."""
     if torch.compiler.is_compiling():
         ops.adam_step_(
-            list(params),
-            list(grads),
-            list(exp_avgs),
-            list(exp_avg_sqs),
-            list(steps),
-            list(compute_copies or ()),
-            list(max_exp_avg_sqs or ()),
+            *_shards(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                steps,
+                compute_copies or (),
+                max_exp_avg_sqs or (),
+            ),
             **_as_op_arguments(hyper),
         )
         return

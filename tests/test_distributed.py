@@ -105,11 +105,12 @@ def _mlp() -> torch.nn.Module:
     )
 
 
-def _train_on_share(model, rank, world, case, inf_in="gradient"):
+def _train_on_share(model, rank, world, case, inf_in="gradient", compiled=False):
     """Each rank trains on its share of the same batches; at INF_STEP one element of
     rank 1's shard of the first weight's gradient is inf (world 1: of the whole one),
     or, ``inf_in="input"``, the first element of rank 1's first sample (world 1: of
-    the same sample)."""
+    the same sample). ``compiled``: the optimizer's step (the scaler's step and
+    update) is compiled whole."""
     params = list(model.parameters())
     # The optimizers' extra state: AMSGrad's maxima (DTensors, as the moments) and
     # damped SGD's step counts (plain tensors beside DTensor parameters).
@@ -119,25 +120,34 @@ def _train_on_share(model, rank, world, case, inf_in="gradient"):
     else:
         optimizer = mpgemm.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5)
         scaler = mpgemm.GradScaler("cpu", init_scale=2.0**16)
+
+    def step():
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+
+    if compiled:
+        # aot_eager: inductor (torch 2.13) fails to guard its reinplacing of the ops'
+        # in-place writes to FSDP2's gradients, views into one reduce-scatter buffer
+        # ("sources must not be empty for symbol"; README).
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
     g = torch.Generator().manual_seed(1)
-    for step in range(FSDP_STEPS):
+    for i in range(FSDP_STEPS):
         x = torch.randn(FSDP_BATCH, 16, generator=g)
         y = torch.randn(FSDP_BATCH, 8, generator=g)
-        if step == INF_STEP and inf_in == "input":
+        if i == INF_STEP and inf_in == "input":
             x[FSDP_BATCH // WORLD, 0] = float("inf")
         loss = torch.nn.functional.mse_loss(
             model(x.chunk(world)[rank]).float(), y.chunk(world)[rank]
         )
         optimizer.zero_grad()
         (scaler.scale(loss) if scaler else optimizer.scale_loss(loss)).backward()
-        if step == INF_STEP and rank == world - 1 and inf_in == "gradient":
+        if i == INF_STEP and rank == world - 1 and inf_in == "gradient":
             grad = params[0].grad
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        step()
     scale = scaler.get_scale() if scaler else optimizer.loss_scale
     return scale, [
         p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()
@@ -157,6 +167,7 @@ def _fsdp_worker(rank, port, out_dir, path):
     results = {}
     for case in ("loss_scale_optimizer", "grad_scaler"):
         results["fsdp2", case] = _fsdp_case(mesh, rank, case)
+        results["fsdp2 compiled", case] = _fsdp_case(mesh, rank, case, compiled=True)
         # DDP all-reduces the gradients in the backward, so a rank's inf reaches every
         # rank's gradients: it is put in rank 1's input.
         model = torch.nn.parallel.DistributedDataParallel(_mlp())
@@ -164,7 +175,7 @@ def _fsdp_worker(rank, port, out_dir, path):
     _save_and_leave(results, os.path.join(out_dir, f"{path}{rank}.pt"))
 
 
-def _fsdp_case(mesh, rank, case):
+def _fsdp_case(mesh, rank, case, compiled=False):
     from torch.distributed.fsdp import fully_shard  # FSDP2 (torch >= 2.6)
 
     model = _mlp()
@@ -172,7 +183,7 @@ def _fsdp_case(mesh, rank, case):
         if isinstance(layer, mpgemm.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return _train_on_share(model, rank, WORLD, case)
+    return _train_on_share(model, rank, WORLD, case, compiled=compiled)
 
 
 def _interpreter_runs_the_gemms() -> bool:
