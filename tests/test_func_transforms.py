@@ -127,16 +127,21 @@ def test_vmap_of_matmul_over_either_operand(device):
         torch.testing.assert_close(got, torch.stack(want), rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
 def test_forward_mode_transforms_raise_for_want_of_a_jvp(device, transform):
-    """Forward-mode AD is not supported: torch's own error, naming the missing jvp."""
-    layer = mpgemm.Linear(6, 4, device=device)
+    """Forward-mode AD is not supported: torch's own error, naming the missing jvp. A
+    jvp rule alone would not do for the hessian (forward over reverse): the backward
+    is once-differentiable, and the forward mode's tangents through it came out as
+    zeros in a trial, where they must raise."""
+    layer = mpgemm.Linear(6, 4, activation="gelu", device=device)
     x = torch.randn(3, 6, device=device)
     with pytest.raises(NotImplementedError, match="jvp"):
         if transform == "jvp":
             torch.func.jvp(layer, (x,), (torch.ones_like(x),))
-        else:
+        elif transform == "jacfwd":
             torch.func.jacfwd(layer)(x)
+        else:
+            torch.func.hessian(lambda t: layer(t).float().sum())(x[0])
 
 
 def test_outside_a_transform_apply_binds_no_signature(device, monkeypatch):
