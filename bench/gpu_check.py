@@ -13,9 +13,10 @@ writes at most 8 files no more than 2 folders down (what the device returns).
 
 Set-up comes first and stops the stage if it fails: ``pip install -e .`` without build
 isolation or dependencies (the machine has no network), then a check that torch sees
-a GPU, then (best effort) the install of any wheels carried in ``.whl/``. The bench and train stages first compile every kernel their run will launch,
-on a thread per core, into triton's cache (``MPGEMM_PRECOMPILE=1``): the run then
-autotunes without compiling.
+a GPU, then (best effort) the install of any wheels carried in ``.whl/``. The bench
+and train stages first compile every kernel their run will launch, on a thread per
+core, into triton's cache (``MPGEMM_PRECOMPILE=1``): the run then autotunes without
+compiling.
 
 ``GPU_CHECK_DRY_RUN=1 OUT=DIR bash bench/gpu_check.sh STAGE`` runs a stage on the CPU
 at toy scale and writes the same files, so CI checks the runbook itself.

@@ -310,6 +310,25 @@ class LinearFunction(_Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
+def _check_differentiated_once() -> None:
+    """Raise where ``torch.func`` transforms may differentiate the backward: more than
+    one of their differentiating levels open (``grad`` of ``grad``, ``jacrev`` of
+    ``jacrev``, ``hessian``). The backwards are once-differentiable, and nested
+    transforms read the missing derivative as zeros rather than raise, as eager
+    autograd does. Asked in the forward, where every level is still open."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    differentiating = (TransformType.Grad, TransformType.Jvp)
+    levels = [i for i in retrieve_all_functorch_interpreters() if i.key() in differentiating]
+    if len(levels) > 1:
+        raise RuntimeError(
+            "mpgemm: second derivatives are not supported (the layers' backward is "
+            "once-differentiable): nested torch.func grad/vjp/jacrev transforms, or a "
+            "hessian, of mpgemm.linear, matmul or Linear"
+        )
+
+
 def _records_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records a graph for an op on ``tensors``: grad mode is on and
     one of them requires grad."""
@@ -343,6 +362,8 @@ def _linear_function(
     args = (x, weight, bias, activation, compute_dtype, out_dtype, weight_copy, store_act_grad)
     if _autograd_idle(x, weight, bias):
         return _linear_forward(*args, None)
+    if torch._C._are_functorch_transforms_active():
+        _check_differentiated_once()
     # An FP32 x that the weight gradient needs is rounded once, here: the GEMMs read
     # the rounding and the backward keeps it (half the memory).
     x_rounded = None

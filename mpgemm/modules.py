@@ -13,7 +13,6 @@ from mpgemm.functional import (
     _check_activation,
     _check_compute_dtype,
     _check_out_dtype,
-    _functorch_wrapped,
     _linear,
 )
 
@@ -68,10 +67,11 @@ class Linear(nn.Linear):
         if self.weight.dtype == torch.float32:
             # The copy is a cache keyed by the weight's storage and version, for eager
             # code; a compiled graph casts in the graph, which is the same rounding, as
-            # does a weight a torch.func transform wraps (it has no storage to key by).
+            # does a torch.func transform (its weight may be wrapped, with no storage to
+            # key by, and what it makes is wrapped: kept, it would outlive the levels).
             copy = (
                 self.weight.to(self.compute_dtype)
-                if torch.compiler.is_compiling() or _functorch_wrapped(self.weight)
+                if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
                 else self._weight_copy.of(self.weight)
             )
         return _linear(
