@@ -162,7 +162,9 @@ def test_second_derivatives_raise_and_leave_the_transforms_working(device, trans
     eager = x.clone().requires_grad_()
     f(eager).backward()
     for first_order in (grad(f)(x), jacrev(f)(x), vmap(grad(f))(x.expand(2, -1))[1]):
-        torch.testing.assert_close(first_order, eager.grad, rtol=1e-4, atol=1e-5)
+        # Under vmap the forward runs as torch ops: a 16-bit activation may round the
+        # other way (one FP16 ulp is 1e-3 of it).
+        torch.testing.assert_close(first_order, eager.grad, rtol=5e-3, atol=1e-4)
 
 
 def test_outside_a_transform_apply_binds_no_signature(device, monkeypatch):
