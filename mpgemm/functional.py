@@ -262,14 +262,35 @@ class LinearFunction(_Function):
     fuses no sums, by one pass beforehand).
 
     In ``setup_context`` form, so that ``torch.func``'s transforms apply (``grad``,
-    ``vjp``, ``vmap``, ``jacrev``, per-sample gradients): under ``vmap`` the forward and
-    backward run as written on the batched tensors (``generate_vmap_rule``), which take
-    the reference path (``is_plain``), as do the tensors ``grad`` tracks in the backward.
+    ``vjp``, ``vmap``, ``jacrev``, per-sample gradients), with a rule of its own for
+    ``vmap`` (``vmap``). The backward under a transform sees wrapped tensors, which take
+    the reference path (``is_plain``).
     """
 
-    generate_vmap_rule = True
-
     forward = staticmethod(_linear_forward)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        """Under ``torch.vmap``: with only x batched (per-sample gradients' forward), the
+        batch joins x's rows and the kernels run as for any (*, K) input; with a batched
+        weight or bias (an ensemble), one apply per batch entry. Each apply's tensors
+        are the level's own, so their kernels run too."""
+        x_dim, rounded_dim = in_dims[0], in_dims[8]
+        if x_dim is not None and all(d is None for i, d in enumerate(in_dims) if i not in (0, 8)):
+            x, x_rounded = args[0].movedim(x_dim, 0), args[8]
+            if x_rounded is not None:  # (prod(*), K) each: (batch x prod(*), K)
+                x_rounded = x_rounded.movedim(rounded_dim, 0).flatten(0, 1)
+            out, act_grad = LinearFunction.apply(x, *args[1:8], x_rounded)
+            return (out, act_grad), (0, None if act_grad is None else 0)
+        entries = [
+            LinearFunction.apply(
+                *(a if d is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True))
+            )
+            for i in range(info.batch_size)
+        ]
+        outs, act_grads = zip(*entries, strict=True)
+        act_grad = None if act_grads[0] is None else torch.stack(act_grads)
+        return (torch.stack(outs), act_grad), (0, None if act_grad is None else 0)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

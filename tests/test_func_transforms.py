@@ -1,5 +1,6 @@
 """torch.func's transforms over mpgemm's layers: per-sample gradients (vmap of grad),
-model ensembles (vmap over stacked parameters), grad, vjp and jacrev. Each is held to
+model ensembles (vmap over stacked parameters), grad, vjp and jacrev, their forward
+through the kernels. Each is held to
 what the same computation gives without the transform: the eager layer per sample or
 per model (itself held to FP64 elsewhere), or FP64 where the transform's math is
 torch's own."""
@@ -13,6 +14,9 @@ from torch.func import functional_call, grad, jacrev, stack_module_state, vjp, v
 
 import mpgemm
 from tests.accuracy import assert_within_torch_error, launched_kernels
+
+# The GEMM's two kernels: pointer or TMA, by the operands.
+GEMM_KERNELS = {"_gemm_kernel", "_gemm_tma_kernel"}
 
 
 def mlp(device, seed=0, dtype=torch.float32):
@@ -39,7 +43,11 @@ def test_per_sample_gradients_are_each_samples_own_backward(device):
         logits = functional_call(model, params, (xi.unsqueeze(0),))
         return nn.functional.cross_entropy(logits, yi.unsqueeze(0))
 
-    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    kernels, per_sample = launched_kernels(
+        lambda: vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    )
+    # The forward's three GEMMs, the samples as rows (the backward runs as torch ops).
+    assert len(kernels) == 3 and set(kernels) <= GEMM_KERNELS, kernels
     assert all(p.grad is None for p in model.parameters())  # functional: nothing kept
     assert per_sample.keys() == params.keys()
     for i in range(len(x)):
@@ -65,7 +73,8 @@ def test_an_ensemble_runs_under_vmap_over_stacked_parameters(device):
     def forward(params, buffers, x):
         return functional_call(skeleton, (params, buffers), (x,))
 
-    out = vmap(forward, in_dims=(0, 0, None))(params, buffers, x)
+    kernels, out = launched_kernels(lambda: vmap(forward, in_dims=(0, 0, None))(params, buffers, x))
+    assert len(kernels) == 9 and set(kernels) <= GEMM_KERNELS, kernels  # a model at a time
     assert out.shape == (3, 5, 10) and out.dtype == torch.float32  # FP32 logits
     for seed, (model, got) in enumerate(zip(models, out, strict=True)):
         exact = mlp(device, seed, dtype=torch.float64)(x.double())
@@ -79,9 +88,8 @@ def test_grad_runs_the_forward_kernels_and_tracks_the_backward(device):
     model = converted(device)
     x = torch.randn(7, 33, device=device)
     kernels, got = launched_kernels(lambda: grad(lambda t: model(t).sum())(x))
-    # The three layers' forward GEMMs (pointer or TMA kernel, by the operands), and
-    # nothing of the backward.
-    assert len(kernels) == 3 and set(kernels) <= {"_gemm_kernel", "_gemm_tma_kernel"}, kernels
+    # The three layers' forward GEMMs, and nothing of the backward.
+    assert len(kernels) == 3 and set(kernels) <= GEMM_KERNELS, kernels
     eager, exact = x.clone().requires_grad_(), x.double().requires_grad_()
     model(eager).sum().backward()
     mlp(device, dtype=torch.float64)(exact).sum().backward()
