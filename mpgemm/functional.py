@@ -404,8 +404,8 @@ class ActivationFunction(_Function):
     derivative inside the layer's node dY and y would outlive the layer's GEMMs (two
     activations' worth more at the backward's peak than under autocast, whose ReLU frees
     both first). y: the layer's output; act_grad: GELU's stored act'(z), else None.
-    Under ``torch.vmap`` it runs as written on batched tensors, as ``LinearFunction``
-    does."""
+    Under ``torch.vmap`` it runs as written on batched tensors (``generate_vmap_rule``:
+    its forward is a detach, its backward torch ops there)."""
 
     generate_vmap_rule = True
 
