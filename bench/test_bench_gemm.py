@@ -56,3 +56,29 @@ def test_gemm(run_case, device, shape, impl):
         "fp32": lambda: torch.matmul(a32, b32),
     }[impl]
     run_case(fn, case="x".join(map(str, shape)), impl=impl, flops=2 * m * n * k)
+
+
+# (batch, M, K, N) of batched products (``mpgemm.matmul`` of a batched b, the pointer
+# kernel's batch axis): attention's two products at 1,024 tokens and 16 heads of 64 over
+# 4 sequences, and 8 experts' 2048 x 4096 -> 1024 layers.
+BATCHED_SHAPES = (
+    [(64, 1024, 64, 1024), (64, 1024, 1024, 64), (8, 2048, 4096, 1024)]
+    if GPU_SCALE
+    else [(2, 32, 48, 64)]
+)
+
+
+@pytest.mark.benchmark(group="gemm_batched")
+@pytest.mark.parametrize("impl", ["mpgemm", "torch_fp16", "fp32"])
+@pytest.mark.parametrize("shape", BATCHED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_batched_gemm(run_case, device, shape, impl):
+    batch, m, k, n = shape
+    a32 = torch.randn(batch, m, k, device=device)
+    b32 = torch.randn(batch, k, n, device=device)
+    a16, b16 = a32.half(), b32.half()
+    fn = {
+        "mpgemm": lambda: mpgemm.matmul(a16, b16),
+        "torch_fp16": lambda: torch.matmul(a16, b16),
+        "fp32": lambda: torch.matmul(a32, b32),
+    }[impl]
+    run_case(fn, case="x".join(map(str, shape)), impl=impl, flops=2 * batch * m * n * k)

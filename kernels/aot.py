@@ -97,7 +97,7 @@ def _tensor(shape: tuple[int, ...], dtype: torch.dtype, aligned: bool) -> torch.
 def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]]:
     """(label, run) pairs: each ``run`` makes one layer's launches, in the order
     LinearFunction makes them (forward; input gradient, then weight gradient)."""
-    from mpgemm.functional import linear
+    from mpgemm.functional import linear, matmul
     from mpgemm.modules import Linear
 
     aligned = spec == "aligned"
@@ -149,6 +149,9 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     yield "functional fp32 weight", functional(half, f32, bias=True, activation="relu")
     yield "functional fp32 operands", functional(f32, f32, bias=True, activation=None, grad=False)
     yield "matmul 16-bit", functional(half, half, bias=False, activation=None)
+    # A batch of products (the pointer kernel's batch axis), forward and backward.
+    a, b = (_tensor(shape, half, aligned).requires_grad_() for shape in ((3, m, k), (3, k, n)))
+    yield "matmul batched", lambda: matmul(a, b)
 
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -195,6 +196,11 @@ def _gemm_kernel(
     stride_gm,
     stride_gn,
     stride_bias,
+    # batch strides of A, B and C, in elements (0 for an operand broadcast over the
+    # batch), read when BATCHED
+    stride_ab,
+    stride_bb,
+    stride_cb,
     # what to compute
     COMPUTE_BF16: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -210,12 +216,21 @@ def _gemm_kernel(
     # programs per tile along K (split_k_for); above 1, C and R are FP32 partials,
     # (SPLIT_K, M, N) and (SPLIT_K, R's length), and there is no epilogue
     SPLIT_K: tl.constexpr,
+    # a batch of products, program_id(2) the batch index (``matmul`` of batched
+    # operands: no sums, no epilogue, no split of K); a flag, so that unbatched launches
+    # compile as they would without a batch
+    BATCHED: tl.constexpr,
     # tiling
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    if BATCHED:
+        pid_b = tl.program_id(2).to(tl.int64)
+        a_ptr += pid_b * stride_ab
+        b_ptr += pid_b * stride_bb
+        c_ptr += pid_b * stride_cb
     # N == 0 still gets one column of programs when A's row sums are wanted.
     pid_m, pid_n = grouped_tile(
         tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.maximum(tl.cdiv(N, BLOCK_N), 1), GROUP_M
@@ -360,6 +375,7 @@ _AUTOTUNE_KEY = [
     "K_SUMS",
     "ALIGNED",
     "SPLIT_K",
+    "BATCHED",
 ]
 # ``_gemm_kernel`` is the JIT function (its name is what launch records and the compile
 # reports show); ``tuned_gemm_kernel`` the autotuner around it, which launches take.
@@ -464,11 +480,15 @@ def triton_gemm(
     (an expanded scalar included). out: an (M, N) tensor of out_dtype to write C into
     (any strides), else a contiguous one is allocated.
     Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,).
+    Batched: a (*batch, M, K) and b (*batch, K, N) of one batch shape, any strides (0
+    where an operand is broadcast), with no bias, activation, G or R: C is (*batch, M,
+    N), one product per batch entry, by the pointer kernel.
     The caller has validated shapes, dtypes and devices.
     """
-    M, K = a.shape
-    N = b.shape[1]
-    c = torch.empty((M, N), device=a.device, dtype=out_dtype) if out is None else out
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    shape = (*a.shape[:-2], M, N)
+    c = torch.empty(shape, device=a.device, dtype=out_dtype) if out is None else out
     # FP32: a 16-bit derivative would round dZ = dY * act' twice (here and for the dot).
     g = torch.empty((M, N), device=a.device, dtype=torch.float32) if store_act_grad else None
     r = torch.empty((M,), device=a.device, dtype=torch.float32) if rowsum_a else None
@@ -482,6 +502,11 @@ def triton_gemm(
         ACTIVATION=activation,
         STORE_ACT_GRAD=store_act_grad,
     )
+    if a.dim() > 2:
+        if bias is not None or activation is not None or store_act_grad or rowsum_a:
+            raise ValueError("a batch of products takes no bias, activation, G or R")
+        _launch_batched(a, b, c, flags)
+        return c, g, r
     epilogue = bias is not None or activation is not None or store_act_grad
     splits = 1 if epilogue else split_k_for(M, N, K, a.device)
     layout = _tma_layout(a, b, compute_dtype, splits)
@@ -510,6 +535,46 @@ def triton_gemm(
     return c, g, r
 
 
+# CUDA's limit on a grid's third dimension, the batch's.
+_MAX_BATCH = 65535
+
+
+def _launch_batched(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, flags: dict) -> None:
+    """C[i] = round(A[i]) @ round(B[i]) for every batch index i of (*batch, ., .)
+    operands, by pointer-kernel launches over 3-D views: batch dimensions are merged
+    where the strides of all three allow (always for contiguous operands, and for an
+    operand broadcast over every batch dimension), any others iterated on the host, and
+    each launch takes at most ``_MAX_BATCH`` products."""
+    if _kernel == "tma":
+        raise ValueError("the TMA GEMM takes no batch of products; this launch is batched")
+    if c.numel() == 0:
+        return
+    # (size, a's stride, b's, c's) per batch dimension, outermost first
+    dims: list[tuple[int, ...]] = []
+    for i, size in enumerate(a.shape[:-2]):
+        strides = (a.stride(i), b.stride(i), c.stride(i))
+        if size == 1:
+            continue
+        if dims and all(o == s * size for o, s in zip(dims[-1][1:], strides, strict=True)):
+            dims[-1] = (dims[-1][0] * size, *strides)
+        else:
+            dims.append((size, *strides))
+    *outer, (inner, *inner_strides) = dims or [(1, 0, 0, 0)]
+    operands = (a, b, c)
+    for index in itertools.product(*(range(dim[0]) for dim in outer)):
+        offsets = [
+            t.storage_offset() + sum(i * dim[1 + j] for i, dim in zip(index, outer, strict=True))
+            for j, t in enumerate(operands)
+        ]
+        for start in range(0, inner, _MAX_BATCH):
+            count = min(inner - start, _MAX_BATCH)
+            views = [
+                t.as_strided((count, *t.shape[-2:]), (s, *t.stride()[-2:]), off + start * s)
+                for t, s, off in zip(operands, inner_strides, offsets, strict=True)
+            ]
+            _launch_pointer(*views, r=None, k_sums=None, splits=1, flags=flags)
+
+
 def _launch_pointer(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -525,25 +590,35 @@ def _launch_pointer(
     """The pointer kernel's launch (and split-K's reduction) writing C, G and R, which
     ``triton_gemm`` has allocated; R has A's rows (``k_sums`` "a") or B's columns
     ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T."""
-    M, K = a.shape
-    N = b.shape[1]
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    # (B, M, K) @ (B, K, N) -> (B, M, N): a batch of products (``_launch_batched``)
+    batch = a.shape[0] if a.dim() == 3 else 1
+    batch_strides = (a.stride(0), b.stride(0), c.stride(0)) if a.dim() == 3 else (0, 0, 0)
     result, sums = c, r
     if splits > 1:  # the kernel writes FP32 partials; the reduction writes c and r
         c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
         if r is not None:
             r = torch.empty((splits, r.shape[0]), device=a.device, dtype=torch.float32)
     operands = [t for t in (a, b, c, bias, g, r) if t is not None]
-    strides = [*a.stride(), *b.stride(), *c.stride()[-2:], *(g.stride() if g is not None else ())]
+    strides = [
+        *a.stride(),
+        *b.stride(),
+        *c.stride()[-2:],
+        *(g.stride() if g is not None else ()),
+        *batch_strides,
+    ]
     flags = dict(
         flags,
         K_SUMS=k_sums,
         ALIGNED=operands_aligned(operands, strides),
         SPLIT_K=splits,
+        BATCHED=a.dim() == 3,
     )
     n_bucket = size_bucket(N)
 
     def grid(meta):
-        return (cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1), splits)
+        return (cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1), splits, batch)
 
     launch(
         tuned_gemm_kernel,
@@ -561,14 +636,15 @@ def _launch_pointer(
         size_bucket(M),
         n_bucket,
         size_bucket(K),
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
+        a.stride(-2),
+        a.stride(-1),
+        b.stride(-2),
+        b.stride(-1),
         c.stride(-2),
         c.stride(-1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
+        *batch_strides,
         gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"N_BUCKET": n_bucket}, **flags),
         **flags,
     )

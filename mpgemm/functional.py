@@ -1,8 +1,9 @@
 """``mpgemm.matmul`` and ``mpgemm.linear``: checks, dispatch and the autograd function.
 
-Both ops run through ``LinearFunction``: ``matmul(a, b)`` is ``linear(a, b.T)`` on a
-transposed view, so one forward and one backward serve both. A layer's activation adds
-``ActivationFunction`` to the graph, for its derivative.
+Both ops run through ``LinearFunction``: ``matmul(a, b)`` with a 2-D ``b`` is
+``linear(a, b.T)`` on a transposed view, so one forward and one backward serve both; a
+batched ``b`` takes ``BatchedMatmulFunction``, a batch of products. A layer's activation
+adds ``ActivationFunction`` to the graph, for its derivative.
 """
 
 from __future__ import annotations
@@ -393,6 +394,71 @@ def _linear_function(
     return LinearFunction.apply(*args, x_rounded)
 
 
+def _batched_product(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    like: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """round(a) @ round(b) for (*, M, K) and (*, K, N) operands whose batch shapes
+    broadcast, FP32 accumulation: (*batch, M, N) of ``out_dtype``, a batch of GEMMs
+    over the operands' broadcast views (no copies). With ``like``, a gradient for it:
+    summed to its shape where it was broadcast (the products in FP32, rounded once)
+    and of its dtype."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    summed = like is not None and tuple(like.shape) != (*batch, a.shape[-2], b.shape[-1])
+    gemm = _gemm(a.device, a, b)
+    product, _, _ = gemm(
+        a.expand(*batch, *a.shape[-2:]),
+        b.expand(*batch, *b.shape[-2:]),
+        compute_dtype=compute_dtype,
+        out_dtype=torch.float32 if summed else out_dtype,
+    )
+    if summed:
+        assert like is not None
+        return product.sum_to_size(like.shape).to(out_dtype)
+    return product
+
+
+class BatchedMatmulFunction(_Function):
+    """C = round(a) @ round(b) with FP32 accumulation, for ``matmul``'s batched ``b``.
+
+    a: (*, M, K), b: (*, K, N), batch shapes that broadcast (``torch.matmul``'s rule),
+    float32/float16/bfloat16, any strides; C: (*batch, M, N) of ``out_dtype``.
+    Forward: a batch of GEMMs over broadcast views (``_batched_product``). Backward:
+    dA = dC @ B^T and dB = A^T @ dC, batches of GEMMs, each gradient in its operand's
+    dtype; where an operand was broadcast over the batch, its gradient's products are
+    summed in FP32 before their one rounding. Under ``torch.func`` transforms the
+    forward and backward run on wrapped tensors, hence as torch ops
+    (``generate_vmap_rule``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b, compute_dtype, out_dtype):
+        return _batched_product(a, b, compute_dtype, out_dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, compute_dtype, _ = inputs
+        ctx.save_for_backward(a, b)
+        ctx.compute_dtype = compute_dtype
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_c):
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[:2]
+        compute_dtype = ctx.compute_dtype
+        grad_a = grad_b = None
+        if need_a:
+            grad_a = _batched_product(grad_c, b.mT, compute_dtype, a.dtype, like=a)
+        if need_b:
+            grad_b = _batched_product(a.mT, grad_c, compute_dtype, b.dtype, like=b)
+        return grad_a, grad_b, None, None
+
+
 class ActivationFunction(_Function):
     """y = act(z + bias) in the autograd graph, after ``LinearFunction`` (given the bias
     detached), whose epilogue has already computed y: the forward passes y on (the same
@@ -577,19 +643,43 @@ def matmul(
 ) -> torch.Tensor:
     """``a @ b`` with 16-bit Tensor Core operands and FP32 accumulation.
 
-    a: (*, K); b: (K, N); float32, float16 or bfloat16, on one device. The shape rule is
-    ``torch.matmul``'s with a 2-D ``b``: the result is (*, N). Operands are rounded to
+    a, b: float32, float16 or bfloat16, on one device, each at least 1-D; the shapes
+    follow ``torch.matmul``'s rules: a 1-D operand is a vector (a row for ``a``, a
+    column for ``b``, its dimension dropped from the result), a (*, K) @ (K, N) product
+    is one GEMM over a's rows, and a batched ``b`` (*, K, N) multiplies a (*, M, K)
+    matrix by matrix, batch dimensions broadcasting. Operands are rounded to
     ``compute_dtype`` (float16 or bfloat16), products accumulate in FP32, and the result
-    is rounded to ``out_dtype`` (default ``compute_dtype``). Differentiable in both.
+    is rounded to ``out_dtype`` (default ``compute_dtype``). Differentiable in both;
+    each gradient has its operand's dtype.
     """
     op = "mpgemm.matmul"
     _check_tensors(op, a=a, b=b)
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)
-    if a.dim() < 1 or b.dim() != 2 or a.shape[-1] != b.shape[0]:
+    out_dtype = out_dtype or compute_dtype
+    k = b.shape[0] if b.dim() == 1 else b.shape[-2] if b.dim() > 1 else None
+    if a.dim() == 0 or k is None or a.shape[-1] != k:
         raise ValueError(
             f"{op}: a of shape {tuple(a.shape)} and b of shape {tuple(b.shape)} cannot be "
-            "multiplied: b must be 2-D (K, N) with K equal to a's last dimension"
+            "multiplied: both must be at least 1-D, with a's last dimension equal to b's "
+            "first (1-D) or second-to-last"
         )
-    out, _ = _linear_function(a, b.t(), None, None, compute_dtype, out_dtype or compute_dtype)
-    return out
+    if b.dim() <= 2:
+        weight = b.unsqueeze(1).t() if b.dim() == 1 else b.t()
+        out, _ = _linear_function(a, weight, None, None, compute_dtype, out_dtype)
+        return out.squeeze(-1) if b.dim() == 1 else out
+    rows = a.unsqueeze(0) if a.dim() == 1 else a
+    try:
+        torch.broadcast_shapes(rows.shape[:-2], b.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"{op}: the batch dimensions of a of shape {tuple(a.shape)} and b of shape "
+            f"{tuple(b.shape)} do not broadcast"
+        ) from None
+    if _autograd_idle(rows, b):
+        out = _batched_product(rows, b, compute_dtype, out_dtype)
+    else:
+        if torch._C._are_functorch_transforms_active():
+            _check_differentiated_once()
+        out = BatchedMatmulFunction.apply(rows, b, compute_dtype, out_dtype)
+    return out.squeeze(-2) if a.dim() == 1 else out

@@ -73,8 +73,8 @@ def _(
     store_act_grad,
     rowsum_a,
 ):
-    m, n = a.shape[0], b.shape[1]
-    c = a.new_empty((m, n), dtype=out_dtype)
+    m, n = a.shape[-2], b.shape[-1]
+    c = a.new_empty((*a.shape[:-2], m, n), dtype=out_dtype)
     g = a.new_empty((m, n) if store_act_grad else (0,), dtype=torch.float32)
     r = a.new_empty((m,) if rowsum_a else (0,), dtype=torch.float32)
     return c, g, r

@@ -92,8 +92,9 @@ def matmul_ref(
     compute_dtype: torch.dtype = torch.float16,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``mpgemm.matmul``'s math: a (*, K) @ b (K, N) -> (*, N), operands rounded to
-    compute_dtype, FP32 accumulation, result of out_dtype (default compute_dtype)."""
+    """``mpgemm.matmul``'s math: ``torch.matmul``'s shapes (a (*, K) @ b (K, N) ->
+    (*, N), vectors, batches that broadcast), operands rounded to compute_dtype, FP32
+    accumulation, result of out_dtype (default compute_dtype)."""
     out = round_to(a, compute_dtype) @ round_to(b, compute_dtype)
     return out.to(out_dtype or compute_dtype)
 

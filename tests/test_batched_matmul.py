@@ -1,0 +1,187 @@
+"""mpgemm.matmul on torch.matmul's other shapes: vectors, and batches of products that
+broadcast, against FP64 with torch's own product of the rounded operands as the bar."""
+
+import pytest
+import torch
+
+import mpgemm
+from mpgemm.kernels import gemm
+from mpgemm.reference import matmul_ref, round_to
+from tests.accuracy import assert_within_torch_error, launched_kernels
+
+# (a's shape, b's shape): every rule of torch.matmul's that mpgemm.matmul follows.
+VECTORS = [((33,), (33,)), ((33,), (33, 7)), ((5, 33), (33,)), ((2, 5, 33), (33,))]
+BATCHES = [
+    ((3, 17, 33), (3, 33, 9)),  # one batch
+    ((17, 33), (3, 33, 9)),  # a broadcast over b's batch
+    ((33,), (3, 33, 9)),  # a vector broadcast over b's batch
+    ((3, 17, 33), (1, 33, 9)),  # b broadcast over a's
+    ((2, 3, 17, 33), (3, 33, 9)),  # b broadcast over a's first dimension
+    ((2, 1, 17, 33), (3, 33, 9)),  # both broadcast
+    ((2, 3, 1, 17, 33), (4, 33, 9)),  # three batch dimensions
+]
+
+
+def assert_product_within_torch_error(out, a, b, what=""):
+    """``out``, FP32, against the FP64 product of the rounded operands, with torch's own
+    product of them as the bar."""
+    exact = round_to(a, torch.float16).double() @ round_to(b, torch.float16).double()
+    assert_within_torch_error(out, exact, matmul_ref(a, b, out_dtype=torch.float32), what)
+
+
+def assert_gradients_within_torch_error(a, b, grad_out, compute_dtype, what):
+    """a.grad and b.grad, from ``mpgemm.matmul``'s backward of ``grad_out``, against
+    FP64 autograd, with ``matmul_ref``'s backward (torch's) as the bar."""
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    (a64 @ b64).backward(grad_out.double())
+    a_ref, b_ref = (t.detach().requires_grad_() for t in (a, b))
+    matmul_ref(a_ref, b_ref, compute_dtype=compute_dtype).backward(grad_out)
+    assert_within_torch_error(a.grad, a64.grad, a_ref.grad, f"grad a {what}")
+    assert_within_torch_error(b.grad, b64.grad, b_ref.grad, f"grad b {what}")
+
+
+@pytest.mark.parametrize("shapes", VECTORS + BATCHES)
+def test_shapes_and_values_follow_torch_matmul(shapes, device):
+    a, b = (torch.randn(shape, device=device) for shape in shapes)
+    out = mpgemm.matmul(a, b, out_dtype=torch.float32)
+    assert out.shape == torch.matmul(a, b).shape
+    assert_product_within_torch_error(out, a, b, f"{shapes}")
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shapes", BATCHES)
+def test_gradients_of_batches_that_broadcast(shapes, compute_dtype, device):
+    # FP16 a, FP32 b: each gradient comes back in its operand's dtype; a broadcast
+    # operand's gradient is summed over the batch in FP32, then rounded once.
+    a = torch.randn(shapes[0], device=device, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(shapes[1], device=device, requires_grad=True)
+    out = mpgemm.matmul(a, b, compute_dtype=compute_dtype)
+    assert out.dtype == compute_dtype
+    grad_out = torch.randn(out.shape, device=device).to(compute_dtype)
+    out.backward(grad_out)
+    assert a.grad.dtype == torch.float16 and b.grad.dtype == torch.float32
+    assert_gradients_within_torch_error(a, b, grad_out, compute_dtype, f"{shapes}")
+
+
+def test_a_broadcast_operands_gradient_is_summed_before_its_one_rounding(device):
+    # a's gradient is the sum of two products that nearly cancel: rounded to FP16 one by
+    # one, each would carry an error as large as the sum itself.
+    a = torch.randn(17, 33, device=device, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(33, 9, device=device).expand(2, 33, 9)
+    b.requires_grad_()
+    first = torch.randn(17, 9, device=device).half()
+    grad_out = torch.stack([first, -first + 1e-2 * torch.randn_like(first)])
+    mpgemm.matmul(a, b).backward(grad_out)
+    assert_gradients_within_torch_error(a, b, grad_out, torch.float16, "near cancellation")
+
+
+def test_vector_gradients(device):
+    a = torch.randn(33, device=device, requires_grad=True)
+    b = torch.randn(4, 33, 9, device=device, requires_grad=True)
+    grad_out = torch.randn(4, 9, device=device).half()
+    mpgemm.matmul(a, b).backward(grad_out)
+    assert_gradients_within_torch_error(a, b, grad_out, torch.float16, "vector a")
+
+
+def test_strided_batches_run_without_copies(device):
+    # Batch dimensions that do not merge (a's are transposed): one launch per entry of
+    # the outer one, each over views of the operands; the NaN poison of the output
+    # shows any product left unwritten.
+    a = torch.randn(3, 2, 17, 33, device=device).transpose(0, 1)  # (2, 3, 17, 33)
+    b = torch.randn(3, 33, 9, device=device)
+    names, out = launched_kernels(lambda: mpgemm.matmul(a, b, out_dtype=torch.float32))
+    assert names == ["_gemm_kernel"] * 2
+    assert_product_within_torch_error(out, a, b)
+
+    # Contiguous batches merge into one launch, a broadcast 2-D a too.
+    a, b = torch.randn(2, 3, 17, 33, device=device), torch.randn(2, 3, 33, 9, device=device)
+    for left in (a, a[0, 0]):
+        names, out = launched_kernels(lambda x=left: mpgemm.matmul(x, b, out_dtype=torch.float32))
+        assert names == ["_gemm_kernel"]
+        assert_product_within_torch_error(out, left, b)
+
+
+def test_a_batch_beyond_the_grid_limit_is_split_across_launches(device, monkeypatch):
+    monkeypatch.setattr(gemm, "_MAX_BATCH", 2)
+    a = torch.randn(5, 17, 33, device=device)
+    b = torch.randn(5, 33, 9, device=device)
+    names, out = launched_kernels(lambda: mpgemm.matmul(a, b, out_dtype=torch.float32))
+    assert names == ["_gemm_kernel"] * 3
+    assert_product_within_torch_error(out, a, b)
+
+
+@pytest.mark.parametrize(
+    "shapes", [((0, 17, 33), (0, 33, 9)), ((3, 0, 33), (3, 33, 9)), ((3, 17, 0), (3, 0, 9))]
+)
+def test_zero_size_batches(shapes, device):
+    a, b = (torch.randn(shape, device=device, requires_grad=True) for shape in shapes)
+    out = mpgemm.matmul(a, b, out_dtype=torch.float32)
+    assert torch.equal(out, torch.zeros(torch.matmul(a, b).shape, device=device))
+    out.sum().backward()
+    assert torch.equal(a.grad, torch.zeros_like(a)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_nan_and_inf_reach_the_products_that_read_them(device):
+    a = torch.randn(3, 4, 8, device=device)
+    b = torch.randn(3, 8, 5, device=device)
+    a[1, 2, 3] = float("nan")
+    b[2, 0, 4] = float("inf")
+    out = mpgemm.matmul(a, b, out_dtype=torch.float32)
+    expected = matmul_ref(a, b, out_dtype=torch.float32)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    assert torch.equal(torch.isinf(out), torch.isinf(expected))
+    assert torch.isnan(out[1, 2]).all() and not torch.isnan(out[0]).any()
+
+
+def test_tma_kernel_refuses_a_batch(device):
+    a, b = (torch.randn(2, 16, 16, device=device).half() for _ in range(2))
+    with gemm.use_kernel("tma"), pytest.raises(ValueError, match="batch"):
+        mpgemm.matmul(a, b)
+
+
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        (((), (3, 4)), "at least 1-D"),
+        (((4,), ()), "at least 1-D"),
+        (((2, 5), (3, 4, 6)), "cannot be multiplied"),
+        (((2, 3, 4), (5,)), "cannot be multiplied"),
+        (((2, 3, 4), (3, 4, 6)), "do not broadcast"),
+    ],
+)
+def test_shapes_torch_matmul_refuses_raise_value_error(shapes, match, device):
+    a, b = (torch.randn(shape, device=device) for shape in shapes)
+    with pytest.raises(RuntimeError):
+        torch.matmul(a, b)
+    with pytest.raises(ValueError, match=match):
+        mpgemm.matmul(a, b)
+
+
+def test_compiled_batched_matmul_matches_eager_bit_for_bit(device):
+    torch._dynamo.reset()
+    a = torch.randn(2, 3, 17, 33, device=device, requires_grad=True)
+    b = torch.randn(3, 33, 9, device=device, requires_grad=True)
+    results = []
+    for fn in (mpgemm.matmul, torch.compile(mpgemm.matmul, fullgraph=True)):
+        a.grad = b.grad = None
+        out = fn(a, b)
+        out.float().square().sum().backward()
+        results.append((out, a.grad, b.grad))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_per_sample_gradients_under_vmap(device):
+    # torch.func over a batched product: the transforms' tensors take the reference
+    # path, whose gradient is the eager one's math.
+    weights = torch.randn(4, 33, 9, device=device)
+    xs = torch.randn(6, 4, 17, 33, device=device)
+
+    def loss(w, x):
+        return mpgemm.matmul(x, w, out_dtype=torch.float32).square().sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(weights, xs)
+    for i in range(len(xs)):
+        w = weights.clone().requires_grad_()
+        loss(w, xs[i]).backward()
+        torch.testing.assert_close(grads[i], w.grad, rtol=1e-5, atol=1e-5)
