@@ -1,11 +1,11 @@
 """Mixed-precision GEMM: FP16/BF16 operands on the Tensor Cores, FP32 accumulation.
 
-``triton_gemm`` serves the forward pass and both backward GEMMs of a linear layer with
-one of two kernels of the same math: the TMA persistent kernel
-(``mpgemm.kernels.gemm_tma``) for every launch whose A and B are already 16-bit,
-16-byte aligned and unsplit (a training step's GEMMs: weight copies, rounded inputs,
-16-bit activations), and the pointer kernel here for the rest (FP32 or unaligned
-operands, split K). ``use_kernel`` forces one, for tests and benchmarks.
+``triton_gemm`` serves the forward pass and both backward GEMMs of a linear layer, and
+``matmul``'s batches of products, with one of two kernels of the same math: the TMA
+persistent kernel (``mpgemm.kernels.gemm_tma``) for every launch whose A and B are
+already 16-bit, 16-byte aligned and unsplit (a training step's GEMMs: weight copies,
+rounded inputs, 16-bit activations), and the pointer kernel here for the rest (FP32 or
+unaligned operands, split K). ``use_kernel`` forces one, for tests and benchmarks.
 
     C   = act(round(A) @ round(B) + bias)    round() = to the compute dtype
     G   = act'(round(A) @ round(B) + bias)   (optional, GELU only, FP32: saved for backward)
@@ -482,7 +482,7 @@ def triton_gemm(
     Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,).
     Batched: a (*batch, M, K) and b (*batch, K, N) of one batch shape, any strides (0
     where an operand is broadcast), with no bias, activation, G or R: C is (*batch, M,
-    N), one product per batch entry, by the pointer kernel.
+    N), one product per batch entry (``_launch_batched``).
     The caller has validated shapes, dtypes and devices.
     """
     M, K = a.shape[-2:]
@@ -505,7 +505,7 @@ def triton_gemm(
     if a.dim() > 2:
         if bias is not None or activation is not None or store_act_grad or rowsum_a:
             raise ValueError("a batch of products takes no bias, activation, G or R")
-        _launch_batched(a, b, c, flags)
+        _launch_batched(a, b, c, compute_dtype, flags)
         return c, g, r
     epilogue = bias is not None or activation is not None or store_act_grad
     splits = 1 if epilogue else split_k_for(M, N, K, a.device)
@@ -535,18 +535,19 @@ def triton_gemm(
     return c, g, r
 
 
-# CUDA's limit on a grid's third dimension, the batch's.
+# CUDA's limit on a grid's third dimension, the pointer kernel's batch.
 _MAX_BATCH = 65535
 
 
-def _launch_batched(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, flags: dict) -> None:
+def _launch_batched(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, compute_dtype: torch.dtype, flags: dict
+) -> None:
     """C[i] = round(A[i]) @ round(B[i]) for every batch index i of (*batch, ., .)
-    operands, by pointer-kernel launches over 3-D views: batch dimensions are merged
-    where the strides of all three allow (always for contiguous operands, and for an
-    operand broadcast over every batch dimension), any others iterated on the host, and
-    each launch takes at most ``_MAX_BATCH`` products."""
-    if _kernel == "tma":
-        raise ValueError("the TMA GEMM takes no batch of products; this launch is batched")
+    operands, by launches over 3-D views, each of the TMA kernel where it qualifies
+    (``tma_layout``), else of the pointer kernel: batch dimensions are merged where the
+    strides of all three allow (always for contiguous operands, and for an operand
+    broadcast over every batch dimension), any others iterated on the host, and each
+    launch takes at most ``_MAX_BATCH`` products."""
     if c.numel() == 0:
         return
     # (size, a's stride, b's, c's) per batch dimension, outermost first
@@ -568,11 +569,24 @@ def _launch_batched(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, flags: di
         ]
         for start in range(0, inner, _MAX_BATCH):
             count = min(inner - start, _MAX_BATCH)
-            views = [
+            a3, b3, c3 = (
                 t.as_strided((count, *t.shape[-2:]), (s, *t.stride()[-2:]), off + start * s)
                 for t, s, off in zip(operands, inner_strides, offsets, strict=True)
-            ]
-            _launch_pointer(*views, r=None, k_sums=None, splits=1, flags=flags)
+            )
+            layout = _tma_layout(a3, b3, compute_dtype, 1)
+            if layout is not None:
+                gemm_tma.launch_tma_gemm(
+                    a3,
+                    b3,
+                    c3,
+                    bias=None,
+                    g=None,
+                    layout=layout,
+                    sms=multiprocessors(a.device),
+                    flags=flags,
+                )
+            else:
+                _launch_pointer(a3, b3, c3, r=None, k_sums=None, splits=1, flags=flags)
 
 
 def _launch_pointer(

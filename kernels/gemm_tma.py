@@ -3,6 +3,7 @@ operands, read by the Tensor Memory Accelerator.
 
     C   = act(A @ B + bias)            A, B already in the compute dtype, FP32 accumulation
     G   = act'(A @ B + bias)           (optional, GELU only)
+    C[i] = A[i] @ B[i]                 a batch of products (``matmul``), no epilogue
 
 The bias gradient's row sums are not fused here: ``triton_gemm`` sums A beforehand (on
 an H100, pulling each A tile through registers for a derivative prologue and the sums
@@ -12,9 +13,9 @@ bench/results/h100-2026-11-22/profile).
 A and B are read through tensor descriptors: each tile is one bulk copy
 (``cp.async.bulk.tensor``) into shared memory, out-of-bounds elements arrive as zeros
 (no masks in the main loop), and no register holds an address. The grid is one program
-per SM, each walking tiles in grouped order (``tl.range(..., flatten=True)`` asks the
-compiler to pipeline the tile loop and the K loop as one, so that the next tile's loads
-need not wait for this tile's epilogue).
+per SM, each walking tiles in grouped order, a batch's products one after another
+(``tl.range(..., flatten=True)`` asks the compiler to pipeline the tile loop and the K
+loop as one, so that the next tile's loads need not wait for this tile's epilogue).
 
 A descriptor needs a unit stride in its last dimension and 16-byte-aligned base and
 other strides. An operand whose unit stride runs down its columns (the weight
@@ -49,11 +50,12 @@ from mpgemm.kernels.launches import launch
 
 def _set_block_shapes(nargs: dict) -> None:
     """Give the descriptors the config's tile shapes (triton runs this before each
-    launch of a config, timed or not)."""
+    launch of a config, timed or not); a batch's descriptor reads one matrix's tile."""
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     a_block = [bk, bm] if nargs["A_T"] else [bm, bk]
-    nargs["a_desc"].block_shape = a_block
-    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
+    b_block = [bn, bk] if nargs["B_T"] else [bk, bn]
+    nargs["a_desc"].block_shape = [1, *a_block] if nargs["A_BATCHED"] else a_block
+    nargs["b_desc"].block_shape = [1, *b_block] if nargs["B_BATCHED"] else b_block
 
 
 def _hopper_configs() -> list[triton.Config]:
@@ -161,13 +163,22 @@ CONFIGS = _interpreter_configs() if INTERPRET else GPU_CONFIGS
 
 
 @triton.jit
-def _load_tile(desc, off_rows, off_cols, TRANSPOSED: tl.constexpr):
+def _load_tile(desc, batch, off_rows, off_cols, TRANSPOSED: tl.constexpr, BATCHED: tl.constexpr):
     """The tile at (off_rows, off_cols) of a matrix ``desc`` describes, or, when
-    TRANSPOSED, describes the transpose of."""
+    TRANSPOSED, describes the transpose of; when BATCHED, ``desc`` describes a batch of
+    them, and the tile is matrix ``batch``'s."""
     if TRANSPOSED:
-        block = desc.load([off_cols, off_rows]).T
+        if BATCHED:
+            block = desc.load([batch, off_cols, off_rows])
+            block = tl.reshape(block, (block.shape[1], block.shape[2])).T
+        else:
+            block = desc.load([off_cols, off_rows]).T
     else:
-        block = desc.load([off_rows, off_cols])
+        if BATCHED:
+            block = desc.load([batch, off_rows, off_cols])
+            block = tl.reshape(block, (block.shape[1], block.shape[2]))
+        else:
+            block = desc.load([off_rows, off_cols])
     return block
 
 
@@ -192,6 +203,9 @@ def _gemm_tma_kernel(
     stride_gm,
     stride_gn,
     stride_bias,
+    # a batch of products (BATCHED): how many, and C's batch stride
+    BATCH,
+    stride_cb,
     # what to compute, as in the pointer kernel
     COMPUTE_BF16: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -201,6 +215,12 @@ def _gemm_tma_kernel(
     # a_desc describes A.T; b_desc describes B.T
     A_T: tl.constexpr,
     B_T: tl.constexpr,
+    # a batch of products, C (BATCH, M, N); a_desc (b_desc) then describes a batch of
+    # matrices, batch first (A_BATCHED), or one matrix that every product reads. Flags,
+    # so that unbatched launches compile as they would without a batch.
+    BATCHED: tl.constexpr,
+    A_BATCHED: tl.constexpr,
+    B_BATCHED: tl.constexpr,
     # programs in the grid: one per SM
     NUM_SMS: tl.constexpr,
     # tiling
@@ -212,17 +232,28 @@ def _gemm_tma_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
+    if BATCHED:  # the batch's products' tiles, one product after another
+        num_tiles *= BATCH
     k_tiles = tl.cdiv(K, BLOCK_K)
     compute_dtype = tl.bfloat16 if COMPUTE_BF16 else tl.float16
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        if BATCHED:
+            batch = tile_id // (num_pid_m * num_pid_n)
+            pid_m, pid_n = grouped_tile(
+                tile_id % (num_pid_m * num_pid_n), num_pid_m, num_pid_n, GROUP_M
+            )
+            c_tile = c_ptr + batch.to(tl.int64) * stride_cb
+        else:
+            batch = 0
+            pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            c_tile = c_ptr
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kt in range(k_tiles):
             off_k = kt * BLOCK_K
-            a = _load_tile(a_desc, off_m, off_k, A_T)
-            b = _load_tile(b_desc, off_k, off_n, B_T)
+            a = _load_tile(a_desc, batch, off_m, off_k, A_T, A_BATCHED)
+            b = _load_tile(b_desc, batch, off_k, off_n, B_T, B_BATCHED)
             acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         # The stores take the accumulator through shared memory (a layout conversion),
@@ -248,7 +279,7 @@ def _gemm_tma_kernel(
                 offs_n,
                 M,
                 N,
-                c_ptr,
+                c_tile,
                 bias_ptr,
                 g_ptr,
                 stride_cm,
@@ -273,6 +304,9 @@ _AUTOTUNE_KEY = [
     "STORE_ACT_GRAD",
     "A_T",
     "B_T",
+    "BATCHED",
+    "A_BATCHED",
+    "B_BATCHED",
 ]
 # (triton adds C's dtype, which pruning reads, to the key itself.)
 # ``_gemm_tma_kernel`` is the JIT function (its name is what launch records and the compile
@@ -287,13 +321,18 @@ tuned_gemm_tma_kernel = triton.autotune(
 
 def _describable(t: torch.Tensor, transposed: bool) -> bool:
     """Whether a TMA descriptor can describe ``t`` (or t.T when ``transposed``): a unit
-    stride last, the other stride and the base 16-byte aligned, no empty dimension."""
-    rows, cols = t.stride()
+    stride last, the other strides and the base 16-byte aligned, no empty dimension. A
+    batch of matrices, (B, rows, cols), is described batch first, or as its first
+    matrix where its batch stride is 0 (one matrix for every product)."""
+    strides = t.stride()
+    rows, cols = strides[-2:]
     if transposed:
         rows, cols = cols, rows
+    size = t.element_size()
     return (
         cols == 1
-        and (rows * t.element_size()) % 16 == 0
+        and (rows * size) % 16 == 0
+        and (len(strides) == 2 or (strides[0] * size) % 16 == 0)
         and t.data_ptr() % 16 == 0
         and t.numel() > 0
     )
@@ -304,10 +343,11 @@ def tma_layout(
 ) -> tuple[bool, bool] | None:
     """(A_T, B_T) for a launch the TMA kernel can run, else None: A and B already in
     the compute dtype (the TMA kernel converts nothing), each describable as itself or
-    as its transpose."""
+    as its transpose. A and B: (M, K) and (K, N), or batches of them, (B, M, K) and
+    (B, K, N)."""
     if a.dtype != compute_dtype or b.dtype != compute_dtype:
         return None
-    a_t, b_t = a.stride(1) != 1, b.stride(1) != 1
+    a_t, b_t = a.stride(-1) != 1, b.stride(-1) != 1
     if not (_describable(a, a_t) and _describable(b, b_t)):
         return None
     return a_t, b_t
@@ -328,10 +368,18 @@ def _bind_context(device: torch.device) -> None:
         _bound.device = device
 
 
+def _batched(t: torch.Tensor) -> bool:
+    # Whether the descriptor of ``t`` describes a batch (_descriptor), not one matrix.
+    return t.dim() == 3 and t.stride(0) != 0
+
+
 def _descriptor(t: torch.Tensor, transposed: bool) -> TensorDescriptor:
     # The block shape is the config's, set by _set_block_shapes before each launch.
-    view = t.t() if transposed else t
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [16, 16])
+    view = t.transpose(-1, -2) if transposed else t
+    if view.dim() == 3 and not _batched(view):  # one matrix, read by every product
+        view = view[0]
+    placeholder = [1, 16, 16] if view.dim() == 3 else [16, 16]
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), placeholder)
 
 
 def launch_tma_gemm(
@@ -346,17 +394,28 @@ def launch_tma_gemm(
     flags: dict,
 ) -> None:
     """Launch the TMA kernel (``triton_gemm`` has allocated the outputs and checked
-    ``tma_layout``, which gave ``layout``); ``flags``: the epilogue's constexprs."""
-    M, K = a.shape
-    N = b.shape[1]
+    ``tma_layout``, which gave ``layout``); ``flags``: the epilogue's constexprs.
+    A batch of products: a, b and c are (B, M, K), (B, K, N) and (B, M, N) views (a
+    batch stride of 0 where an operand is broadcast), with no bias or G."""
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    batch = c.shape[0] if c.dim() == 3 else 1
     a_t, b_t = layout
     if a.is_cuda:
         _bind_context(a.device)
-    flags = {**flags, "A_T": a_t, "B_T": b_t, "NUM_SMS": sms}
+    flags = {
+        **flags,
+        "A_T": a_t,
+        "B_T": b_t,
+        "BATCHED": c.dim() == 3,
+        "A_BATCHED": _batched(a),
+        "B_BATCHED": _batched(b),
+        "NUM_SMS": sms,
+    }
 
     def grid(meta):
         tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
-        return (min(sms, tiles),)
+        return (min(sms, tiles * batch),)
 
     launch(
         tuned_gemm_tma_kernel,
@@ -372,10 +431,12 @@ def launch_tma_gemm(
         size_bucket(M),
         size_bucket(N),
         size_bucket(K),
-        c.stride(0),
-        c.stride(1),
+        c.stride(-2),
+        c.stride(-1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
+        batch,
+        c.stride(0) if c.dim() == 3 else 0,
         gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags),
         **flags,
     )

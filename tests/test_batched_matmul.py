@@ -7,7 +7,7 @@ import torch
 import mpgemm
 from mpgemm.kernels import gemm
 from mpgemm.reference import matmul_ref, round_to
-from tests.accuracy import assert_within_torch_error, launched_kernels
+from tests.accuracy import assert_within_torch_error, launched_kernels, nan_padded
 
 # (a's shape, b's shape): every rule of torch.matmul's that mpgemm.matmul follows.
 VECTORS = [((33,), (33,)), ((33,), (33, 7)), ((5, 33), (33,)), ((2, 5, 33), (33,))]
@@ -133,10 +133,48 @@ def test_nan_and_inf_reach_the_products_that_read_them(device):
     assert torch.isnan(out[1, 2]).all() and not torch.isnan(out[0]).any()
 
 
-def test_tma_kernel_refuses_a_batch(device):
-    a, b = (torch.randn(2, 16, 16, device=device).half() for _ in range(2))
-    with gemm.use_kernel("tma"), pytest.raises(ValueError, match="batch"):
-        mpgemm.matmul(a, b)
+def nan_padded_batch(t: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """A copy of (B, rows, cols) ``t`` as one strided view inside a NaN-filled buffer,
+    each matrix laid out as ``nan_padded(..., aligned=True)`` lays one out (stored
+    column-major when ``transposed``): 16-byte-aligned for descriptors, and any read
+    outside a matrix, its neighbours' included, shows up as NaN."""
+    batch, rows, cols = t.shape
+    if transposed:
+        rows, cols = cols, rows
+    width = cols + 8 + 16
+    width += -width % 8
+    buf = torch.full((batch, rows + 3, width), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[:, 1 : 1 + rows, 8 : 8 + cols]
+    if transposed:
+        view = view.transpose(-1, -2)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize(
+    "case", ["batches", "a broadcast, b transposed", "both broadcast", "a transposed"]
+)
+def test_batches_of_aligned_16_bit_operands_run_the_tma_kernel(case, device):
+    a = torch.randn(3, 40, 48, device=device).half()
+    b = torch.randn(3, 48, 24, device=device).half()
+    if case == "batches":
+        a, b = nan_padded_batch(a), nan_padded_batch(b)
+    elif case == "a broadcast, b transposed":
+        a, b = nan_padded(a[0], aligned=True), nan_padded_batch(b, transposed=True)
+    elif case == "both broadcast":  # every product the same: stride 0 in the batch
+        a, b = nan_padded(a[0], aligned=True), nan_padded(b[0], aligned=True).expand(3, 48, 24)
+    else:
+        a, b = nan_padded_batch(a, transposed=True), nan_padded_batch(b)
+    names, out = launched_kernels(lambda: mpgemm.matmul(a, b, out_dtype=torch.float32))
+    assert names == ["_gemm_tma_kernel"]
+    assert_product_within_torch_error(out, a, b, case)
+
+    # The backward's two batches: dC @ B^T and A^T @ dC, on 16-bit operands too.
+    a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
+    grad_out = torch.randn(out.shape, device=device).half()
+    names, _ = launched_kernels(lambda: mpgemm.matmul(a, b).backward(grad_out))
+    assert set(names) == {"_gemm_tma_kernel"}
+    assert_gradients_within_torch_error(a, b, grad_out, torch.float16, case)
 
 
 @pytest.mark.parametrize(
