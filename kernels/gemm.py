@@ -462,6 +462,17 @@ def _tma_layout(a, b, compute_dtype, splits) -> tuple[bool, bool] | None:
     return layout
 
 
+def _flags(compute_dtype: torch.dtype, bias, activation, store_act_grad: bool) -> dict:
+    """Both kernels' constexprs for what a launch computes."""
+    return dict(
+        COMPUTE_BF16=compute_dtype == torch.bfloat16,
+        INTERPRETED=INTERPRET,
+        HAS_BIAS=bias is not None,
+        ACTIVATION=activation,
+        STORE_ACT_GRAD=store_act_grad,
+    )
+
+
 def triton_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -481,32 +492,26 @@ def triton_gemm(
     (any strides), else a contiguous one is allocated.
     Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,).
     Batched: a (*batch, M, K) and b (*batch, K, N) of one batch shape, any strides (0
-    where an operand is broadcast), with no bias, activation, G or R: C is (*batch, M,
-    N), one product per batch entry (``_launch_batched``).
+    where an operand is broadcast), with no bias, activation, G, R or out: C is
+    (*batch, M, N), one product per batch entry (``_launch_batched``).
     The caller has validated shapes, dtypes and devices.
     """
-    M, K = a.shape[-2:]
-    N = b.shape[-1]
-    shape = (*a.shape[:-2], M, N)
-    c = torch.empty(shape, device=a.device, dtype=out_dtype) if out is None else out
+    if a.dim() > 2:
+        if bias is not None or activation or store_act_grad or rowsum_a or out is not None:
+            raise ValueError("a batch of products takes no bias, activation, G, R or out")
+        c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=out_dtype)
+        _launch_batched(a, b, c, compute_dtype)
+        return c, None, None
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), device=a.device, dtype=out_dtype) if out is None else out
     # FP32: a 16-bit derivative would round dZ = dY * act' twice (here and for the dot).
     g = torch.empty((M, N), device=a.device, dtype=torch.float32) if store_act_grad else None
     r = torch.empty((M,), device=a.device, dtype=torch.float32) if rowsum_a else None
     if M == 0 or (N == 0 and not rowsum_a):
         return c, g, r
 
-    flags = dict(
-        COMPUTE_BF16=compute_dtype == torch.bfloat16,
-        INTERPRETED=INTERPRET,
-        HAS_BIAS=bias is not None,
-        ACTIVATION=activation,
-        STORE_ACT_GRAD=store_act_grad,
-    )
-    if a.dim() > 2:
-        if bias is not None or activation is not None or store_act_grad or rowsum_a:
-            raise ValueError("a batch of products takes no bias, activation, G or R")
-        _launch_batched(a, b, c, compute_dtype, flags)
-        return c, g, r
+    flags = _flags(compute_dtype, bias, activation, store_act_grad)
     epilogue = bias is not None or activation is not None or store_act_grad
     splits = 1 if epilogue else split_k_for(M, N, K, a.device)
     layout = _tma_layout(a, b, compute_dtype, splits)
@@ -540,7 +545,7 @@ _MAX_BATCH = 65535
 
 
 def _launch_batched(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, compute_dtype: torch.dtype, flags: dict
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, compute_dtype: torch.dtype
 ) -> None:
     """C[i] = round(A[i]) @ round(B[i]) for every batch index i of (*batch, ., .)
     operands, by launches over 3-D views, each of the TMA kernel where it qualifies
@@ -550,6 +555,7 @@ def _launch_batched(
     launch takes at most ``_MAX_BATCH`` products."""
     if c.numel() == 0:
         return
+    flags = _flags(compute_dtype, None, None, False)
     # (size, a's stride, b's, c's) per batch dimension, outermost first
     dims: list[tuple[int, ...]] = []
     for i, size in enumerate(a.shape[:-2]):

@@ -325,14 +325,18 @@ def _describable(t: torch.Tensor, transposed: bool) -> bool:
     batch of matrices, (B, rows, cols), is described batch first, or as its first
     matrix where its batch stride is 0 (one matrix for every product)."""
     strides = t.stride()
-    rows, cols = strides[-2:]
+    if len(strides) == 2:
+        rows, cols = strides
+        batch = 0
+    else:
+        batch, rows, cols = strides
     if transposed:
         rows, cols = cols, rows
     size = t.element_size()
     return (
         cols == 1
         and (rows * size) % 16 == 0
-        and (len(strides) == 2 or (strides[0] * size) % 16 == 0)
+        and (batch * size) % 16 == 0
         and t.data_ptr() % 16 == 0
         and t.numel() > 0
     )
@@ -375,8 +379,11 @@ def _batched(t: torch.Tensor) -> bool:
 
 def _descriptor(t: torch.Tensor, transposed: bool) -> TensorDescriptor:
     # The block shape is the config's, set by _set_block_shapes before each launch.
-    view = t.transpose(-1, -2) if transposed else t
-    if view.dim() == 3 and not _batched(view):  # one matrix, read by every product
+    if t.dim() == 2:
+        view = t.t() if transposed else t
+        return TensorDescriptor(view, list(view.shape), list(view.stride()), [16, 16])
+    view = t.transpose(1, 2) if transposed else t
+    if not _batched(view):  # one matrix, read by every product
         view = view[0]
     placeholder = [1, 16, 16] if view.dim() == 3 else [16, 16]
     return TensorDescriptor(view, list(view.shape), list(view.stride()), placeholder)
@@ -397,9 +404,10 @@ def launch_tma_gemm(
     ``tma_layout``, which gave ``layout``); ``flags``: the epilogue's constexprs.
     A batch of products: a, b and c are (B, M, K), (B, K, N) and (B, M, N) views (a
     batch stride of 0 where an operand is broadcast), with no bias or G."""
-    M, K = a.shape[-2:]
+    batched = c.dim() == 3
+    *_, M, K = a.shape
     N = b.shape[-1]
-    batch = c.shape[0] if c.dim() == 3 else 1
+    batch, stride_cb = (c.shape[0], c.stride(0)) if batched else (1, 0)
     a_t, b_t = layout
     if a.is_cuda:
         _bind_context(a.device)
@@ -407,9 +415,9 @@ def launch_tma_gemm(
         **flags,
         "A_T": a_t,
         "B_T": b_t,
-        "BATCHED": c.dim() == 3,
-        "A_BATCHED": _batched(a),
-        "B_BATCHED": _batched(b),
+        "BATCHED": batched,
+        "A_BATCHED": batched and _batched(a),
+        "B_BATCHED": batched and _batched(b),
         "NUM_SMS": sms,
     }
 
@@ -436,7 +444,7 @@ def launch_tma_gemm(
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
         batch,
-        c.stride(0) if c.dim() == 3 else 0,
+        stride_cb,
         gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags),
         **flags,
     )
