@@ -196,11 +196,6 @@ def _gemm_kernel(
     stride_gm,
     stride_gn,
     stride_bias,
-    # batch strides of A, B and C, in elements (0 for an operand broadcast over the
-    # batch), read when BATCHED
-    stride_ab,
-    stride_bb,
-    stride_cb,
     # what to compute
     COMPUTE_BF16: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -216,15 +211,20 @@ def _gemm_kernel(
     # programs per tile along K (split_k_for); above 1, C and R are FP32 partials,
     # (SPLIT_K, M, N) and (SPLIT_K, R's length), and there is no epilogue
     SPLIT_K: tl.constexpr,
-    # a batch of products, program_id(2) the batch index (``matmul`` of batched
-    # operands: no sums, no epilogue, no split of K); a flag, so that unbatched launches
-    # compile as they would without a batch
-    BATCHED: tl.constexpr,
     # tiling
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    # A batch of products (``matmul`` of batched operands: no sums, no epilogue, no
+    # split of K), program_id(2) the batch index, given by keyword by batched launches
+    # only (the defaults are one product, so that unbatched launches compile, and are
+    # keyed and bound on the host, as they would without a batch): the batch strides of
+    # A, B and C in elements, 0 for an operand broadcast over the batch.
+    stride_ab=0,
+    stride_bb=0,
+    stride_cb=0,
+    BATCHED: tl.constexpr = False,
 ):
     if BATCHED:
         pid_b = tl.program_id(2).to(tl.int64)
@@ -613,8 +613,9 @@ def _launch_pointer(
     M, K = a.shape[-2:]
     N = b.shape[-1]
     # (B, M, K) @ (B, K, N) -> (B, M, N): a batch of products (``_launch_batched``)
-    batch = a.shape[0] if a.dim() == 3 else 1
-    batch_strides = (a.stride(0), b.stride(0), c.stride(0)) if a.dim() == 3 else (0, 0, 0)
+    batch, batch_strides = 1, ()
+    if a.dim() == 3:
+        batch, batch_strides = a.shape[0], (a.stride(0), b.stride(0), c.stride(0))
     result, sums = c, r
     if splits > 1:  # the kernel writes FP32 partials; the reduction writes c and r
         c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
@@ -633,8 +634,10 @@ def _launch_pointer(
         K_SUMS=k_sums,
         ALIGNED=operands_aligned(operands, strides),
         SPLIT_K=splits,
-        BATCHED=a.dim() == 3,
     )
+    if batch_strides:
+        stride_ab, stride_bb, stride_cb = batch_strides
+        flags.update(stride_ab=stride_ab, stride_bb=stride_bb, stride_cb=stride_cb, BATCHED=True)
     n_bucket = size_bucket(N)
 
     def grid(meta):
@@ -664,7 +667,6 @@ def _launch_pointer(
         c.stride(-1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
-        *batch_strides,
         gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"N_BUCKET": n_bucket}, **flags),
         **flags,
     )

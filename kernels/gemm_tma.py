@@ -54,8 +54,9 @@ def _set_block_shapes(nargs: dict) -> None:
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     a_block = [bk, bm] if nargs["A_T"] else [bm, bk]
     b_block = [bn, bk] if nargs["B_T"] else [bk, bn]
-    nargs["a_desc"].block_shape = [1, *a_block] if nargs["A_BATCHED"] else a_block
-    nargs["b_desc"].block_shape = [1, *b_block] if nargs["B_BATCHED"] else b_block
+    a_desc, b_desc = nargs["a_desc"], nargs["b_desc"]
+    a_desc.block_shape = [1, *a_block] if len(a_desc.shape) == 3 else a_block
+    b_desc.block_shape = [1, *b_block] if len(b_desc.shape) == 3 else b_block
 
 
 def _hopper_configs() -> list[triton.Config]:
@@ -203,9 +204,6 @@ def _gemm_tma_kernel(
     stride_gm,
     stride_gn,
     stride_bias,
-    # a batch of products (BATCHED): how many, and C's batch stride
-    BATCH,
-    stride_cb,
     # what to compute, as in the pointer kernel
     COMPUTE_BF16: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -215,12 +213,6 @@ def _gemm_tma_kernel(
     # a_desc describes A.T; b_desc describes B.T
     A_T: tl.constexpr,
     B_T: tl.constexpr,
-    # a batch of products, C (BATCH, M, N); a_desc (b_desc) then describes a batch of
-    # matrices, batch first (A_BATCHED), or one matrix that every product reads. Flags,
-    # so that unbatched launches compile as they would without a batch.
-    BATCHED: tl.constexpr,
-    A_BATCHED: tl.constexpr,
-    B_BATCHED: tl.constexpr,
     # programs in the grid: one per SM
     NUM_SMS: tl.constexpr,
     # tiling
@@ -228,6 +220,16 @@ def _gemm_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    # A batch of products (BATCHED), given by keyword by batched launches only (the
+    # defaults are one product, so that unbatched launches compile, and are keyed and
+    # bound on the host, as they would without a batch): C is (BATCH, M, N), C's batch
+    # stride stride_cb; a_desc (b_desc) describes a batch of matrices, batch first
+    # (A_BATCHED), or one matrix that every product reads.
+    BATCH=1,
+    stride_cb=0,
+    BATCHED: tl.constexpr = False,
+    A_BATCHED: tl.constexpr = False,
+    B_BATCHED: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -404,22 +406,22 @@ def launch_tma_gemm(
     ``tma_layout``, which gave ``layout``); ``flags``: the epilogue's constexprs.
     A batch of products: a, b and c are (B, M, K), (B, K, N) and (B, M, N) views (a
     batch stride of 0 where an operand is broadcast), with no bias or G."""
-    batched = c.dim() == 3
-    *_, M, K = a.shape
+    M, K = a.shape[-2], a.shape[-1]
     N = b.shape[-1]
-    batch, stride_cb = (c.shape[0], c.stride(0)) if batched else (1, 0)
     a_t, b_t = layout
     if a.is_cuda:
         _bind_context(a.device)
-    flags = {
-        **flags,
-        "A_T": a_t,
-        "B_T": b_t,
-        "BATCHED": batched,
-        "A_BATCHED": batched and _batched(a),
-        "B_BATCHED": batched and _batched(b),
-        "NUM_SMS": sms,
-    }
+    flags = {**flags, "A_T": a_t, "B_T": b_t, "NUM_SMS": sms}
+    batch = 1
+    if c.dim() == 3:
+        batch = c.shape[0]
+        flags.update(
+            BATCH=batch,
+            stride_cb=c.stride(0),
+            BATCHED=True,
+            A_BATCHED=_batched(a),
+            B_BATCHED=_batched(b),
+        )
 
     def grid(meta):
         tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
@@ -443,8 +445,6 @@ def launch_tma_gemm(
         c.stride(-1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
-        batch,
-        stride_cb,
         gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags),
         **flags,
     )

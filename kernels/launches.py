@@ -335,7 +335,10 @@ def record_launch(kernel, grid, args, kwargs, configs, *, path: str) -> None:
     }
     if isinstance(kernel, Autotuner):
         dtypes = [str(v.dtype) for v in named.values() if isinstance(v, torch.Tensor)]
-        record["tune_key"] = [_plain(named[key]) for key in kernel.keys] + dtypes
+        # As triton's autotuner reads its key: the keys given (a keyword left to its
+        # default, such as a batch flag, is not).
+        keys = [_plain(named[key]) for key in kernel.keys if key in named]
+        record["tune_key"] = keys + dtypes
         record["configs"] = len(configs())
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
