@@ -1,6 +1,8 @@
 """mpgemm.matmul on torch.matmul's other shapes: vectors, and batches of products that
 broadcast, against FP64 with torch's own product of the rounded operands as the bar."""
 
+import functools
+
 import pytest
 import torch
 
@@ -151,12 +153,13 @@ def nan_padded_batch(t: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     return view
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "case", ["batches", "a broadcast, b transposed", "both broadcast", "a transposed"]
 )
-def test_batches_of_aligned_16_bit_operands_run_the_tma_kernel(case, device):
-    a = torch.randn(3, 40, 48, device=device).half()
-    b = torch.randn(3, 48, 24, device=device).half()
+def test_batches_of_aligned_16_bit_operands_run_the_tma_kernel(case, half, device):
+    a = torch.randn(3, 40, 48, device=device).to(half)
+    b = torch.randn(3, 48, 24, device=device).to(half)
     if case == "batches":
         a, b = nan_padded_batch(a), nan_padded_batch(b)
     elif case == "a broadcast, b transposed":
@@ -165,16 +168,19 @@ def test_batches_of_aligned_16_bit_operands_run_the_tma_kernel(case, device):
         a, b = nan_padded(a[0], aligned=True), nan_padded(b[0], aligned=True).expand(3, 48, 24)
     else:
         a, b = nan_padded_batch(a, transposed=True), nan_padded_batch(b)
-    names, out = launched_kernels(lambda: mpgemm.matmul(a, b, out_dtype=torch.float32))
+    product = functools.partial(mpgemm.matmul, a, b, compute_dtype=half)
+    names, out = launched_kernels(lambda: product(out_dtype=torch.float32))
     assert names == ["_gemm_tma_kernel"]
-    assert_product_within_torch_error(out, a, b, case)
+    exact = round_to(a, half).double() @ round_to(b, half).double()
+    baseline = matmul_ref(a, b, compute_dtype=half, out_dtype=torch.float32)
+    assert_within_torch_error(out, exact, baseline, case)
 
     # The backward's two batches: dC @ B^T and A^T @ dC, on 16-bit operands too.
     a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
-    grad_out = torch.randn(out.shape, device=device).half()
-    names, _ = launched_kernels(lambda: mpgemm.matmul(a, b).backward(grad_out))
+    grad_out = torch.randn(out.shape, device=device).to(half)
+    names, _ = launched_kernels(lambda: mpgemm.matmul(a, b, compute_dtype=half).backward(grad_out))
     assert set(names) == {"_gemm_tma_kernel"}
-    assert_gradients_within_torch_error(a, b, grad_out, torch.float16, case)
+    assert_gradients_within_torch_error(a, b, grad_out, half, case)
 
 
 @pytest.mark.parametrize(
