@@ -219,7 +219,7 @@ def _gemm_kernel(
     # A batch of products (``matmul`` of batched operands: no sums, no epilogue, no
     # split of K), program_id(2) the batch index, given by keyword by batched launches
     # only (the defaults are one product, so that unbatched launches compile, and are
-    # keyed and bound on the host, as they would without a batch): the batch strides of
+    # keyed on the host, as they would without a batch): the batch strides of
     # A, B and C in elements, 0 for an operand broadcast over the batch.
     stride_ab=0,
     stride_bb=0,

@@ -221,8 +221,8 @@ def _gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     # A batch of products (BATCHED), given by keyword by batched launches only (the
-    # defaults are one product, so that unbatched launches compile, and are keyed and
-    # bound on the host, as they would without a batch): C is (BATCH, M, N), C's batch
+    # defaults are one product, so that unbatched launches compile, and are keyed
+    # on the host, as they would without a batch): C is (BATCH, M, N), C's batch
     # stride stride_cb; a_desc (b_desc) describes a batch of matrices, batch first
     # (A_BATCHED), or one matrix that every product reads.
     BATCH=1,
