@@ -237,6 +237,7 @@ class _Function(torch.autograd.Function):
     @classmethod
     def apply(cls, *args):
         if torch._C._are_functorch_transforms_active():
+            _check_differentiated_once()
             return super().apply(*args)
         # What torch's apply does outside a transform, less the binding.
         return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
@@ -337,7 +338,8 @@ def _check_differentiated_once() -> None:
     one of their differentiating levels open (``grad`` of ``grad``, ``jacrev`` of
     ``jacrev``, ``hessian``). The backwards are once-differentiable, and nested
     transforms read the missing derivative as zeros rather than raise, as eager
-    autograd does. Asked in the forward, where every level is still open."""
+    autograd does. Asked by every apply under a transform (``_Function``), where every
+    level is still open."""
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
@@ -384,8 +386,6 @@ def _linear_function(
     args = (x, weight, bias, activation, compute_dtype, out_dtype, weight_copy, store_act_grad)
     if _autograd_idle(x, weight, bias):
         return _linear_forward(*args, None)
-    if torch._C._are_functorch_transforms_active():
-        _check_differentiated_once()
     # An FP32 x that the weight gradient needs is rounded once, here: the GEMMs read
     # the rounding and the backward keeps it (half the memory).
     x_rounded = None
@@ -657,8 +657,7 @@ def matmul(
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)
     out_dtype = out_dtype or compute_dtype
-    k = b.shape[0] if b.dim() == 1 else b.shape[-2] if b.dim() > 1 else None
-    if a.dim() == 0 or k is None or a.shape[-1] != k:
+    if a.dim() == 0 or b.dim() == 0 or a.shape[-1] != b.shape[-2 if b.dim() > 1 else 0]:
         raise ValueError(
             f"{op}: a of shape {tuple(a.shape)} and b of shape {tuple(b.shape)} cannot be "
             "multiplied: both must be at least 1-D, with a's last dimension equal to b's "
@@ -679,7 +678,5 @@ def matmul(
     if _autograd_idle(rows, b):
         out = _batched_product(rows, b, compute_dtype, out_dtype)
     else:
-        if torch._C._are_functorch_transforms_active():
-            _check_differentiated_once()
         out = BatchedMatmulFunction.apply(rows, b, compute_dtype, out_dtype)
     return out.squeeze(-2) if a.dim() == 1 else out
