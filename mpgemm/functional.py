@@ -575,11 +575,14 @@ def linear(
     """``act(input @ weight.T + bias)``, the contract of ``torch.nn.functional.linear``
     with 16-bit Tensor Core operands and FP32 accumulation.
 
-    input: (*, in_features); weight: (out_features, in_features); bias: (out_features,)
-    or None; each float32, float16 or bfloat16, all on one device. Operands are rounded
+    input: (*, in_features); weight: (out_features, in_features), or (in_features,) for
+    one output feature whose dimension is dropped from the result, as in F.linear; bias:
+    (out_features,), a single value (shape () or (1,)) added to every feature, or None;
+    each float32, float16 or bfloat16, all on one device. Operands are rounded
     to ``compute_dtype`` (float16 or bfloat16); bias and ``activation`` (None, "relu" or
     "gelu", the exact erf form) are applied to the FP32 accumulator, which is then
-    rounded to ``out_dtype`` (default ``compute_dtype``). Returns (*, out_features).
+    rounded to ``out_dtype`` (default ``compute_dtype``). Returns (*, out_features), or
+    (*) for a 1-D weight.
     Differentiable in input, weight and bias; each gradient has its tensor's dtype, so
     FP32 master weights get FP32 gradients.
     """
@@ -605,17 +608,27 @@ def _linear(
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)
     _check_activation(op, activation)
-    if input.dim() < 1 or weight.dim() != 2 or input.shape[-1] != weight.shape[1]:
+    if input.dim() < 1 or weight.dim() not in (1, 2) or input.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"{op}: input of shape {tuple(input.shape)} and weight of shape "
             f"{tuple(weight.shape)} are incompatible: weight must be (out_features, "
-            "in_features) with in_features equal to input's last dimension"
+            "in_features) or (in_features,), with in_features equal to input's last "
+            "dimension"
         )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(
-            f"{op}: bias of shape {tuple(bias.shape)} does not match weight of shape "
-            f"{tuple(weight.shape)}; expected ({weight.shape[0]},)"
-        )
+    weight_shape = tuple(weight.shape)
+    vector = weight.dim() == 1  # F.linear's rule: one output feature, its dimension dropped
+    if vector:
+        weight = weight.unsqueeze(0)
+    features = weight.shape[0]
+    if bias is not None and tuple(bias.shape) != (features,):
+        # F.linear adds its bias by broadcasting: a single value (shape () or (1,)) is
+        # one bias for every feature, a stride-0 view the kernels read as it is.
+        if bias.dim() > 1 or bias.numel() != 1:
+            raise ValueError(
+                f"{op}: bias of shape {tuple(bias.shape)} does not match weight of shape "
+                f"{weight_shape}; expected ({features},), or one value"
+            )
+        bias = bias.expand(features)
     # With an activation and a gradient to compute, the activation's node follows the
     # GEMMs' and owns the bias gradient: the GEMMs' node gets the bias's values only.
     activated = activation is not None and _records_grad(input, weight, bias)
@@ -629,9 +642,9 @@ def _linear(
         weight_copy,
         activated and activation == "gelu",
     )
-    if not activated:
-        return out
-    return ActivationFunction.apply(out, act_grad, bias, activation, compute_dtype)
+    if activated:
+        out = ActivationFunction.apply(out, act_grad, bias, activation, compute_dtype)
+    return out.squeeze(-1) if vector else out
 
 
 def matmul(

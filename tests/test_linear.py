@@ -21,7 +21,8 @@ CASES = list(itertools.product(ACTIVATIONS, [True, False], COMPUTE_DTYPES))
 
 
 def fp64_linear(x, w, b, activation):
-    z = F.linear(x, w, b)
+    # The bias added after: F.linear refuses a bias beside a 1-D weight for 2-D inputs.
+    z = F.linear(x, w) if b is None else F.linear(x, w) + b
     return {None: z, "relu": F.relu(z), "gelu": F.gelu(z)}[activation]
 
 
@@ -196,6 +197,77 @@ def test_a_bias_of_any_stride(device, make_bias):
     out = mpgemm.linear(x, w, bias, out_dtype=torch.float32)
     expected = linear_ref(x, w, bias.contiguous(), out_dtype=torch.float32)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "weight_shape, bias_shape, activation",
+    [((33,), None, None), ((33,), (), "relu"), ((16, 33), (), "relu"), ((16, 33), (1,), None)],
+)
+@pytest.mark.parametrize("input_shape", [(7, 33), (33,), (2, 3, 33)])
+def test_f_linears_vector_weight_and_single_value_bias(
+    device, weight_shape, bias_shape, activation, input_shape
+):
+    """F.linear's shapes: a 1-D weight is one output feature, its dimension dropped from
+    the result, and a bias of one value (shape () or (1,)) is added to every feature;
+    its gradient is the sum over the features. Values and gradients within twice the
+    error of torch's product of the same rounded operands (linear_ref through autograd),
+    against FP64. A 16-bit output, so that the backward's products read the same
+    gradient as torch's: with a 1-D input each weight gradient is a single product,
+    which rounding an FP32 gradient to 16 bits would dominate."""
+    x = torch.randn(input_shape, device=device)
+    w = torch.randn(weight_shape, device=device) / 33**0.5
+    b = None if bias_shape is None else torch.randn(bias_shape, device=device)
+    matrix = w if w.dim() == 2 else w.unsqueeze(0)
+    out_shape = (*input_shape[:-1], *weight_shape[:-1])
+    grad_out = away_from_relu_kink(
+        torch.randn(*input_shape[:-1], matrix.shape[0], device=device), x, matrix, b
+    ).reshape(out_shape)
+
+    (y, grads), (y64, grads64), (y_ref, grads_ref) = run_three_ways(
+        x, w, b, activation, torch.float16, None, grad_out
+    )
+
+    assert y.shape == out_shape
+    assert_within_torch_error(y, y64, y_ref, "output")
+    for name, g, g64, g_ref in zip("xwb", grads, grads64, grads_ref, strict=True):
+        if g64 is not None:
+            assert g.shape == g64.shape, name
+            assert_within_torch_error(g, g64, g_ref, f"grad {name}")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("case", ["0-D bias", "(1,) bias", "1-D weight"])
+def test_f_linears_shapes_compute_what_their_explicit_forms_do(device, activation, case):
+    """A 1-D weight is the (1, in_features) weight with the output's last dimension
+    squeezed, and a single-value bias the bias expanded to every feature: the same bits,
+    forward and backward. (GELU's backward rounds dZ to 16 bits before its GEMMs, where
+    linear_ref keeps it in FP32, so that a few-row product's error against FP64 is not
+    bounded by linear_ref's: hence equality here rather than the FP64 bar above.)"""
+    x = torch.randn(2, 3, 33, device=device)
+    w = torch.randn((33,) if case == "1-D weight" else (16, 33), device=device)
+    b = torch.randn((1,) if case == "(1,) bias" else (), device=device)
+    grad_out = torch.randn(*x.shape[:-1], *w.shape[:-1], device=device)
+
+    def run(explicit: bool):
+        xl, wl, bl = leaves(x, w, b)
+        weight = wl.unsqueeze(0) if explicit and wl.dim() == 1 else wl
+        bias = bl.expand(weight.shape[0]) if explicit else bl
+        y = mpgemm.linear(xl, weight, bias, activation=activation)
+        if explicit and wl.dim() == 1:
+            y = y.squeeze(-1)
+        y.backward(grad_out.to(y.dtype))
+        return y, xl.grad, wl.grad, bl.grad
+
+    for name, got, want in zip(("y", "dx", "dw", "db"), run(False), run(True), strict=True):
+        assert got.shape == want.shape, name
+        assert torch.equal(got, want), name
+
+
+def test_f_linears_bias_shapes_beyond_one_value_are_refused():
+    with pytest.raises(ValueError, match=r"bias of shape \(2, 4\).*expected \(4,\), or one value"):
+        mpgemm.linear(torch.randn(2, 3), torch.randn(4, 3), torch.randn(2, 4))
+    with pytest.raises(ValueError, match=r"bias of shape \(2,\).*\(3,\); expected \(1,\)"):
+        mpgemm.linear(torch.randn(2, 3), torch.randn(3), torch.randn(2))
 
 
 def test_a_tensor_subclass_takes_the_reference_path(device):
