@@ -105,6 +105,45 @@ def test_kernels_agree_with_the_reference_path(activation, device, monkeypatch):
         torch.testing.assert_close(got.cpu(), want, rtol=2e-3, atol=atol, msg=name)
 
 
+@pytest.mark.parametrize("path", ["kernels", "reference"])
+def test_an_enclosing_autocast_changes_nothing(device, path, monkeypatch):
+    """mpgemm states its own precision: under ``torch.autocast`` (16-bit, for the
+    tensors' device) a layer, ``linear`` and ``matmul`` (2-D and batched) give the same
+    bits, forward and backward, as without it, on the kernels and on the reference path
+    (CPU tensors without the interpreter; also what torch.func's transforms run), whose
+    FP32 products autocast would otherwise round to 16 bits."""
+    if path == "reference":
+        monkeypatch.setattr(functional, "_interpreting", lambda: False)
+        device = torch.device("cpu")
+        assert mpgemm.backend(device) == "reference"
+    x = torch.randn(2, 5, 64, device=device)
+    w = torch.randn(48, 64, device=device) / 8
+    b = torch.randn(48, device=device)
+    layer = mpgemm.Linear(64, 48, activation="gelu", device=device)
+    batch = torch.randn(2, 64, 24, device=device)
+
+    def run():
+        xl, wl, bl, batch_l = leaves(x, w, b, batch)
+        outs = [
+            mpgemm.linear(xl, wl, bl, activation="relu", out_dtype=torch.float32),
+            mpgemm.matmul(xl, wl.t(), compute_dtype=torch.bfloat16),
+            mpgemm.matmul(xl, batch_l),
+            layer(xl),
+        ]
+        sum(o.float().sum() for o in outs).backward()
+        grads = [xl.grad, wl.grad, bl.grad, batch_l.grad, layer.weight.grad, layer.bias.grad]
+        layer.zero_grad()
+        return outs + grads
+
+    plain = run()
+    # CPU autocast takes BF16 only; CUDA's FP16, the mixed precision mpgemm replaces.
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    with torch.autocast(device.type, dtype=dtype):
+        autocast = run()
+    for i, (got, want) in enumerate(zip(autocast, plain, strict=True)):
+        assert got.dtype == want.dtype and torch.equal(got, want), i
+
+
 def test_batched_non_contiguous_input_and_input_dtypes(device):
     w = torch.randn(16, 33, device=device, requires_grad=True)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
