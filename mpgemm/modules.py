@@ -116,7 +116,10 @@ class Linear(nn.Linear):
         activation: str | None = None,
     ) -> Linear:
         """An ``mpgemm.Linear`` holding ``module``'s very own Parameter objects (no copy),
-        so an optimizer built over ``module`` keeps stepping them."""
+        so an optimizer built over ``module`` keeps stepping them, and its hooks (forward,
+        backward and state-dict hooks: the same registries, so a handle taken on
+        ``module`` still removes its hook), as torch's own module swaps keep a module's
+        forward hooks (``torch.ao.quantization.swap_module``)."""
         # Built on the meta device so no throw-away weights are allocated or initialised.
         new = cls(
             module.in_features,
@@ -130,7 +133,37 @@ class Linear(nn.Linear):
         new.weight = module.weight
         new.bias = module.bias
         new.train(module.training)
+        for name in (*_HOOK_REGISTRIES, "_is_full_backward_hook"):
+            if hasattr(module, name):
+                setattr(new, name, getattr(module, name))
         return new
+
+
+# nn.Module's hook registries, as torch 2.11 to 2.13 name them (``from_linear`` also
+# carries ``_is_full_backward_hook``, which says what kind of backward hooks they hold).
+_HOOK_REGISTRIES = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _sees_output(module: nn.Module) -> bool:
+    """Whether a hook of ``module`` sees its output or the output's gradient, which
+    fusing the following activation into it would change."""
+    return bool(module._forward_hooks or module._backward_hooks or module._backward_pre_hooks)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return any(getattr(module, name, None) for name in _HOOK_REGISTRIES)
 
 
 def _fusable_activation(module: nn.Module) -> str | None:
@@ -144,13 +177,17 @@ def _fusable_activation(module: nn.Module) -> str | None:
 
 def _following_activation(root: nn.Module, name: str) -> tuple[nn.Sequential, int, str] | None:
     """(parent, index, activation) of the activation module right after layer ``name``
-    in an ``nn.Sequential``, when it is one ``_fusable_activation`` knows."""
+    in an ``nn.Sequential``, when it is one ``_fusable_activation`` knows and fusing
+    changes no hook's view: the layer's hooks see its output, and the activation's would
+    no longer run."""
     parent_name, _, child_name = name.rpartition(".")
     parent = root.get_submodule(parent_name)
     if type(parent) is not nn.Sequential or not child_name.isdigit():
         return None
     index = int(child_name) + 1
-    activation = _fusable_activation(parent[index]) if index < len(parent) else None
+    if index == len(parent) or _sees_output(parent[index - 1]) or _has_hooks(parent[index]):
+        return None
+    activation = _fusable_activation(parent[index])
     return None if activation is None else (parent, index, activation)
 
 
@@ -180,7 +217,9 @@ def convert(
     by ``nn.ReLU`` or ``nn.GELU()`` (the exact form) computes that activation in its
     GEMM's epilogue (its derivative in an autograd node of the layer's own), and
     the activation module becomes ``nn.Identity``, so ``state_dict`` keys and indexing
-    are unchanged. Hooks registered on the activation module no longer run.
+    are unchanged. A layer keeps its hooks (``Linear.from_linear``); one with hooks on
+    its output or its output's gradient, or followed by an activation module with hooks,
+    is not fused, so that every hook sees what it saw before.
     """
     _check_compute_dtype("mpgemm.convert", compute_dtype)
     chosen = [

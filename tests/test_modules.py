@@ -180,6 +180,51 @@ def test_convert_fuses_only_what_computes_the_same(device):
     assert type(unfused[1]) is nn.ReLU and unfused[0].activation is None
 
 
+def test_convert_keeps_each_layers_hooks(device):
+    """Forward, backward and state-dict hooks move to the replacement, as torch's own
+    module swaps keep forward hooks, and a handle taken before still removes its hook."""
+    model = mlp(device)
+    seen = []
+    first, head = model[0], model[4]
+    first.register_forward_pre_hook(lambda m, args: seen.append("pre"))
+    first.register_forward_hook(lambda m, args, out: seen.append(("out", out.dtype)))
+    handle = first.register_forward_hook(lambda m, args, out: seen.append("removed"))
+    head.register_full_backward_hook(lambda m, gin, gout: seen.append(("grad", gout[0].shape)))
+    head.register_state_dict_post_hook(lambda m, sd, prefix, local: seen.append("state"))
+
+    mpgemm.convert(model)
+    handle.remove()
+    model(torch.randn(4, 33, device=device)).sum().backward()
+    model.state_dict()
+    assert seen == ["pre", ("out", torch.float16), ("grad", (4, 10)), "state"]
+
+
+def test_convert_does_not_fuse_where_a_hook_would_see_otherwise(device):
+    """A layer with a hook on its output (or on its gradient) keeps its activation
+    module, so that the hook sees the pre-activation output it saw on nn.Linear; an
+    activation module with a hook is kept, so that its hook runs."""
+    model = mlp(device)
+    reference = mlp(device)
+    ours_seen, theirs_seen = [], []
+    for net, log in ((model, ours_seen), (reference, theirs_seen)):
+        net[0].register_forward_hook(lambda m, args, out, log=log: log.append(out.float()))
+        net[3].register_forward_pre_hook(lambda m, args, log=log: log.append(args[0].float()))
+    mpgemm.convert(model)
+    assert [type(m) for m in model] == [
+        mpgemm.Linear,
+        nn.ReLU,
+        mpgemm.Linear,
+        nn.GELU,
+        mpgemm.Linear,
+    ]
+    assert [m.activation for m in model if isinstance(m, mpgemm.Linear)] == [None, None, None]
+    x = torch.randn(8, 33, device=device)
+    model(x), reference(x)
+    for ours, theirs in zip(ours_seen, theirs_seen, strict=True):
+        assert (ours < 0).any()  # before the activations, as the hooks saw them
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("cast", ["bfloat16", "half", "to"])
 def test_casting_a_layer_to_16_bits_makes_that_the_compute_dtype(device, cast):
     layer = mpgemm.Linear(16, 8, device=device)  # compute_dtype float16 by default
