@@ -152,6 +152,12 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     # A batch of products (the pointer kernel's batch axis), forward and backward.
     a, b = (_tensor(shape, half, aligned).requires_grad_() for shape in ((3, m, k), (3, k, n)))
     yield "matmul batched", lambda: matmul(a, b)
+    # A 2-D a broadcast over b's batch, large enough (at least as many 128x128 tiles
+    # as an H100's SMs) that its gradient, the products' sum, is summed in the kernel
+    # (SUM_BATCH).
+    a2 = _tensor((8 * m, 2 * k), half, aligned).requires_grad_()
+    b2 = _tensor((3, 2 * k, n), half, aligned).requires_grad_()
+    yield "matmul batched, a broadcast", lambda: matmul(a2, b2)
 
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:

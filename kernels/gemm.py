@@ -484,6 +484,7 @@ def triton_gemm(
     store_act_grad: bool = False,
     rowsum_a: bool = False,
     out: torch.Tensor | None = None,
+    sum_batch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the kernel; see the module docstring for the math.
 
@@ -493,12 +494,15 @@ def triton_gemm(
     Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,).
     Batched: a (*batch, M, K) and b (*batch, K, N) of one batch shape, any strides (0
     where an operand is broadcast), with no bias, activation, G, R or out: C is
-    (*batch, M, N), one product per batch entry (``_launch_batched``).
+    (*batch, M, N), one product per batch entry (``_launch_batched``); with
+    ``sum_batch``, C is (M, N), their sum (``_sum_batched``).
     The caller has validated shapes, dtypes and devices.
     """
     if a.dim() > 2:
         if bias is not None or activation or store_act_grad or rowsum_a or out is not None:
             raise ValueError("a batch of products takes no bias, activation, G, R or out")
+        if sum_batch:
+            return _sum_batched(a, b, compute_dtype, out_dtype), None, None
         c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=out_dtype)
         _launch_batched(a, b, c, compute_dtype)
         return c, None, None
@@ -556,18 +560,8 @@ def _launch_batched(
     if c.numel() == 0:
         return
     flags = _flags(compute_dtype, None, None, False)
-    # (size, a's stride, b's, c's) per batch dimension, outermost first
-    dims: list[tuple[int, ...]] = []
-    for i, size in enumerate(a.shape[:-2]):
-        strides = (a.stride(i), b.stride(i), c.stride(i))
-        if size == 1:
-            continue
-        if dims and all(o == s * size for o, s in zip(dims[-1][1:], strides, strict=True)):
-            dims[-1] = (dims[-1][0] * size, *strides)
-        else:
-            dims.append((size, *strides))
-    *outer, (inner, *inner_strides) = dims or [(1, 0, 0, 0)]
     operands = (a, b, c)
+    *outer, (inner, *inner_strides) = _merged_batch(operands)
     for index in itertools.product(*(range(dim[0]) for dim in outer)):
         offsets = [
             t.storage_offset() + sum(i * dim[1 + j] for i, dim in zip(index, outer, strict=True))
@@ -593,6 +587,55 @@ def _launch_batched(
                 )
             else:
                 _launch_pointer(a3, b3, c3, r=None, k_sums=None, splits=1, flags=flags)
+
+
+def _merged_batch(operands: tuple[torch.Tensor, ...]) -> list[tuple[int, ...]]:
+    """The batch dimensions of (*batch, ., .) ``operands`` (one batch shape), merged
+    where the strides of all of them allow, outermost first: (size, each operand's
+    stride) per dimension left, one of size 1 for no batch."""
+    dims: list[tuple[int, ...]] = []
+    for i, size in enumerate(operands[0].shape[:-2]):
+        strides = tuple(t.stride(i) for t in operands)
+        if size == 1:
+            continue
+        if dims and all(o == s * size for o, s in zip(dims[-1][1:], strides, strict=True)):
+            dims[-1] = (dims[-1][0] * size, *strides)
+        else:
+            dims.append((size, *strides))
+    return dims or [(1, *(0 for _ in operands))]
+
+
+def _sum_batched(
+    a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """C = sum over i of round(A[i]) @ round(B[i]), summed in FP32 and rounded once, for
+    (*batch, M, K) and (*batch, K, N) operands of one batch shape: the gradient of an
+    operand broadcast over the whole batch. One launch of the TMA kernel, whose K loop
+    runs over every product (``SUM_BATCH``), where the batch dimensions merge into one,
+    the operands qualify (``tma_layout``) and C's 128x128 tiles are at least as many as
+    the SMs (a program per tile runs the whole batch's K loop: fewer tiles would leave
+    SMs idle, where the products keep every SM busy); else the batch of products in
+    FP32 (``_launch_batched``), then their sum."""
+    M, N = a.shape[-2], b.shape[-1]
+    dims = _merged_batch((a, b))
+    if len(dims) == 1 and cdiv(M, 128) * cdiv(N, 128) >= multiprocessors(a.device):
+        ((count, a_stride, b_stride),) = dims
+        a3, b3 = (
+            t.as_strided((count, *t.shape[-2:]), (s, *t.stride()[-2:]))
+            for t, s in ((a, a_stride), (b, b_stride))
+        )
+        layout = _tma_eligible(a3, b3, compute_dtype, 1)
+        if layout is not None:
+            c = torch.empty((M, N), device=a.device, dtype=out_dtype)
+            flags = _flags(compute_dtype, None, None, False)
+            sms = multiprocessors(a.device)
+            gemm_tma.launch_tma_gemm(
+                a3, b3, c, bias=None, g=None, layout=layout, sms=sms, flags=flags
+            )
+            return c
+    products = torch.empty((*a.shape[:-1], N), device=a.device, dtype=torch.float32)
+    _launch_batched(a, b, products, compute_dtype)
+    return products.sum(dim=tuple(range(a.dim() - 2))).to(out_dtype)
 
 
 def _launch_pointer(

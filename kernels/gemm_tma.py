@@ -230,6 +230,10 @@ def _gemm_tma_kernel(
     BATCHED: tl.constexpr = False,
     A_BATCHED: tl.constexpr = False,
     B_BATCHED: tl.constexpr = False,
+    # C is the batch's products summed (C is (M, N)): each tile's K loop runs over every
+    # product's K, so the sum is accumulated in FP32 and rounded once, with no batch of
+    # partial products in memory (the gradient of an operand broadcast over the batch).
+    SUM_BATCH: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -252,10 +256,11 @@ def _gemm_tma_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in range(k_tiles):
-            off_k = kt * BLOCK_K
-            a = _load_tile(a_desc, batch, off_m, off_k, A_T, A_BATCHED)
-            b = _load_tile(b_desc, batch, off_k, off_n, B_T, B_BATCHED)
+        for kt in range(BATCH * k_tiles if SUM_BATCH else k_tiles):
+            product = kt // k_tiles if SUM_BATCH else batch
+            off_k = (kt % k_tiles if SUM_BATCH else kt) * BLOCK_K
+            a = _load_tile(a_desc, product, off_m, off_k, A_T, A_BATCHED)
+            b = _load_tile(b_desc, product, off_k, off_n, B_T, B_BATCHED)
             acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         # The stores take the accumulator through shared memory (a layout conversion),
@@ -309,6 +314,7 @@ _AUTOTUNE_KEY = [
     "BATCHED",
     "A_BATCHED",
     "B_BATCHED",
+    "SUM_BATCH",
 ]
 # (triton adds C's dtype, which pruning reads, to the key itself.)
 # ``_gemm_tma_kernel`` is the JIT function (its name is what launch records and the compile
@@ -405,14 +411,15 @@ def launch_tma_gemm(
     """Launch the TMA kernel (``triton_gemm`` has allocated the outputs and checked
     ``tma_layout``, which gave ``layout``); ``flags``: the epilogue's constexprs.
     A batch of products: a, b and c are (B, M, K), (B, K, N) and (B, M, N) views (a
-    batch stride of 0 where an operand is broadcast), with no bias or G."""
+    batch stride of 0 where an operand is broadcast), with no bias or G; with an (M, N)
+    c, the products' sum (``SUM_BATCH``)."""
     M, K = a.shape[-2], a.shape[-1]
     N = b.shape[-1]
     a_t, b_t = layout
     if a.is_cuda:
         _bind_context(a.device)
     flags = {**flags, "A_T": a_t, "B_T": b_t, "NUM_SMS": sms}
-    batch = 1
+    batch = 1  # products whose tiles the grid walks
     if c.dim() == 3:
         batch = c.shape[0]
         flags.update(
@@ -422,6 +429,8 @@ def launch_tma_gemm(
             A_BATCHED=_batched(a),
             B_BATCHED=_batched(b),
         )
+    elif a.dim() == 3:
+        flags.update(BATCH=a.shape[0], A_BATCHED=_batched(a), B_BATCHED=_batched(b), SUM_BATCH=True)
 
     def grid(meta):
         tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])

@@ -404,20 +404,24 @@ def _batched_product(
     """round(a) @ round(b) for (*, M, K) and (*, K, N) operands whose batch shapes
     broadcast, FP32 accumulation: (*batch, M, N) of ``out_dtype``, a batch of GEMMs
     over the operands' broadcast views (no copies). With ``like``, a gradient for it:
-    summed to its shape where it was broadcast (the products in FP32, rounded once)
-    and of its dtype."""
+    summed to its shape where it was broadcast (in FP32, rounded once) and of its
+    dtype. Broadcast over the whole batch, it is one sum of all the products
+    (``sum_batch``: in the kernel's K loop, where it can); over some batch dimensions,
+    the products in FP32, then their sums."""
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     summed = like is not None and tuple(like.shape) != (*batch, a.shape[-2], b.shape[-1])
+    whole = summed and like is not None and math.prod(like.shape[:-2]) == 1
     gemm = _gemm(a.device, a, b)
     product, _, _ = gemm(
         a.expand(*batch, *a.shape[-2:]),
         b.expand(*batch, *b.shape[-2:]),
         compute_dtype=compute_dtype,
-        out_dtype=torch.float32 if summed else out_dtype,
+        out_dtype=out_dtype if whole or not summed else torch.float32,
+        sum_batch=whole,
     )
     if summed:
         assert like is not None
-        return product.sum_to_size(like.shape).to(out_dtype)
+        return product.view(like.shape) if whole else product.sum_to_size(like.shape).to(out_dtype)
     return product
 
 

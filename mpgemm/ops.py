@@ -41,6 +41,7 @@ def _gemm_op(
     activation: str | None,
     store_act_grad: bool,
     rowsum_a: bool,
+    sum_batch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from mpgemm.functional import _implementation
 
@@ -53,6 +54,7 @@ def _gemm_op(
         activation=activation,
         store_act_grad=store_act_grad,
         rowsum_a=rowsum_a,
+        sum_batch=sum_batch,
     )
     # An op returns tensors, none aliasing another: an output not asked for is empty.
     return (
@@ -72,9 +74,10 @@ def _(
     activation,
     store_act_grad,
     rowsum_a,
+    sum_batch=False,
 ):
     m, n = a.shape[-2], b.shape[-1]
-    c = a.new_empty((*a.shape[:-2], m, n), dtype=out_dtype)
+    c = a.new_empty((m, n) if sum_batch else (*a.shape[:-2], m, n), dtype=out_dtype)
     g = a.new_empty((m, n) if store_act_grad else (0,), dtype=torch.float32)
     r = a.new_empty((m,) if rowsum_a else (0,), dtype=torch.float32)
     return c, g, r
@@ -91,6 +94,7 @@ def gemm(
     store_act_grad=False,
     rowsum_a=False,
     out=None,
+    sum_batch=False,
 ):
     """``gemm_ref``'s contract (and ``triton_gemm``'s) through the custom op, which
     returns C as a new tensor: ``out`` must be None."""
@@ -105,6 +109,7 @@ def gemm(
         activation,
         store_act_grad,
         rowsum_a,
+        sum_batch,
     )
     return c, (g if store_act_grad else None), (r if rowsum_a else None)
 

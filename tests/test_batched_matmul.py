@@ -8,6 +8,7 @@ import torch
 
 import mpgemm
 from mpgemm.kernels import gemm
+from mpgemm.kernels.launches import intercept, jit_function
 from mpgemm.reference import matmul_ref, round_to
 from tests.accuracy import assert_within_torch_error, launched_kernels, nan_padded
 
@@ -65,14 +66,18 @@ def test_gradients_of_batches_that_broadcast(shapes, compute_dtype, device):
     assert_gradients_within_torch_error(a, b, grad_out, compute_dtype, f"{shapes}")
 
 
-def test_a_broadcast_operands_gradient_is_summed_before_its_one_rounding(device):
+@pytest.mark.parametrize("whole", [True, False], ids=["whole batch", "some dimensions"])
+def test_a_broadcast_operands_gradient_is_summed_before_its_one_rounding(whole, device):
     # a's gradient is the sum of two products that nearly cancel: rounded to FP16 one by
-    # one, each would carry an error as large as the sum itself.
-    a = torch.randn(17, 33, device=device, dtype=torch.float16, requires_grad=True)
-    b = torch.randn(33, 9, device=device).expand(2, 33, 9)
+    # one, each would carry an error as large as the sum itself. a is broadcast over
+    # the whole batch (summed by _sum_batched), or over b's second batch dimension only
+    # (the products in FP32, then their sums).
+    a_shape = (17, 33) if whole else (3, 1, 17, 33)
+    a = torch.randn(a_shape, device=device, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(33, 9, device=device).expand(3, 2, 33, 9)
     b.requires_grad_()
-    first = torch.randn(17, 9, device=device).half()
-    grad_out = torch.stack([first, -first + 1e-2 * torch.randn_like(first)])
+    first = torch.randn(3, 17, 9, device=device).half()
+    grad_out = torch.stack([first, -first + 1e-2 * torch.randn_like(first)], dim=1)
     mpgemm.matmul(a, b).backward(grad_out)
     assert_gradients_within_torch_error(a, b, grad_out, torch.float16, "near cancellation")
 
@@ -181,6 +186,51 @@ def test_batches_of_aligned_16_bit_operands_run_the_tma_kernel(case, half, devic
     names, _ = launched_kernels(lambda: mpgemm.matmul(a, b, compute_dtype=half).backward(grad_out))
     assert set(names) == {"_gemm_tma_kernel"}
     assert_gradients_within_torch_error(a, b, grad_out, half, case)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("a_transposed", [False, True])
+def test_a_gradient_summed_over_the_whole_batch_is_one_tma_launch(
+    half, a_transposed, device, monkeypatch
+):
+    """The gradient of an operand broadcast over every batch dimension is summed in the
+    TMA kernel's K loop (``SUM_BATCH``): one launch, no batch of FP32 products, where
+    the gradient's tiles fill the SMs (here, 1 tile for 1 SM). Its six products nearly
+    cancel in pairs, so that rounding any partial sum to 16 bits would show; the
+    operands sit in NaN-filled buffers."""
+    monkeypatch.setattr(gemm, "multiprocessors", lambda device: 1)
+    a = nan_padded(torch.randn(40, 48, device=device).to(half), a_transposed, aligned=True)
+    a.requires_grad_()
+    b = nan_padded_batch(torch.randn(6, 48, 24, device=device).to(half)).unflatten(0, (2, 3))
+    first = torch.randn(3, 40, 24, device=device)
+    grad_out = torch.stack([first, -first + 1e-2 * torch.randn_like(first)]).to(half)
+    out = mpgemm.matmul(a, b, compute_dtype=half)
+    launches = []
+
+    def run_and_keep(kernel, grid, args, kwargs, configs):
+        launches.append((jit_function(kernel).fn.__name__, kwargs.get("SUM_BATCH")))
+        kernel[grid](*args, **kwargs)
+
+    with intercept(run_and_keep):
+        out.backward(grad_out, inputs=[a])
+    assert launches == [("_gemm_tma_kernel", True)]
+    b.requires_grad_()
+    mpgemm.matmul(a.detach(), b, compute_dtype=half).backward(grad_out)
+    assert_gradients_within_torch_error(a, b, grad_out, half, "summed in the kernel")
+
+
+def test_a_gradient_of_fewer_tiles_than_sms_is_summed_from_the_products(device):
+    # 1 tile of 128x128 for 132 SMs: one program would run all 6 products' K loops, so
+    # the products run as a batch (6 tiles' work spread over the SMs), in FP32, summed.
+    a = nan_padded(torch.randn(40, 48, device=device).half(), aligned=True).requires_grad_()
+    b = torch.randn(6, 48, 24, device=device).half()
+    out = mpgemm.matmul(a, b)
+    grad_out = torch.randn(out.shape, device=device).half()
+    names, _ = launched_kernels(lambda: out.backward(grad_out, inputs=[a]))
+    assert names == ["_gemm_tma_kernel"]
+    exact = grad_out.double() @ b.double().mT
+    baseline = (grad_out.float() @ b.float().mT).sum(0).half()  # a.grad is FP16
+    assert_within_torch_error(a.grad, exact.sum(0), baseline, "summed products")
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,19 @@ CASES = {
         False,
         False,
     ),
+    # Their sum, (16, 24): the gradient of an operand broadcast over the whole batch.
+    "gemm batched sum": lambda: (
+        torch.ops.mpgemm.gemm.default,
+        _randn(3, 16, 32, dtype=f16),
+        _randn(3, 32, 24, dtype=f16),
+        f16,
+        f16,
+        None,
+        None,
+        False,
+        False,
+        True,
+    ),
     "linear_backward": lambda: (
         torch.ops.mpgemm.linear_backward.default,
         _randn(16, 24, dtype=f16),
