@@ -152,12 +152,14 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     # A batch of products (the pointer kernel's batch axis), forward and backward.
     a, b = (_tensor(shape, half, aligned).requires_grad_() for shape in ((3, m, k), (3, k, n)))
     yield "matmul batched", lambda: matmul(a, b)
-    # A 2-D a broadcast over b's batch, large enough (at least as many 128x128 tiles
-    # as an H100's SMs) that its gradient, the products' sum, is summed in the kernel
-    # (SUM_BATCH).
+    # A 2-D a broadcast over b's batch: its gradient, the products' sum, summed in the
+    # kernel's K loop (SUM_BATCH), into the gradient where its 128x128 tiles are at
+    # least as many as an H100's SMs, else into FP32 partials, a part per product here.
     a2 = _tensor((8 * m, 2 * k), half, aligned).requires_grad_()
     b2 = _tensor((3, 2 * k, n), half, aligned).requires_grad_()
     yield "matmul batched, a broadcast", lambda: matmul(a2, b2)
+    a3 = _tensor((m, k), half, aligned).requires_grad_()
+    yield "matmul batched, a broadcast, in parts", lambda: matmul(a3, b)
 
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:

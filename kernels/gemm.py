@@ -610,15 +610,15 @@ def _sum_batched(
 ) -> torch.Tensor:
     """C = sum over i of round(A[i]) @ round(B[i]), summed in FP32 and rounded once, for
     (*batch, M, K) and (*batch, K, N) operands of one batch shape: the gradient of an
-    operand broadcast over the whole batch. One launch of the TMA kernel, whose K loop
-    runs over every product (``SUM_BATCH``), where the batch dimensions merge into one,
-    the operands qualify (``tma_layout``) and C's 128x128 tiles are at least as many as
-    the SMs (a program per tile runs the whole batch's K loop: fewer tiles would leave
-    SMs idle, where the products keep every SM busy); else the batch of products in
-    FP32 (``_launch_batched``), then their sum."""
+    operand broadcast over the whole batch. Where the batch dimensions merge into one
+    and the operands qualify (``tma_layout``), the TMA kernel sums in its K loop, which
+    runs over the products one after another (``SUM_BATCH``), with the batch split into
+    as many parts as it takes to give every SM a tile (``sum_splits``): one launch into
+    C, or into FP32 partials that are then added. Else the batch of products in FP32
+    (``_launch_batched``), then their sum."""
     M, N = a.shape[-2], b.shape[-1]
     dims = _merged_batch((a, b))
-    if len(dims) == 1 and cdiv(M, 128) * cdiv(N, 128) >= multiprocessors(a.device):
+    if len(dims) == 1:
         ((count, a_stride, b_stride),) = dims
         a3, b3 = (
             t.as_strided((count, *t.shape[-2:]), (s, *t.stride()[-2:]))
@@ -626,16 +626,40 @@ def _sum_batched(
         )
         layout = _tma_eligible(a3, b3, compute_dtype, 1)
         if layout is not None:
-            c = torch.empty((M, N), device=a.device, dtype=out_dtype)
-            flags = _flags(compute_dtype, None, None, False)
             sms = multiprocessors(a.device)
+            splits = sum_splits(M, N, count, sms)
+            per_split = cdiv(count, splits)
+            if splits == 1:
+                c = torch.empty((M, N), device=a.device, dtype=out_dtype)
+            else:
+                c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
+            flags = _flags(compute_dtype, None, None, False)
             gemm_tma.launch_tma_gemm(
-                a3, b3, c, bias=None, g=None, layout=layout, sms=sms, flags=flags
+                a3,
+                b3,
+                c,
+                bias=None,
+                g=None,
+                layout=layout,
+                sms=sms,
+                flags=flags,
+                per_split=per_split,
             )
-            return c
+            return c if splits == 1 else c.sum(dim=0).to(out_dtype)
     products = torch.empty((*a.shape[:-1], N), device=a.device, dtype=torch.float32)
     _launch_batched(a, b, products, compute_dtype)
     return products.sum(dim=tuple(range(a.dim() - 2))).to(out_dtype)
+
+
+def sum_splits(M: int, N: int, count: int, sms: int) -> int:
+    """Into how many parts ``_sum_batched`` splits a sum of ``count`` (M, N) products:
+    enough that C's 128x128 tiles, once per part, give every SM one (a tile's program
+    runs its part's products one after another), no more parts than products, and
+    none empty. A 4096x4096 gradient (1,024 tiles) takes 1; 196x196 over a batch of 256
+    (4 tiles) on 132 SMs takes 32 parts of 8 products."""
+    tiles = cdiv(M, 128) * cdiv(N, 128)
+    splits = min(count, max(1, cdiv(sms, tiles)))
+    return cdiv(count, cdiv(count, splits)) if count else 1
 
 
 def _launch_pointer(

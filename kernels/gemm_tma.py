@@ -230,9 +230,12 @@ def _gemm_tma_kernel(
     BATCHED: tl.constexpr = False,
     A_BATCHED: tl.constexpr = False,
     B_BATCHED: tl.constexpr = False,
-    # C is the batch's products summed (C is (M, N)): each tile's K loop runs over every
-    # product's K, so the sum is accumulated in FP32 and rounded once, with no batch of
-    # partial products in memory (the gradient of an operand broadcast over the batch).
+    # C is the sum of PRODUCTS products (the gradient of an operand broadcast over the
+    # batch): each tile's K loop runs over their K tiles one product after another, so
+    # the sum is accumulated in FP32 and rounded once. Split over the programs, when
+    # BATCHED: C[i] is the sum of the i-th PER_SPLIT of them (FP32 partials).
+    PER_SPLIT=1,
+    PRODUCTS=1,
     SUM_BATCH: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -256,8 +259,14 @@ def _gemm_tma_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in range(BATCH * k_tiles if SUM_BATCH else k_tiles):
-            product = kt // k_tiles if SUM_BATCH else batch
+        if SUM_BATCH:  # this tile's products: PER_SPLIT from batch * PER_SPLIT, or fewer
+            first = batch * PER_SPLIT
+            k_steps = tl.minimum(PER_SPLIT, PRODUCTS - first) * k_tiles
+        else:
+            first = batch
+            k_steps = k_tiles
+        for kt in range(k_steps):
+            product = first + kt // k_tiles if SUM_BATCH else batch
             off_k = (kt % k_tiles if SUM_BATCH else kt) * BLOCK_K
             a = _load_tile(a_desc, product, off_m, off_k, A_T, A_BATCHED)
             b = _load_tile(b_desc, product, off_k, off_n, B_T, B_BATCHED)
@@ -407,30 +416,28 @@ def launch_tma_gemm(
     layout: tuple[bool, bool],
     sms: int,
     flags: dict,
+    per_split: int | None = None,
 ) -> None:
     """Launch the TMA kernel (``triton_gemm`` has allocated the outputs and checked
     ``tma_layout``, which gave ``layout``); ``flags``: the epilogue's constexprs.
     A batch of products: a, b and c are (B, M, K), (B, K, N) and (B, M, N) views (a
-    batch stride of 0 where an operand is broadcast), with no bias or G; with an (M, N)
-    c, the products' sum (``SUM_BATCH``)."""
+    batch stride of 0 where an operand is broadcast), with no bias or G. With
+    ``per_split``, their sum instead (``SUM_BATCH``): c is (M, N), or (S, M, N), FP32
+    partials, C[i] the sum of products i * per_split on, per_split of them or fewer."""
     M, K = a.shape[-2], a.shape[-1]
     N = b.shape[-1]
     a_t, b_t = layout
     if a.is_cuda:
         _bind_context(a.device)
     flags = {**flags, "A_T": a_t, "B_T": b_t, "NUM_SMS": sms}
-    batch = 1  # products whose tiles the grid walks
+    batch = 1  # outputs whose tiles the grid walks: products, or partial sums
     if c.dim() == 3:
         batch = c.shape[0]
-        flags.update(
-            BATCH=batch,
-            stride_cb=c.stride(0),
-            BATCHED=True,
-            A_BATCHED=_batched(a),
-            B_BATCHED=_batched(b),
-        )
-    elif a.dim() == 3:
-        flags.update(BATCH=a.shape[0], A_BATCHED=_batched(a), B_BATCHED=_batched(b), SUM_BATCH=True)
+        flags.update(BATCH=batch, stride_cb=c.stride(0), BATCHED=True)
+    if a.dim() == 3:
+        flags.update(A_BATCHED=_batched(a), B_BATCHED=_batched(b))
+    if per_split is not None:
+        flags.update(PER_SPLIT=per_split, PRODUCTS=a.shape[0], SUM_BATCH=True)
 
     def grid(meta):
         tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])

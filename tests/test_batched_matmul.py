@@ -189,48 +189,58 @@ def test_batches_of_aligned_16_bit_operands_run_the_tma_kernel(case, half, devic
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("a_transposed", [False, True])
+@pytest.mark.parametrize(
+    "products, sms, a_transposed, parts",
+    [(6, 1, False, 1), (6, 1, True, 1), (6, 132, False, 6), (7, 3, True, 3)],
+    ids=["one part", "one part, a transposed", "a part per product", "parts of 3, 3 and 1"],
+)
 def test_a_gradient_summed_over_the_whole_batch_is_one_tma_launch(
-    half, a_transposed, device, monkeypatch
+    half, products, sms, a_transposed, parts, device, monkeypatch
 ):
     """The gradient of an operand broadcast over every batch dimension is summed in the
-    TMA kernel's K loop (``SUM_BATCH``): one launch, no batch of FP32 products, where
-    the gradient's tiles fill the SMs (here, 1 tile for 1 SM). Its six products nearly
-    cancel in pairs, so that rounding any partial sum to 16 bits would show; the
-    operands sit in NaN-filled buffers."""
-    monkeypatch.setattr(gemm, "multiprocessors", lambda device: 1)
+    TMA kernel's K loop (``SUM_BATCH``), in one launch: into the gradient, or, where its
+    tiles are fewer than the SMs (here 1 tile, for ``sms``), into FP32 partial sums of
+    parts of the batch, then added. Its products nearly cancel in pairs, so that
+    rounding any partial sum to 16 bits would show; the operands sit in NaN-filled
+    buffers."""
+    monkeypatch.setattr(gemm, "multiprocessors", lambda device: sms)
     a = nan_padded(torch.randn(40, 48, device=device).to(half), a_transposed, aligned=True)
     a.requires_grad_()
-    b = nan_padded_batch(torch.randn(6, 48, 24, device=device).to(half)).unflatten(0, (2, 3))
-    first = torch.randn(3, 40, 24, device=device)
-    grad_out = torch.stack([first, -first + 1e-2 * torch.randn_like(first)]).to(half)
+    b = nan_padded_batch(torch.randn(products, 48, 24, device=device).to(half))
+    first = torch.randn(products // 2, 40, 24, device=device)
+    pairs = torch.stack([first, -first + 1e-2 * torch.randn_like(first)], dim=1).flatten(0, 1)
+    grad_out = torch.cat([pairs, torch.randn(products % 2, 40, 24, device=device)]).to(half)
     out = mpgemm.matmul(a, b, compute_dtype=half)
     launches = []
 
     def run_and_keep(kernel, grid, args, kwargs, configs):
-        launches.append((jit_function(kernel).fn.__name__, kwargs.get("SUM_BATCH")))
+        launches.append((jit_function(kernel).fn.__name__, kwargs.get("BATCH", 1)))
+        assert kwargs["SUM_BATCH"] and kwargs["PRODUCTS"] == products
         kernel[grid](*args, **kwargs)
 
     with intercept(run_and_keep):
         out.backward(grad_out, inputs=[a])
-    assert launches == [("_gemm_tma_kernel", True)]
+    assert launches == [("_gemm_tma_kernel", parts)]
     b.requires_grad_()
     mpgemm.matmul(a.detach(), b, compute_dtype=half).backward(grad_out)
     assert_gradients_within_torch_error(a, b, grad_out, half, "summed in the kernel")
 
 
-def test_a_gradient_of_fewer_tiles_than_sms_is_summed_from_the_products(device):
-    # 1 tile of 128x128 for 132 SMs: one program would run all 6 products' K loops, so
-    # the products run as a batch (6 tiles' work spread over the SMs), in FP32, summed.
+def test_inf_in_a_summed_gradient_lands_where_torchs_does(device, monkeypatch):
+    """A's gradient summed in parts (7 products in parts of 3, 3 and 1) where B, read
+    by every product (stride 0), holds an inf: with positive dC, a's gradient is +inf
+    in that column and finite elsewhere, as torch's; a part that multiplied past the
+    batch's end (a zero-filled tile against the inf) would make it NaN."""
+    monkeypatch.setattr(gemm, "multiprocessors", lambda device: 3)
     a = nan_padded(torch.randn(40, 48, device=device).half(), aligned=True).requires_grad_()
-    b = torch.randn(6, 48, 24, device=device).half()
-    out = mpgemm.matmul(a, b)
-    grad_out = torch.randn(out.shape, device=device).half()
-    names, _ = launched_kernels(lambda: out.backward(grad_out, inputs=[a]))
-    assert names == ["_gemm_tma_kernel"]
-    exact = grad_out.double() @ b.double().mT
-    baseline = (grad_out.float() @ b.float().mT).sum(0).half()  # a.grad is FP16
-    assert_within_torch_error(a.grad, exact.sum(0), baseline, "summed products")
+    b = nan_padded(torch.randn(48, 24, device=device).half(), aligned=True)
+    b[3, 5] = float("inf")
+    grad_out = torch.rand(7, 40, 24, device=device).half() + 0.1
+    mpgemm.matmul(a, b.expand(7, 48, 24)).backward(grad_out)
+    want = (grad_out.float() @ b.float().t()).sum(0).half()
+    assert torch.isinf(want[:, 3]).all() and torch.isfinite(want[:, :3]).all()
+    assert torch.equal(torch.isinf(a.grad), torch.isinf(want))
+    assert not torch.isnan(a.grad).any()
 
 
 @pytest.mark.parametrize(

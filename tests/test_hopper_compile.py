@@ -63,8 +63,10 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     assert all(
         r["specialization"] == "aligned" and r["a_dtype"] == r["b_dtype"] != "fp32" for r in tma
     )
-    # Among them, a broadcast operand's gradient summed over the batch in the K loop.
-    assert any(r["flags"].get("SUM_BATCH") for r in tma)
+    # Among them, a broadcast operand's gradient summed over the batch in the K loop,
+    # into the gradient and into partial sums of parts of the batch.
+    summed = [r for r in tma if r["flags"].get("SUM_BATCH")]
+    assert {r["flags"].get("BATCHED", False) for r in summed} == {False, True}
 
     # Every GEMM of a converted MLP's training step (16-bit weight copies, an FP32 input
     # rounded once, fused activations) has 16-bit operands, but for the head's backward
