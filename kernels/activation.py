@@ -3,7 +3,7 @@
 
     ReLU (S = y):           dZ = 0 where y <= 0, else dY        (threshold_backward's rule:
                                                                  a NaN y passes dY on)
-    GELU (S = act'(z), FP32): dZ = round(dY * S)                 (the product in FP32,
+    GELU, SiLU (S = act'(z), FP32): dZ = round(dY * S)           (the product in FP32,
                                                                  rounded once to dZ's dtype)
     P[c, n] = sum over the rows of chunk c of dZ[:, n], before its rounding (FP32)
 
@@ -93,8 +93,9 @@ def triton_activation_backward(
     """(dZ, bias gradient or None), ``mpgemm.reference.activation_backward_ref``'s math.
 
     grad_y: (M, N) in y's dtype, any strides; saved: (M, N), y for "relu" (dY's dtype),
-    act'(z) in FP32 for "gelu", any strides. dZ: (M, N), contiguous, in dY's dtype for
-    ReLU (exact) and ``compute_dtype`` for GELU; the bias gradient: (N,), FP32."""
+    act'(z) in FP32 for "gelu" and "silu", any strides. dZ: (M, N), contiguous, in dY's
+    dtype for ReLU (exact) and ``compute_dtype`` for GELU and SiLU; the bias gradient:
+    (N,), FP32."""
     M, N = grad_y.shape
     dtype = grad_y.dtype if activation == "relu" else compute_dtype
     dz = torch.empty((M, N), device=grad_y.device, dtype=dtype)

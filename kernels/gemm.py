@@ -8,7 +8,7 @@ rounded inputs, 16-bit activations), and the pointer kernel here for the rest (F
 unaligned operands, split K). ``use_kernel`` forces one, for tests and benchmarks.
 
     C   = act(round(A) @ round(B) + bias)    round() = to the compute dtype
-    G   = act'(round(A) @ round(B) + bias)   (optional, GELU only, FP32: saved for backward)
+    G   = act'(round(A) @ round(B) + bias)   (optional, GELU and SiLU, FP32: for backward)
     R   = sum_k A[:, k]                      (optional, FP32: the bias gradient)
 
 Operands may arrive as FP32 (master weights, a first layer's input), FP16 or BF16
@@ -126,7 +126,7 @@ def fits_registers(
     A launch of at most ``NARROW_N`` columns (``narrow``) takes the narrow tiles, and
     only it does. Unaligned operands (``operands_aligned``) get their own tiles.
     Aligned launches with sums over K get the tiles that leave room for them; storing
-    GELU's derivative beside the output needs an accumulator of fewer than 128 registers
+    GELU's or SiLU's derivative beside the output needs an accumulator of fewer than 128 registers
     per thread. Measured with ``python -m mpgemm.kernels.aot``, which compiles every
     launch kind aligned and unaligned."""
     shape = tile(config)

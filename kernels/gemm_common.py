@@ -86,6 +86,17 @@ def gelu_and_derivative(z):
 
 
 @triton.jit
+def silu_and_derivative(z):
+    """SiLU, as torch.nn.functional.silu, z / (1 + exp(-z)), and its derivative
+    s (1 + z (1 - s)) with s = 1 / (1 + exp(-z)): torch's formulas, so that inf and NaN
+    come out where torch's do (silu(-inf) and silu'(+-inf) are NaN). IEEE divisions
+    (tl.div_rn), as torch's: "/" is approximate on GPUs."""
+    denom = 1.0 + tl.exp(-z)
+    s = tl.div_rn(1.0, denom)
+    return tl.div_rn(z, denom), s * (1.0 + z * (1.0 - s))
+
+
+@triton.jit
 def store_epilogue(
     acc,
     offs_m,
@@ -118,8 +129,11 @@ def store_epilogue(
     if ACTIVATION == "relu":
         # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
         acc = tl.where(acc < 0.0, 0.0, acc)
-    elif ACTIVATION == "gelu":
-        acc, act_grad = gelu_and_derivative(acc)
+    elif ACTIVATION == "gelu" or ACTIVATION == "silu":
+        if ACTIVATION == "gelu":
+            acc, act_grad = gelu_and_derivative(acc)
+        else:
+            acc, act_grad = silu_and_derivative(acc)
         if STORE_ACT_GRAD:
             g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
             tl.store(g_ptrs, cast_rne(act_grad, g_ptr.dtype.element_ty, INTERPRETED), mask=mask)

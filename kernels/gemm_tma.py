@@ -2,7 +2,7 @@
 operands, read by the Tensor Memory Accelerator.
 
     C   = act(A @ B + bias)            A, B already in the compute dtype, FP32 accumulation
-    G   = act'(A @ B + bias)           (optional, GELU only)
+    G   = act'(A @ B + bias)           (optional, GELU and SiLU)
     C[i] = A[i] @ B[i]                 a batch of products (``matmul``), no epilogue
 
 The bias gradient's row sums are not fused here: ``triton_gemm`` sums A beforehand (on
@@ -97,7 +97,7 @@ EPILOGUE_SCRATCH = 64 * 1024
 
 @triton.constexpr_function
 def epilogue_bytes(block_m: int, block_n: int, c_bytes: int, store_act_grad: bool) -> int:
-    """The bytes of a whole tile of the widest output (C, or GELU's FP32 derivative),
+    """The bytes of a whole tile of the widest output (C, or GELU's or SiLU's FP32 derivative),
     which the stores take through shared memory for their layout conversion. Called by
     the kernel at compile time and by the host's pruning: one rule for both."""
     return block_m * block_n * (4 if store_act_grad else c_bytes)

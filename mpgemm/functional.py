@@ -24,7 +24,10 @@ from mpgemm.reference import activation_backward_ref, gemm_ref
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-VALID_ACTIVATIONS = (None, "relu", "gelu")
+VALID_ACTIVATIONS = (None, "relu", "gelu", "silu")
+# Activations whose backward reads act'(z), which the forward's epilogue stores in FP32
+# beside the output (ReLU's reads its output).
+STORED_DERIVATIVE = ("gelu", "silu")
 
 
 # Each op's reference (torch ops) and the module and name of its Triton launcher,
@@ -251,7 +254,7 @@ class LinearFunction(_Function):
     x: (*, K) float32/float16/bfloat16; W: (N, K), any strides; bias: (N,) or None;
     weight_copy: None, or W in the compute dtype (``mpgemm.Linear``'s current copy of
     its FP32 master), which the GEMMs then read in W's place; store_act_grad: also
-    return G = act'(z) in FP32 (GELU's derivative, for ``ActivationFunction``);
+    return G = act'(z) in FP32 (GELU's or SiLU's derivative, for ``ActivationFunction``);
     x_rounded: None, or x as (prod(*), K) rounded to the compute dtype (no gradient),
     which the GEMMs then read in x's place (the caller rounds an FP32 x whose weight
     gradient is needed: the GEMMs would round it anyway, and it is half the memory).
@@ -473,7 +476,7 @@ class ActivationFunction(_Function):
     gradient until the node returns, and its saved tensors until then too, so with the
     derivative inside the layer's node dY and y would outlive the layer's GEMMs (two
     activations' worth more at the backward's peak than under autocast, whose ReLU frees
-    both first). y: the layer's output; act_grad: GELU's stored act'(z), else None.
+    both first). y: the layer's output; act_grad: GELU's or SiLU's stored act'(z), else None.
     Under ``torch.vmap`` it runs as written on batched tensors (``generate_vmap_rule``:
     its forward is a detach, its backward torch ops there)."""
 
@@ -584,7 +587,7 @@ def linear(
     (out_features,), a single value (shape () or (1,)) added to every feature, or None;
     each float32, float16 or bfloat16, all on one device. Operands are rounded
     to ``compute_dtype`` (float16 or bfloat16); bias and ``activation`` (None, "relu" or
-    "gelu", the exact erf form) are applied to the FP32 accumulator, which is then
+    "gelu", the exact erf form, or "silu") are applied to the FP32 accumulator, which is then
     rounded to ``out_dtype`` (default ``compute_dtype``). Returns (*, out_features), or
     (*) for a 1-D weight.
     Differentiable in input, weight and bias; each gradient has its tensor's dtype, so
@@ -644,7 +647,7 @@ def _linear(
         compute_dtype,
         out_dtype or compute_dtype,
         weight_copy,
-        activated and activation == "gelu",
+        activated and activation in STORED_DERIVATIVE,
     )
     if activated:
         out = ActivationFunction.apply(out, act_grad, bias, activation, compute_dtype)

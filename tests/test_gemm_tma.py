@@ -43,7 +43,7 @@ def _operands(kind, dtype, device):
         return (
             half(M, K),
             w.t(),
-            dict(bias=bias, activation=activation, store_act_grad=activation == "gelu"),
+            dict(bias=bias, activation=activation, store_act_grad=activation in ("gelu", "silu")),
         )
     if kind == "grad_input":  # dX = dZ @ W: A is dZ (M, K), B is W (K, N)
         return half(M, K), half(K, N), {}
@@ -51,7 +51,7 @@ def _operands(kind, dtype, device):
     return half(K, M).t(), half(K, N), dict(rowsum_a=True)
 
 
-KINDS = ["forward", "forward relu", "forward gelu", "grad_input", "grad_weight"]
+KINDS = ["forward", "forward relu", "forward gelu", "forward silu", "grad_input", "grad_weight"]
 
 
 @pytest.mark.parametrize("epilogue", ["whole", "halves"])
@@ -75,12 +75,20 @@ def test_every_launch_kind_within_the_bar(kind, compute_dtype, epilogue, device,
     if "bias" in kwargs:
         z = z + kwargs["bias"].double()
     activation = kwargs.get("activation")
-    exact = {None: z, "relu": z.relu(), "gelu": torch.nn.functional.gelu(z)}[activation]
+    exact = {
+        None: z,
+        "relu": z.relu(),
+        "gelu": torch.nn.functional.gelu(z),
+        "silu": torch.nn.functional.silu(z),
+    }[activation]
     assert_within_torch_error(c, exact, ref_c, kind)
-    if kwargs.get("store_act_grad"):
+    if activation == "gelu":
         cdf = 0.5 * (1 + torch.erf(z / 2**0.5))
         exact_g = cdf + z * torch.exp(-0.5 * z * z) / (2 * torch.pi) ** 0.5
         assert_within_torch_error(g, exact_g, ref_g, f"{kind}: GELU derivative")
+    if activation == "silu":
+        s = torch.sigmoid(z)
+        assert_within_torch_error(g, s * (1 + z * (1 - s)), ref_g, f"{kind}: SiLU derivative")
     if kwargs.get("rowsum_a"):
         assert_within_torch_error(r, a64.sum(1), ref_r, f"{kind}: row sums")
 
@@ -135,7 +143,7 @@ def test_use_kernel_names_the_choices():
         pass
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
 def test_a_layer_backward_on_the_tma_kernel_agrees_with_the_pointer_kernel(activation, device):
     # 16-bit, aligned: the backward's GEMMs are the TMA kernel's, after the activation's
     # kernel has made dZ and the bias gradient.

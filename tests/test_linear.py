@@ -14,7 +14,7 @@ from mpgemm import functional
 from mpgemm.reference import linear_ref
 from tests.accuracy import assert_within_torch_error, nan_padded
 
-ACTIVATIONS = [None, "relu", "gelu"]
+ACTIVATIONS = [None, "relu", "gelu", "silu"]
 COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
 SHAPES = [(1, 7, 16), (7, 33, 130), (33, 16, 7), (130, 257, 33), (16, 1, 257), (257, 130, 1)]
 CASES = list(itertools.product(ACTIVATIONS, [True, False], COMPUTE_DTYPES))
@@ -23,7 +23,7 @@ CASES = list(itertools.product(ACTIVATIONS, [True, False], COMPUTE_DTYPES))
 def fp64_linear(x, w, b, activation):
     # The bias added after: F.linear refuses a bias beside a 1-D weight for 2-D inputs.
     z = F.linear(x, w) if b is None else F.linear(x, w) + b
-    return {None: z, "relu": F.relu(z), "gelu": F.gelu(z)}[activation]
+    return {None: z, "relu": F.relu(z), "gelu": F.gelu(z), "silu": F.silu(z)}[activation]
 
 
 def away_from_relu_kink(grad_out, x, w, b):
@@ -204,7 +204,7 @@ def test_frozen_weight_still_gets_bias_and_input_gradients(device):
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
 def test_nan_is_never_hidden_by_a_fused_activation(device, activation):
     # torch.relu(nan) is nan: a fused ReLU must not turn it into 0, or the loss
     # scaler's inf/NaN check would miss it.
@@ -220,6 +220,25 @@ def test_nan_is_never_hidden_by_a_fused_activation(device, activation):
         theirs = x.detach().clone().requires_grad_()
         torch.relu(theirs @ w).backward(torch.ones_like(y))
         assert torch.equal(x.grad, theirs.grad)
+
+
+def test_silu_puts_inf_and_nan_where_torchs_does(device):
+    # F.silu's formulas: silu(-inf) is NaN, silu(inf) inf, silu(-100) -0.0; its
+    # derivative at +-inf NaN. K = 1 and a weight of 1 make z the input itself.
+    values = [float("-inf"), -100.0, -1.0, 0.0, 1.0, 100.0, float("inf"), float("nan")]
+    x = torch.tensor(values, device=device).unsqueeze(1).requires_grad_()
+    w = torch.ones(1, 1, device=device)
+    y = mpgemm.linear(x, w, activation="silu", out_dtype=torch.float32)
+    theirs = x.detach().clone().requires_grad_()
+    want = F.silu(theirs)
+    assert torch.equal(y.isnan(), want.isnan())
+    torch.testing.assert_close(y[~y.isnan()], want[~want.isnan()], rtol=1e-3, atol=0)
+    assert torch.equal(y.signbit(), want.signbit())  # -0.0 for -100
+    y.backward(torch.ones_like(y))
+    want.backward(torch.ones_like(want))
+    assert torch.equal(x.grad.isnan(), theirs.grad.isnan())
+    finite = ~theirs.grad.isnan()
+    torch.testing.assert_close(x.grad[finite], theirs.grad[finite], rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -339,7 +358,7 @@ def test_double_backward_raises_instead_of_a_wrong_second_derivative(device):
         gx.sum().backward()
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
 def test_a_layers_gemms_run_backward_after_its_activation_freed_dy_and_y(
     activation, device, monkeypatch
 ):
@@ -354,7 +373,7 @@ def test_a_layers_gemms_run_backward_after_its_activation_freed_dy_and_y(
     w2 = torch.randn(16, 48, device=device, requires_grad=True)
     y = mpgemm.linear(x, w1, activation=activation)
     watched = {"y": StorageWeakRef(y.untyped_storage())}
-    if activation == "gelu":
+    if activation != "relu":
         (act_grad,) = y.grad_fn.saved_tensors
         watched["act'(z)"] = StorageWeakRef(act_grad.untyped_storage())
         del act_grad
@@ -378,7 +397,7 @@ def test_a_layers_gemms_run_backward_after_its_activation_freed_dy_and_y(
     monkeypatch.setattr(functional, "_linear_backward", spy)
     out.float().sum().backward()
     # The second layer's GEMMs (y still needed, dY not made yet), then the first's.
-    held = sorted(["y"] + (["act'(z)"] if activation == "gelu" else []))
+    held = sorted(["y"] + (["act'(z)"] if activation != "relu" else []))
     assert alive_at_gemms == [held, []]
     assert x.grad is not None and w1.grad is not None
 
@@ -399,6 +418,10 @@ def test_an_output_changed_in_place_is_handled_as_torch_handles_it(device, batch
         "gelu": (
             lambda a, b: mpgemm.linear(a, b, activation="gelu", out_dtype=torch.float32),
             lambda a, b: F.gelu(F.linear(a, b)),
+        ),
+        "silu": (
+            lambda a, b: mpgemm.linear(a, b, activation="silu", out_dtype=torch.float32),
+            lambda a, b: F.silu(F.linear(a, b)),
         ),
     }
     for name, (ours, theirs) in cases.items():

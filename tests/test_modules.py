@@ -160,6 +160,21 @@ def test_convert_fuses_a_following_relu_or_exact_gelu(device):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=5e-2, atol=5e-2)
 
 
+def test_convert_fuses_silu(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(33, 64), nn.SiLU(), nn.Linear(64, 10)).to(device)
+    reference = nn.Sequential(nn.Linear(33, 64), nn.SiLU(), nn.Linear(64, 10)).to(device)
+    reference.load_state_dict(model.state_dict())
+    mpgemm.convert(model)
+    assert type(model[1]) is nn.Identity and model[0].activation == "silu"
+    x = torch.randn(8, 33, device=device)
+    torch.testing.assert_close(model(x), reference(x), rtol=2e-2, atol=2e-2)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=5e-2, atol=5e-2)
+
+
 def test_convert_fuses_only_what_computes_the_same(device):
     model = nn.Sequential(
         nn.Linear(8, 8),
