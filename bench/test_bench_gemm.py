@@ -82,3 +82,27 @@ def test_batched_gemm(run_case, device, shape, impl):
         "fp32": lambda: torch.matmul(a32, b32),
     }[impl]
     run_case(fn, case="x".join(map(str, shape)), impl=impl, flops=2 * batch * m * n * k)
+
+
+# (batch, M, K, N): a (M, K) broadcast over b's batch, and a's gradient, dC @ B^T summed
+# over the batch (mpgemm: in the TMA kernel's K loop, SUM_BATCH): a 4096^2 weight over
+# 8 products (1,024 tiles: into the gradient) and a 256^2 one over 64 (4 tiles: the
+# batch in 32 parts of 2, FP32 partials). torch expands a and sums a batch of products.
+BROADCAST_SHAPES = [(8, 4096, 4096, 1024), (64, 256, 256, 1024)] if GPU_SCALE else [(3, 32, 48, 16)]
+
+
+@pytest.mark.benchmark(group="gemm_batched")
+@pytest.mark.parametrize("impl", ["mpgemm", "torch_fp16"])
+@pytest.mark.parametrize("shape", BROADCAST_SHAPES, ids=lambda s: "grad_a_" + "x".join(map(str, s)))
+def test_broadcast_operand_gradient(run_case, device, shape, impl):
+    batch, m, k, n = shape
+    a = torch.randn(m, k, device=device).half().requires_grad_()
+    b = torch.randn(batch, k, n, device=device).half()
+    c = (mpgemm.matmul if impl == "mpgemm" else torch.matmul)(a, b)
+    grad_c = torch.randn_like(c)
+    run_case(
+        lambda: torch.autograd.grad(c, a, grad_c, retain_graph=True),
+        case="grad_a " + "x".join(map(str, shape)),
+        impl=impl,
+        flops=2 * batch * m * n * k,
+    )
