@@ -259,14 +259,16 @@ def _gemm_tma_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SUM_BATCH:  # this tile's products: PER_SPLIT from batch * PER_SPLIT, or fewer
+        # The products this tile's K loop reads: its own, or, summing, PER_SPLIT (fewer
+        # at the batch's end) from part ``batch``'s first on.
+        if SUM_BATCH:
             first = batch * PER_SPLIT
             k_steps = tl.minimum(PER_SPLIT, PRODUCTS - first) * k_tiles
         else:
             first = batch
             k_steps = k_tiles
         for kt in range(k_steps):
-            product = first + kt // k_tiles if SUM_BATCH else batch
+            product = first + kt // k_tiles if SUM_BATCH else first
             off_k = (kt % k_tiles if SUM_BATCH else kt) * BLOCK_K
             a = _load_tile(a_desc, product, off_m, off_k, A_T, A_BATCHED)
             b = _load_tile(b_desc, product, off_k, off_n, B_T, B_BATCHED)
