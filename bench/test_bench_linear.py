@@ -5,6 +5,7 @@ backward, 6MNK both."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from harness import GPU_SCALE
 
 import mpgemm
@@ -26,20 +27,26 @@ SHAPES = (
 PHASES = {"forward": 2, "backward": 4, "forward_backward": 6}
 
 
-def _layer(impl, m, k, n, device):
-    """The layer's forward and its output dtype (FP16 for the mixed-precision ones)."""
+def _layer(impl, m, k, n, device, activation=None):
+    """The layer's forward and its output dtype (FP16 for the mixed-precision ones);
+    ``activation``: mpgemm's fused, else torch's op after the layer."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(k, n, device=device)
+    act = None if activation is None else TORCH_ACTIVATIONS[activation]
     if impl == "mpgemm":
-        layer = mpgemm.Linear.from_linear(layer)
+        layer, act = mpgemm.Linear.from_linear(layer, activation=activation), None
     dtype = torch.float32 if impl == "fp32" else torch.float16
     x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+
+    def apply():
+        y = layer(x)
+        return y if act is None else act(y)
 
     def forward():
         if impl == "autocast":
             with torch.autocast(device.type, dtype=torch.float16):
-                return layer(x)
-        return layer(x)
+                return apply()
+        return apply()
 
     return forward, dtype
 
@@ -65,3 +72,24 @@ def test_linear(run_case, device, shape, phase, impl):
         )
     else:
         run_case(lambda: forward().backward(grad), case=case, impl=impl, flops=flops)
+
+
+# A transformer MLP's up-projection (8192 tokens, 4096 -> 11008) with each activation:
+# mpgemm's in the GEMM's epilogue (its derivative stored for GELU and SiLU, then one
+# pass for dZ and the bias gradient), autocast's nn.Linear followed by torch's op.
+ACTIVATION_SHAPE = (8192, 4096, 11008) if GPU_SCALE else (64, 48, 32)
+TORCH_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+@pytest.mark.parametrize("impl", ["mpgemm", "autocast"])
+@pytest.mark.parametrize("activation", list(TORCH_ACTIVATIONS))
+def test_linear_activation(run_case, device, activation, impl):
+    m, k, n = ACTIVATION_SHAPE
+    forward, dtype = _layer(impl, m, k, n, device, activation=activation)
+    grad = torch.randn(m, n, device=device).to(dtype)
+    run_case(
+        lambda: forward().backward(grad),
+        case=f"forward_backward {activation} {'x'.join(map(str, ACTIVATION_SHAPE))}",
+        impl=impl,
+        flops=6 * m * n * k,
+    )
