@@ -226,6 +226,31 @@ def test_a_gradient_summed_over_the_whole_batch_is_one_tma_launch(
     assert_gradients_within_torch_error(a, b, grad_out, half, "summed in the kernel")
 
 
+@pytest.mark.parametrize("sms, parts", [(1, 1), (132, 5)])
+def test_b_broadcast_over_as_batch_has_its_gradient_summed_in_the_kernel(
+    sms, parts, device, monkeypatch
+):
+    """b (1, K, N) times a's batch of 5: b's gradient, sum_i A_i^T @ dC_i, reads A
+    transposed through a batched descriptor (A_T), in one part or a part per product."""
+    monkeypatch.setattr(gemm, "multiprocessors", lambda device: sms)
+    a = nan_padded_batch(torch.randn(5, 40, 48, device=device).half())
+    b = nan_padded_batch(torch.randn(1, 48, 24, device=device).half()).requires_grad_()
+    grad_out = torch.randn(5, 40, 24, device=device).half()
+    out = mpgemm.matmul(a, b)
+    launches = []
+
+    def run_and_keep(kernel, grid, args, kwargs, configs):
+        launches.append((kwargs.get("SUM_BATCH"), kwargs["A_T"], kwargs.get("BATCH", 1)))
+        kernel[grid](*args, **kwargs)
+
+    with intercept(run_and_keep):
+        out.backward(grad_out, inputs=[b])
+    assert launches == [(True, True, parts)]
+    a.requires_grad_()
+    mpgemm.matmul(a, b.detach()).backward(grad_out)
+    assert_gradients_within_torch_error(a, b, grad_out, torch.float16, "b summed")
+
+
 def test_inf_in_a_summed_gradient_lands_where_torchs_does(device, monkeypatch):
     """A's gradient summed in parts (7 products in parts of 3, 3 and 1) where B, read
     by every product (stride 0), holds an inf: with positive dC, a's gradient is +inf
