@@ -3,6 +3,8 @@ under autocast and in FP32, all from FP32 master weights; the input is the previ
 layer's output (FP16 for the mixed-precision ones). Work: 2MNK flops forward, 4MNK
 backward, 6MNK both."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,10 +77,15 @@ def test_linear(run_case, device, shape, phase, impl):
 
 
 # A transformer MLP's up-projection (8192 tokens, 4096 -> 11008) with each activation:
-# mpgemm's in the GEMM's epilogue (its derivative stored for GELU and SiLU, then one
+# mpgemm's in the GEMM's epilogue (its derivative stored, but for ReLU's, then one
 # pass for dZ and the bias gradient), autocast's nn.Linear followed by torch's op.
 ACTIVATION_SHAPE = (8192, 4096, 11008) if GPU_SCALE else (64, 48, 32)
-TORCH_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+TORCH_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "silu": F.silu,
+}
 
 
 @pytest.mark.parametrize("impl", ["mpgemm", "autocast"])

@@ -126,6 +126,7 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     yield "step: hidden relu", module(half, activation="relu")
     yield "step: hidden gelu", module(half, activation="gelu")
     yield "step: hidden silu", module(half, activation="silu")
+    yield "step: hidden gelu_tanh", module(half, activation="gelu_tanh")
     # No activation: the weight gradient's GEMM sums the bias gradient (an activated
     # layer's is summed by its activation's node, with the derivative).
     yield "step: hidden linear", module(half, activation=None)

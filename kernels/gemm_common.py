@@ -86,6 +86,21 @@ def gelu_and_derivative(z):
 
 
 @triton.jit
+def gelu_tanh_and_derivative(z):
+    """GELU's tanh approximation, as torch.nn.functional.gelu(approximate="tanh"),
+    0.5 z (1 + t) with t = tanh(sqrt(2 / pi) (z + 0.044715 z^3)), and its derivative,
+    by torch's formulas, so that inf and NaN come out where torch's do (gelu(-inf) and
+    gelu'(+-inf) are NaN). t = 1 - 2 / (exp(2u) + 1): -1 and 1 exactly at the ends, and
+    within an FP32 ulp of 1 near 0, where only 1 + t and 1 - t^2 are used."""
+    z_sq = z * z
+    u = 0.7978845608028654 * (z + 0.044715 * z_sq * z)
+    t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+    right = 1.0 + t
+    slope = (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z_sq)
+    return 0.5 * z * right, 0.5 * right + 0.5 * z * slope
+
+
+@triton.jit
 def silu_and_derivative(z):
     """SiLU, as torch.nn.functional.silu, z s with s = 1 / (1 + exp(-z)), and its
     derivative s (1 + z (1 - s)), as torch's: inf and NaN come out where torch's do
@@ -130,9 +145,11 @@ def store_epilogue(
     if ACTIVATION == "relu":
         # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
         acc = tl.where(acc < 0.0, 0.0, acc)
-    elif ACTIVATION == "gelu" or ACTIVATION == "silu":
+    elif ACTIVATION == "gelu" or ACTIVATION == "gelu_tanh" or ACTIVATION == "silu":
         if ACTIVATION == "gelu":
             acc, act_grad = gelu_and_derivative(acc)
+        elif ACTIVATION == "gelu_tanh":
+            acc, act_grad = gelu_tanh_and_derivative(acc)
         else:
             acc, act_grad = silu_and_derivative(acc)
         if STORE_ACT_GRAD:

@@ -24,10 +24,10 @@ from mpgemm.reference import activation_backward_ref, gemm_ref
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-VALID_ACTIVATIONS = (None, "relu", "gelu", "silu")
+VALID_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 # Activations whose backward reads act'(z), which the forward's epilogue stores in FP32
 # beside the output (ReLU's reads its output).
-STORED_DERIVATIVE = ("gelu", "silu")
+STORED_DERIVATIVE = ("gelu", "gelu_tanh", "silu")
 
 
 # Each op's reference (torch ops) and the module and name of its Triton launcher,
@@ -586,9 +586,10 @@ def linear(
     one output feature whose dimension is dropped from the result, as in F.linear; bias:
     (out_features,), a single value (shape () or (1,)) added to every feature, or None;
     each float32, float16 or bfloat16, all on one device. Operands are rounded
-    to ``compute_dtype`` (float16 or bfloat16); bias and ``activation`` (None, "relu" or
-    "gelu", the exact erf form, or "silu") are applied to the FP32 accumulator, which is then
-    rounded to ``out_dtype`` (default ``compute_dtype``). Returns (*, out_features), or
+    to ``compute_dtype`` (float16 or bfloat16); bias and ``activation`` (None, "relu",
+    "gelu", the exact erf form, "gelu_tanh", its tanh approximation, or "silu") are
+    applied to the FP32 accumulator, which is then rounded to ``out_dtype`` (default
+    ``compute_dtype``). Returns (*, out_features), or
     (*) for a 1-D weight.
     Differentiable in input, weight and bias; each gradient has its tensor's dtype, so
     FP32 master weights get FP32 gradients.

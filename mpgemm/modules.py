@@ -170,8 +170,8 @@ def _fusable_activation(module: nn.Module) -> str | None:
     """The ``activation`` of ``mpgemm.Linear`` that computes ``module``, if any."""
     if type(module) is nn.ReLU:
         return "relu"
-    if type(module) is nn.GELU and module.approximate == "none":
-        return "gelu"
+    if type(module) is nn.GELU:
+        return "gelu" if module.approximate == "none" else "gelu_tanh"
     if type(module) is nn.SiLU:
         return "silu"
     return None
@@ -216,7 +216,7 @@ def convert(
     layer of an ``nn.Sequential`` MLP; a string names the layer; ``False`` means none.
 
     ``fuse_activations``: a converted layer followed directly, in an ``nn.Sequential``,
-    by ``nn.ReLU``, ``nn.GELU()`` (the exact form) or ``nn.SiLU`` computes that activation in its
+    by ``nn.ReLU``, ``nn.GELU`` (either form) or ``nn.SiLU`` computes that activation in its
     GEMM's epilogue (its derivative in an autograd node of the layer's own), and
     the activation module becomes ``nn.Identity``, so ``state_dict`` keys and indexing
     are unchanged. A layer keeps its hooks (``Linear.from_linear``); one with hooks on

@@ -50,11 +50,16 @@ def round_to(t: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
 def activation_and_derivative(
     z: torch.Tensor, activation: str | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """act(z) and, for GELU (exact erf form) and SiLU, act'(z); z is FP32."""
+    """act(z) and, for GELU (exact erf form, or its tanh approximation) and SiLU,
+    act'(z); z is FP32."""
     if activation is None:
         return z, None
     if activation == "relu":
         return torch.relu(z), None
+    if activation == "gelu_tanh":  # torch's forward, and its backward's formula
+        t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
+        slope = (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
+        return F.gelu(z, approximate="tanh"), 0.5 * (1.0 + t) + 0.5 * z * slope
     if activation == "silu":  # torch's formulas (its inf and NaN)
         denom = 1.0 + torch.exp(-z)
         s = 1.0 / denom
@@ -111,8 +116,9 @@ def activation_backward_ref(
 
     grad_y, saved: (M, N). ReLU (``saved`` = y): zero where y <= 0, by torch's
     threshold_backward (a NaN y passes its gradient on; a positive z that underflowed to
-    0 in a 16-bit y gets none, as under autocast), exact in dY's dtype. GELU and SiLU
-    (``saved`` = act'(z), FP32): the product in FP32, rounded once to ``compute_dtype``."""
+    0 in a 16-bit y gets none, as under autocast), exact in dY's dtype. GELU (either
+    form) and SiLU (``saved`` = act'(z), FP32): the product in FP32, rounded once to
+    ``compute_dtype``."""
     if activation == "relu":
         grad_z = exact = torch.ops.aten.threshold_backward(grad_y, saved, 0)
     else:

@@ -31,7 +31,7 @@ def _operands(activation, dtype, device, transposed):
 
 @pytest.mark.parametrize("bias_grad", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
 def test_matches_the_reference(activation, dtype, bias_grad, device, monkeypatch):
     # 4 programs per SM on 2 "SMs" over 2 column blocks: 4 chunks of 32 rows.
     monkeypatch.setattr(kernel_module, "multiprocessors", lambda device: 2)

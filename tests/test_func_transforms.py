@@ -96,7 +96,7 @@ def test_grad_runs_the_forward_kernels_and_tracks_the_backward(device):
     assert_within_torch_error(got, exact.grad, eager.grad, "input gradient")
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu"])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
 def test_jacrev_and_vjp_of_linear_match_the_reference(device, activation):
     """jacrev (vmap over vjp) and vjp of ``mpgemm.linear`` against the same of
     ``mpgemm.linear_ref`` (torch ops, whose derivative autograd takes: the same rounded

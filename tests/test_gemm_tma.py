@@ -43,7 +43,7 @@ def _operands(kind, dtype, device):
         return (
             half(M, K),
             w.t(),
-            dict(bias=bias, activation=activation, store_act_grad=activation in ("gelu", "silu")),
+            dict(bias=bias, activation=activation, store_act_grad=activation not in (None, "relu")),
         )
     if kind == "grad_input":  # dX = dZ @ W: A is dZ (M, K), B is W (K, N)
         return half(M, K), half(K, N), {}
@@ -51,7 +51,15 @@ def _operands(kind, dtype, device):
     return half(K, M).t(), half(K, N), dict(rowsum_a=True)
 
 
-KINDS = ["forward", "forward relu", "forward gelu", "forward silu", "grad_input", "grad_weight"]
+KINDS = [
+    "forward",
+    "forward relu",
+    "forward gelu",
+    "forward gelu_tanh",
+    "forward silu",
+    "grad_input",
+    "grad_weight",
+]
 
 
 @pytest.mark.parametrize("epilogue", ["whole", "halves"])
@@ -79,6 +87,7 @@ def test_every_launch_kind_within_the_bar(kind, compute_dtype, epilogue, device,
         None: z,
         "relu": z.relu(),
         "gelu": torch.nn.functional.gelu(z),
+        "gelu_tanh": torch.nn.functional.gelu(z, approximate="tanh"),
         "silu": torch.nn.functional.silu(z),
     }[activation]
     assert_within_torch_error(c, exact, ref_c, kind)
@@ -89,6 +98,10 @@ def test_every_launch_kind_within_the_bar(kind, compute_dtype, epilogue, device,
     if activation == "silu":
         s = torch.sigmoid(z)
         assert_within_torch_error(g, s * (1 + z * (1 - s)), ref_g, f"{kind}: SiLU derivative")
+    if activation == "gelu_tanh":
+        z_d = z.detach().requires_grad_()
+        torch.nn.functional.gelu(z_d, approximate="tanh").sum().backward()
+        assert_within_torch_error(g, z_d.grad, ref_g, f"{kind}: tanh GELU derivative")
     if kwargs.get("rowsum_a"):
         assert_within_torch_error(r, a64.sum(1), ref_r, f"{kind}: row sums")
 
@@ -143,7 +156,7 @@ def test_use_kernel_names_the_choices():
         pass
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
 def test_a_layer_backward_on_the_tma_kernel_agrees_with_the_pointer_kernel(activation, device):
     # 16-bit, aligned: the backward's GEMMs are the TMA kernel's, after the activation's
     # kernel has made dZ and the bias gradient.

@@ -14,7 +14,7 @@ from mpgemm import functional
 from mpgemm.reference import linear_ref
 from tests.accuracy import assert_within_torch_error, nan_padded
 
-ACTIVATIONS = [None, "relu", "gelu", "silu"]
+ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
 SHAPES = [(1, 7, 16), (7, 33, 130), (33, 16, 7), (130, 257, 33), (16, 1, 257), (257, 130, 1)]
 CASES = list(itertools.product(ACTIVATIONS, [True, False], COMPUTE_DTYPES))
@@ -23,7 +23,13 @@ CASES = list(itertools.product(ACTIVATIONS, [True, False], COMPUTE_DTYPES))
 def fp64_linear(x, w, b, activation):
     # The bias added after: F.linear refuses a bias beside a 1-D weight for 2-D inputs.
     z = F.linear(x, w) if b is None else F.linear(x, w) + b
-    return {None: z, "relu": F.relu(z), "gelu": F.gelu(z), "silu": F.silu(z)}[activation]
+    return {
+        None: z,
+        "relu": F.relu(z),
+        "gelu": F.gelu(z),
+        "gelu_tanh": F.gelu(z, approximate="tanh"),
+        "silu": F.silu(z),
+    }[activation]
 
 
 def away_from_relu_kink(grad_out, x, w, b):
@@ -204,7 +210,7 @@ def test_frozen_weight_still_gets_bias_and_input_gradients(device):
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
 def test_nan_is_never_hidden_by_a_fused_activation(device, activation):
     # torch.relu(nan) is nan: a fused ReLU must not turn it into 0, or the loss
     # scaler's inf/NaN check would miss it.
@@ -222,15 +228,16 @@ def test_nan_is_never_hidden_by_a_fused_activation(device, activation):
         assert torch.equal(x.grad, theirs.grad)
 
 
-def test_silu_puts_inf_and_nan_where_torchs_does(device):
-    # F.silu's formulas: silu(-inf) is NaN, silu(inf) inf, silu(-100) -0.0; its
-    # derivative at +-inf NaN. K = 1 and a weight of 1 make z the input itself.
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_silu_and_tanh_gelu_put_inf_and_nan_where_torchs_do(device, activation):
+    # torch's formulas: silu(-inf) and gelu(-inf) are NaN, both inf at inf, -0.0 at
+    # -100; their derivatives NaN at +-inf. K = 1 and a weight of 1 make z the input.
     values = [float("-inf"), -100.0, -1.0, 0.0, 1.0, 100.0, float("inf"), float("nan")]
     x = torch.tensor(values, device=device).unsqueeze(1).requires_grad_()
     w = torch.ones(1, 1, device=device)
-    y = mpgemm.linear(x, w, activation="silu", out_dtype=torch.float32)
+    y = mpgemm.linear(x, w, activation=activation, out_dtype=torch.float32)
     theirs = x.detach().clone().requires_grad_()
-    want = F.silu(theirs)
+    want = F.silu(theirs) if activation == "silu" else F.gelu(theirs, approximate="tanh")
     assert torch.equal(y.isnan(), want.isnan())
     torch.testing.assert_close(y[~y.isnan()], want[~want.isnan()], rtol=1e-3, atol=0)
     assert torch.equal(y.signbit(), want.signbit())  # -0.0 for -100
@@ -358,7 +365,7 @@ def test_double_backward_raises_instead_of_a_wrong_second_derivative(device):
         gx.sum().backward()
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
 def test_a_layers_gemms_run_backward_after_its_activation_freed_dy_and_y(
     activation, device, monkeypatch
 ):
@@ -422,6 +429,10 @@ def test_an_output_changed_in_place_is_handled_as_torch_handles_it(device, batch
         "silu": (
             lambda a, b: mpgemm.linear(a, b, activation="silu", out_dtype=torch.float32),
             lambda a, b: F.silu(F.linear(a, b)),
+        ),
+        "gelu_tanh": (
+            lambda a, b: mpgemm.linear(a, b, activation="gelu_tanh", out_dtype=torch.float32),
+            lambda a, b: F.gelu(F.linear(a, b), approximate="tanh"),
         ),
     }
     for name, (ours, theirs) in cases.items():

@@ -160,13 +160,18 @@ def test_convert_fuses_a_following_relu_or_exact_gelu(device):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=5e-2, atol=5e-2)
 
 
-def test_convert_fuses_silu(device):
+@pytest.mark.parametrize(
+    "make, activation",
+    [(nn.SiLU, "silu"), (lambda: nn.GELU(approximate="tanh"), "gelu_tanh")],
+    ids=["silu", "gelu_tanh"],
+)
+def test_convert_fuses_silu_and_tanh_gelu(device, make, activation):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(33, 64), nn.SiLU(), nn.Linear(64, 10)).to(device)
-    reference = nn.Sequential(nn.Linear(33, 64), nn.SiLU(), nn.Linear(64, 10)).to(device)
+    model = nn.Sequential(nn.Linear(33, 64), make(), nn.Linear(64, 10)).to(device)
+    reference = nn.Sequential(nn.Linear(33, 64), make(), nn.Linear(64, 10)).to(device)
     reference.load_state_dict(model.state_dict())
     mpgemm.convert(model)
-    assert type(model[1]) is nn.Identity and model[0].activation == "silu"
+    assert type(model[1]) is nn.Identity and model[0].activation == activation
     x = torch.randn(8, 33, device=device)
     torch.testing.assert_close(model(x), reference(x), rtol=2e-2, atol=2e-2)
     model(x).sum().backward()
@@ -178,14 +183,14 @@ def test_convert_fuses_silu(device):
 def test_convert_fuses_only_what_computes_the_same(device):
     model = nn.Sequential(
         nn.Linear(8, 8),
-        nn.GELU(approximate="tanh"),
+        nn.LeakyReLU(),
         nn.Linear(8, 8),
         nn.Tanh(),
         nn.Linear(8, 4),
         nn.ReLU(),
     ).to(device)
     mpgemm.convert(model)
-    assert type(model[1]) is nn.GELU and type(model[3]) is nn.Tanh
+    assert type(model[1]) is nn.LeakyReLU and type(model[3]) is nn.Tanh
     assert [model[0].activation, model[2].activation] == [None, None]
     # The output layer's ReLU fuses too: applied to the FP32 accumulator, written FP32.
     assert type(model[5]) is nn.Identity and model[4].activation == "relu"
