@@ -138,6 +138,17 @@ def test_convert_reaches_nested_layers_by_their_qualified_names(device):
     assert model(torch.randn(3, 16, device=device)).dtype == torch.float32
 
 
+def assert_computes_like(model, reference, device):
+    """A converted model's output and parameter gradients within 16-bit tolerances of
+    ``reference``'s, the same weights unconverted, in FP32 (33 input features)."""
+    x = torch.randn(8, 33, device=device)
+    torch.testing.assert_close(model(x), reference(x), rtol=2e-2, atol=2e-2)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=5e-2, atol=5e-2)
+
+
 def test_convert_fuses_a_following_relu_or_exact_gelu(device):
     model = mlp(device)
     keys = list(model.state_dict())
@@ -152,12 +163,7 @@ def test_convert_fuses_a_following_relu_or_exact_gelu(device):
     ]
     assert [m.activation for m in model if isinstance(m, mpgemm.Linear)] == ["relu", "gelu", None]
     assert list(model.state_dict()) == keys
-    x = torch.randn(8, 33, device=device)
-    torch.testing.assert_close(model(x), reference(x), rtol=2e-2, atol=2e-2)
-    model(x).sum().backward()
-    reference(x).sum().backward()
-    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(ours.grad, theirs.grad, rtol=5e-2, atol=5e-2)
+    assert_computes_like(model, reference, device)
 
 
 @pytest.mark.parametrize(
@@ -172,12 +178,7 @@ def test_convert_fuses_silu_and_tanh_gelu(device, make, activation):
     reference.load_state_dict(model.state_dict())
     mpgemm.convert(model)
     assert type(model[1]) is nn.Identity and model[0].activation == activation
-    x = torch.randn(8, 33, device=device)
-    torch.testing.assert_close(model(x), reference(x), rtol=2e-2, atol=2e-2)
-    model(x).sum().backward()
-    reference(x).sum().backward()
-    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(ours.grad, theirs.grad, rtol=5e-2, atol=5e-2)
+    assert_computes_like(model, reference, device)
 
 
 def test_convert_fuses_only_what_computes_the_same(device):
