@@ -16,6 +16,7 @@ from mpgemm import compute_copy
 
 
 def _model(device):
+    # Every fused activation: ReLU, GELU, SiLU, tanh GELU, each in its layer's epilogue.
     torch.manual_seed(0)
     return mpgemm.convert(
         nn.Sequential(
@@ -23,6 +24,10 @@ def _model(device):
             nn.ReLU(),
             nn.Linear(48, 48),
             nn.GELU(),
+            nn.Linear(48, 48),
+            nn.SiLU(),
+            nn.Linear(48, 48),
+            nn.GELU(approximate="tanh"),
             nn.Linear(48, 10),
         )
     ).to(device)
