@@ -113,6 +113,18 @@ def silu_and_derivative(z):
 
 
 @triton.jit
+def _activation_and_derivative(z, ACTIVATION: tl.constexpr):
+    """act(z) and act'(z) for the activations whose backward reads act'(z) (ReLU's
+    reads its output): "gelu", "gelu_tanh", "silu"."""
+    if ACTIVATION == "gelu":
+        return gelu_and_derivative(z)
+    elif ACTIVATION == "gelu_tanh":
+        return gelu_tanh_and_derivative(z)
+    else:
+        return silu_and_derivative(z)
+
+
+@triton.jit
 def store_epilogue(
     acc,
     offs_m,
@@ -145,13 +157,8 @@ def store_epilogue(
     if ACTIVATION == "relu":
         # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
         acc = tl.where(acc < 0.0, 0.0, acc)
-    elif ACTIVATION == "gelu" or ACTIVATION == "gelu_tanh" or ACTIVATION == "silu":
-        if ACTIVATION == "gelu":
-            acc, act_grad = gelu_and_derivative(acc)
-        elif ACTIVATION == "gelu_tanh":
-            acc, act_grad = gelu_tanh_and_derivative(acc)
-        else:
-            acc, act_grad = silu_and_derivative(acc)
+    elif ACTIVATION is not None:  # the others keep act'(z) for their backward
+        acc, act_grad = _activation_and_derivative(acc, ACTIVATION)
         if STORE_ACT_GRAD:
             g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
             tl.store(g_ptrs, cast_rne(act_grad, g_ptr.dtype.element_ty, INTERPRETED), mask=mask)

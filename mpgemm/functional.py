@@ -589,8 +589,7 @@ def linear(
     to ``compute_dtype`` (float16 or bfloat16); bias and ``activation`` (None, "relu",
     "gelu", the exact erf form, "gelu_tanh", its tanh approximation, or "silu") are
     applied to the FP32 accumulator, which is then rounded to ``out_dtype`` (default
-    ``compute_dtype``). Returns (*, out_features), or
-    (*) for a 1-D weight.
+    ``compute_dtype``). Returns (*, out_features), or (*) for a 1-D weight.
     Differentiable in input, weight and bias; each gradient has its tensor's dtype, so
     FP32 master weights get FP32 gradients.
     """
