@@ -1,9 +1,9 @@
 """Host time of mpgemm's eager path on any machine, down to triton's JIT launch: CPU
-tensors take the kernel path (launches are intercepted), and the interceptor runs
-``mpgemm.kernels.launches.launch`` itself with triton's ``JITFunction.run`` a no-op
-and each autotuner choosing its first config. So everything of ours runs (the
-launch layer included, which the step benchmark's ``host_us`` skips), and nothing of
-triton's launch.
+tensors take the kernel path (as while launches are intercepted), and
+``mpgemm.kernels.launches.launch`` runs with triton's ``JITFunction.run`` a no-op, each
+autotuner choosing its first config, and the binaries it caches stand-ins whose
+launcher does nothing. So everything of ours runs (the launch layer and
+``triton_gemm``'s replays included), and nothing of triton's launch.
 
     python3 bench/host_time.py
 
@@ -30,20 +30,15 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 import mpgemm
+from mpgemm import functional
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import launches
 from mpgemm.kernels.aot import _hopper_target
 from mpgemm.scaling import unscale_
 
 
-def _through_launch(kernel, grid, args, kwargs, configs) -> None:
-    # The launch layer as on a GPU, with no interceptor (set back by hand: a context
-    # manager around each launch added 2 to 3 us that a GPU's launches do not pay).
-    launches._interceptor = None
-    try:
-        launches.launch(kernel, grid, *args, gpu_configs=configs, **kwargs)
-    finally:
-        launches._interceptor = _through_launch
+def _kernel_path() -> bool:
+    return True
 
 
 def _first_config(self, *args, **kwargs):
@@ -81,17 +76,23 @@ def triton_stubbed() -> Iterator[None]:
     stand-in binaries are forgotten afterwards: later launches of a kind first met here
     still go through the autotuner and the JIT."""
     saved = [(cls, cls.run) for cls, _ in _STUBS]
+    kernel_path = functional._intercepting
     chosen = dict(launches._chosen)
     # The real binaries stay out of the block: their launchers would run.
     binaries, launches._binaries = launches._binaries, {}
     for cls, stub in _STUBS:
         cls.run = stub
     try:
-        # The launch layer asks triton's driver for the device and stream, as the JIT
-        # does: the compile check's stand-in answers on a machine without a GPU.
-        with launches.intercept(_through_launch), _hopper_target():
+        # CPU tensors take the kernel path, as while launches are intercepted; but
+        # nothing intercepts, so that launches (and ``triton_gemm``'s replays of them)
+        # run as on a GPU. The launch layer asks triton's driver for the device and
+        # stream, as the JIT does: the compile check's stand-in answers on a machine
+        # without a GPU.
+        functional._intercepting = _kernel_path
+        with _hopper_target():
             yield
     finally:
+        functional._intercepting = kernel_path
         for cls, run in saved:
             cls.run = run
         launches._chosen.clear()

@@ -32,6 +32,7 @@ import contextlib
 import functools
 import itertools
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import triton
@@ -50,7 +51,7 @@ from mpgemm.kernels.gemm_common import (
     tile,
     tile_configs,
 )
-from mpgemm.kernels.launches import intercepting, launch
+from mpgemm.kernels.launches import Launched, current, intercepting, launch, relaunch
 from mpgemm.kernels.rounding import cast_rne, widen
 
 
@@ -515,33 +516,107 @@ def triton_gemm(
     if M == 0 or (N == 0 and not rowsum_a):
         return c, g, r
 
+    signature = _signature(a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a)
+    replay = _replays.get(signature)
+    if replay is not None and current(replay.launched):
+        _relaunch(replay, a, b, c, bias, g, r)
+        return c, g, r
     flags = _flags(compute_dtype, bias, activation, store_act_grad)
     epilogue = bias is not None or activation is not None or store_act_grad
     splits = 1 if epilogue else split_k_for(M, N, K, a.device)
     layout = _tma_layout(a, b, compute_dtype, splits)
+    # C.T = B.T @ A.T: R, A's row sums, are then B.T's column sums.
+    swapped = layout is None and M <= NARROW_N < N and not epilogue
     if layout is not None:
-        if rowsum_a:  # the TMA kernel fuses no sums: one pass over A beforehand
-            torch.sum(a, dim=1, dtype=torch.float32, out=r)
-        gemm_tma.launch_tma_gemm(
+        if rowsum_a:
+            _row_sums(a, r)
+        launched = gemm_tma.launch_tma_gemm(
             a, b, c, bias=bias, g=g, layout=layout, sms=multiprocessors(a.device), flags=flags
         )
-    elif M <= NARROW_N < N and not epilogue:
-        # C.T = B.T @ A.T: R, A's row sums, are then B.T's column sums.
-        k_sums = "b" if rowsum_a else None
-        _launch_pointer(b.t(), a.t(), c.t(), r=r, k_sums=k_sums, splits=splits, flags=flags)
     else:
-        _launch_pointer(
-            a,
-            b,
-            c,
-            bias=bias,
-            g=g,
-            r=r,
-            k_sums="a" if rowsum_a else None,
-            splits=splits,
-            flags=flags,
+        k_sums = ("b" if swapped else "a") if rowsum_a else None
+        operands = _operands(a, b, c, swapped)
+        launched = _launch_pointer(
+            *operands, bias=bias, g=g, r=r, k_sums=k_sums, splits=splits, flags=flags
         )
+    if launched is not None:
+        if len(_replays) >= _MAX_REPLAYS:  # shapes without end: keep the newest
+            _replays.clear()
+        if layout is not None:
+            integers = gemm_tma.tma_integers(a, b, c, bias, g)
+        else:
+            integers = _pointer_integers(*operands, bias, g)
+        _replays[signature] = _Replay(launched, layout, swapped, integers)
     return c, g, r
+
+
+def _row_sums(a: torch.Tensor, r: torch.Tensor) -> None:
+    # R for the TMA kernel, which fuses no sums: one pass over A beforehand.
+    torch.sum(a, dim=1, dtype=torch.float32, out=r)
+
+
+class _Replay(NamedTuple):
+    """A 2-D launch of one kernel, repeated by ``_relaunch`` for ``triton_gemm``'s later
+    launches of its signature (``_signature``): the launch (binary, config and grid),
+    the TMA kernel's layout of A and B (None: the pointer kernel, unsplit), whether
+    the pointer kernel computes C.T, and the integer arguments. Every decision
+    ``triton_gemm`` makes for a launch (kernel, layout, split, config) and every integer
+    argument is a function of the signature, and an eager training step repeats its
+    signatures step after step: the decisions and ``launch``'s key took 43% of
+    ``mpgemm.matmul``'s host time (``bench/host_time.py``, launches stubbed)."""
+
+    launched: Launched
+    layout: tuple[bool, bool] | None
+    swapped: bool
+    integers: tuple[int, ...]
+
+
+def _relaunch(replay: _Replay, a, b, c, bias, g, r) -> None:
+    """``triton_gemm``'s launch as ``replay`` made it, on these tensors."""
+    if replay.layout is not None:
+        if r is not None:
+            _row_sums(a, r)
+        tensors = gemm_tma.tma_tensors(a, b, c, bias, g, replay.layout)
+    else:
+        tensors = _pointer_tensors(*_operands(a, b, c, replay.swapped), bias, g, r)
+    relaunch(replay.launched, (*tensors, *replay.integers))
+
+
+def _operands(a, b, c, swapped: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The pointer kernel's A, B and C: C.T = B.T @ A.T where it computes the transpose.
+    return (b.t(), a.t(), c.t()) if swapped else (a, b, c)
+
+
+def _signature(a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a) -> tuple:
+    """What a 2-D launch's decisions and arguments other than its tensors depend on: the
+    operands' shapes, strides, dtypes and 16-byte alignment (C's and the bias's too: G
+    and R are allocated contiguous), what the epilogue computes, the device and the
+    kernel ``use_kernel`` asks for."""
+    return (
+        a.shape,
+        a.stride(),
+        a.dtype,
+        a.data_ptr() & 15 == 0,
+        b.shape,
+        b.stride(),
+        b.dtype,
+        b.data_ptr() & 15 == 0,
+        c.stride(),
+        c.dtype,
+        c.data_ptr() & 15 == 0,
+        None if bias is None else (bias.stride(0), bias.dtype, bias.data_ptr() & 15 == 0),
+        compute_dtype,
+        activation,
+        store_act_grad,
+        rowsum_a,
+        a.device,
+        _kernel,
+    )
+
+
+# Replays by ``_signature``, at most so many.
+_MAX_REPLAYS = 4096
+_replays: dict[tuple, _Replay] = {}
 
 
 # CUDA's limit on a grid's third dimension, the pointer kernel's batch.
@@ -673,10 +748,11 @@ def _launch_pointer(
     flags: dict,
     bias: torch.Tensor | None = None,
     g: torch.Tensor | None = None,
-) -> None:
+) -> Launched | None:
     """The pointer kernel's launch (and split-K's reduction) writing C, G and R, which
     ``triton_gemm`` has allocated; R has A's rows (``k_sums`` "a") or B's columns
-    ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T."""
+    ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T. Returns
+    what ``launch`` returns for an unsplit launch, else None."""
     M, K = a.shape[-2:]
     N = b.shape[-1]
     # (B, M, K) @ (B, K, N) -> (B, M, N): a batch of products (``_launch_batched``)
@@ -710,21 +786,63 @@ def _launch_pointer(
     def grid(meta):
         return (cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1), splits, batch)
 
-    launch(
+    launched = launch(
         tuned_gemm_kernel,
         grid,
+        *_pointer_tensors(a, b, c, bias, g, r),
+        *_pointer_integers(a, b, c, bias, g),
+        gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"N_BUCKET": n_bucket}, **flags),
+        **flags,
+    )
+    if splits == 1:
+        return launched
+    # The reduction writes C and R from the partials.
+    block = 32 if INTERPRET else 64
+    launch(
+        _split_k_reduce_kernel,
+        (cdiv(M, block), max(cdiv(N, block), 1)),
+        c,
+        result,
+        r if r is not None else c,
+        sums if sums is not None else c,
+        M,
+        N,
+        result.stride(0),
+        result.stride(1),
+        SPLIT_K=splits,
+        K_SUMS=k_sums,
+        INTERPRETED=INTERPRET,
+        BLOCK_M=block,
+        BLOCK_N=block,
+        num_warps=4,
+    )
+    return None
+
+
+def _pointer_tensors(a, b, c, bias, g, r) -> tuple[torch.Tensor, ...]:
+    """The pointer kernel's leading arguments: A, B, C, the bias, G and R (C where
+    absent: unused pointer arguments get a live tensor, so that no null pointer is
+    formed)."""
+    return (
         a,
         b,
         c,
-        # Unused pointer arguments get a live tensor so that no null pointer is formed.
         bias if bias is not None else c,
         g if g is not None else c,
         r if r is not None else c,
+    )
+
+
+def _pointer_integers(a, b, c, bias, g) -> tuple[int, ...]:
+    """The pointer kernel's integer arguments, after ``_pointer_tensors``'s: M, N, K,
+    their size buckets, and the strides of A, B, C, G and the bias."""
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    return (
         M,
         N,
         K,
         size_bucket(M),
-        n_bucket,
+        size_bucket(N),
         size_bucket(K),
         a.stride(-2),
         a.stride(-1),
@@ -734,26 +852,4 @@ def _launch_pointer(
         c.stride(-1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
-        gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"N_BUCKET": n_bucket}, **flags),
-        **flags,
     )
-    if splits > 1:
-        block = 32 if INTERPRET else 64
-        launch(
-            _split_k_reduce_kernel,
-            (cdiv(M, block), max(cdiv(N, block), 1)),
-            c,
-            result,
-            r if r is not None else c,
-            sums if sums is not None else c,
-            M,
-            N,
-            result.stride(0),
-            result.stride(1),
-            SPLIT_K=splits,
-            K_SUMS=k_sums,
-            INTERPRETED=INTERPRET,
-            BLOCK_M=block,
-            BLOCK_N=block,
-            num_warps=4,
-        )

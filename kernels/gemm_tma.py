@@ -45,7 +45,7 @@ from mpgemm.kernels.gemm_common import (
     tile,
     tile_configs,
 )
-from mpgemm.kernels.launches import launch
+from mpgemm.kernels.launches import Launched, launch
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -419,18 +419,16 @@ def launch_tma_gemm(
     sms: int,
     flags: dict,
     per_split: int | None = None,
-) -> None:
+) -> Launched | None:
     """Launch the TMA kernel (``triton_gemm`` has allocated the outputs and checked
     ``tma_layout``, which gave ``layout``); ``flags``: the epilogue's constexprs.
     A batch of products: a, b and c are (B, M, K), (B, K, N) and (B, M, N) views (a
     batch stride of 0 where an operand is broadcast), with no bias or G. With
     ``per_split``, their sum instead (``SUM_BATCH``): c is (M, N), or (S, M, N), FP32
-    partials, C[i] the sum of products i * per_split on, per_split of them or fewer."""
-    M, K = a.shape[-2], a.shape[-1]
-    N = b.shape[-1]
+    partials, C[i] the sum of products i * per_split on, per_split of them or fewer.
+    Returns what ``launch`` returns."""
+    M, N = a.shape[-2], b.shape[-1]
     a_t, b_t = layout
-    if a.is_cuda:
-        _bind_context(a.device)
     flags = {**flags, "A_T": a_t, "B_T": b_t, "NUM_SMS": sms}
     batch = 1  # outputs whose tiles the grid walks: products, or partial sums
     if c.dim() == 3:
@@ -445,14 +443,38 @@ def launch_tma_gemm(
         tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
         return (min(sms, tiles * batch),)
 
-    launch(
+    return launch(
         tuned_gemm_tma_kernel,
         grid,
+        *tma_tensors(a, b, c, bias, g, layout),
+        *tma_integers(a, b, c, bias, g),
+        gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags),
+        **flags,
+    )
+
+
+def tma_tensors(a, b, c, bias, g, layout: tuple[bool, bool]) -> tuple:
+    """The TMA kernel's leading arguments: A's and B's descriptors (``layout``: whether
+    each is described as its transpose), then C, the bias and G (C where absent, so that
+    no null pointer is formed). Binds the device's context to this thread first, which
+    the descriptors' encoding at launch needs (``_bind_context``)."""
+    if a.is_cuda:
+        _bind_context(a.device)
+    a_t, b_t = layout
+    return (
         _descriptor(a, a_t),
         _descriptor(b, b_t),
         c,
         bias if bias is not None else c,
         g if g is not None else c,
+    )
+
+
+def tma_integers(a, b, c, bias, g) -> tuple[int, ...]:
+    """The TMA kernel's integer arguments, after ``tma_tensors``'s: M, N, K, their size
+    buckets, and the strides of C, G and the bias."""
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    return (
         M,
         N,
         K,
@@ -463,6 +485,4 @@ def launch_tma_gemm(
         c.stride(-1),
         *(g.stride() if g is not None else (0, 0)),
         bias.stride(0) if bias is not None else 0,
-        gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags),
-        **flags,
     )

@@ -31,6 +31,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import triton
@@ -66,8 +67,10 @@ def intercept(interceptor: Interceptor) -> Iterator[None]:
         _interceptor = previous
 
 
-def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, unless launches are intercepted.
+def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> Launched | None:
+    """``kernel[grid](*args, **kwargs)``, unless launches are intercepted. Returns the
+    launch when it called a cached binary's launcher (below), which ``relaunch`` can
+    repeat with other arguments of the same binary key; else None.
 
     An autotuned kernel goes through its autotuner once per launch kind (``_kind``);
     later launches of the kind run the JIT function with the config it chose
@@ -98,24 +101,56 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> None:
         key = _binary_key(kernel, device, args, kwargs, _constexpr_positions(jit))
         binary = _binaries.get(key)
         if binary is not None:
-            binary.launch(active, device, grid, args)
-            return
+            return Launched(binary, binary.launch(active, device, grid, args), device, _binaries)
     config, options = None, kwargs
     if tuned:
         chosen = _chosen.get(kind := _kind(kernel, args, kwargs))
         if chosen is None:
             kernel[grid](*args, **kwargs)  # times the configs, then launches the best
             _chosen[kind] = (kernel.best_config, _options(kwargs, kernel.best_config))
-            return
+            return None
         config, options = chosen
         _run_pre_hook(kernel, args, config, options)
     if not direct:
         jit[grid](*args, **options)
-        return
+        return None
     if len(_binaries) >= _MAX_BINARIES:  # shapes without end: keep the newest
         _binaries.clear()
     compiled = jit.run(*args, grid=grid, warmup=False, **options)
     _binaries[key] = _Binary(kernel, compiled, jit, args, options, config)
+    return None
+
+
+class Launched(NamedTuple):
+    """A launch of a cached binary, as ``launch`` made it: the binary, the grid it
+    launched (a function of the key's values: the integers and the constexprs), the
+    device, and the cache the binary was found in."""
+
+    binary: _Binary
+    grid: tuple
+    device: int
+    binaries: dict
+
+
+def current(launched: Launched) -> bool:
+    """Whether ``relaunch`` may repeat ``launched`` now: nothing intercepts launches, its
+    binary's cache is still the one in use (``bench/host_time.py``'s stand-in binaries
+    and the tests swap it), and the current device is the one it launched on."""
+    return (
+        _interceptor is None
+        and launched.binaries is _binaries
+        and driver.active.get_current_device() == launched.device
+    )
+
+
+def relaunch(launched: Launched, args: tuple) -> None:
+    """Launch ``launched``'s binary again on the current stream, with ``args``: the
+    caller vouches that ``args`` have the binary key and grid of the launch repeated
+    (the same integers, tensor dtypes and alignments, descriptor block shapes), and
+    that ``current(launched)`` holds. This skips ``launch``'s key and the caller's
+    decisions: what a launch site of fixed signature need not repeat (``triton_gemm``'s
+    eager launches)."""
+    launched.binary.launch(driver.active, launched.device, launched.grid, args)
 
 
 # The config an autotuner chose, by launch kind, with the JIT function's keyword
@@ -201,7 +236,8 @@ class _Binary:
         self.tail = [bound.arguments[name] for name in jit.arg_names[len(args) :]]
         self.positions = {name: index for index, name in enumerate(jit.arg_names)}
 
-    def launch(self, active, device: int, grid, args: tuple) -> None:
+    def launch(self, active, device: int, grid, args: tuple) -> tuple:
+        """Launch on ``device``'s current stream; returns the grid launched."""
         values = [*args, *self.tail]
         if self.pre_hook is not None or callable(grid):
             named = _Arguments(self.positions, values)
@@ -230,6 +266,7 @@ class _Binary:
             leave,
             *values,
         )
+        return grid
 
 
 class _Arguments(Mapping):

@@ -250,21 +250,25 @@ def _probe(
 
 
 def test_the_gemm_launches_hand_the_launcher_what_the_autotuner_would(tmp_path):
-    """Each launch ``triton_gemm`` makes (the TMA kernel plain and with a transposed
-    weight, bias and ReLU; the pointer kernel on an FP32 operand; split-K with its
-    reduction), compiled for an H100 through the stand-in driver with one config per
-    launch: ``launch`` hands the launcher what triton's autotuner (or JIT) hands it,
-    through the autotuner, the JIT with the chosen config and the cached binary alike
-    (descriptors compared by their fields). In a process of its own, as above."""
+    """Each launch ``triton_gemm`` makes (the TMA kernel plain, with a transposed
+    weight, bias and ReLU, and beside A's row sums; the pointer kernel on an FP32
+    operand, and computing C.T with B.T's column sums; split-K with its reduction),
+    compiled for an H100 through the stand-in driver with one config per launch:
+    ``launch`` hands the launcher what triton's autotuner (or JIT) hands it, through the
+    autotuner, the JIT with the chosen config and the cached binary alike (descriptors
+    compared by their fields). Then ``triton_gemm``'s replay of each unsplit launch
+    hands it what the cached binary's launch did, sums A's rows where that did, and
+    steps aside while launches are intercepted or the binaries swapped out. In a
+    process of its own, as above."""
     # One config each: nothing to time.
-    assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 15
+    assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 28
 
 
 def _compare_gemm_launches():
     from triton.runtime import driver
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from mpgemm.kernels import launches
+    from mpgemm.kernels import gemm, launches
     from mpgemm.kernels.aot import _HopperDriver
     from mpgemm.kernels.gemm import triton_gemm
 
@@ -291,19 +295,56 @@ def _compare_gemm_launches():
             return TensorDescriptor(arg.base, arg.shape, arg.strides, [16, 16])
         return arg
 
+    def role(arg, outputs):
+        """A launcher argument of a call that returned ``outputs``: an input by address,
+        an output by position, split-K's partials as such, a descriptor by its tensor
+        and fields, else the value."""
+        if isinstance(arg, TensorDescriptor):
+            return (role(arg.base, outputs), arg.shape, arg.strides, arg.block_shape)
+        if not isinstance(arg, torch.Tensor):
+            return arg
+        address = arg.data_ptr()
+        made = [i for i, t in enumerate(outputs) if t is not None and t.data_ptr() == address]
+        if made:
+            where: tuple = ("output", made[0])
+        else:
+            where = ("input", address) if address in inputs else ("partials",)
+        return (*where, arg.dtype, arg.shape, arg.stride())
+
+    # What triton_gemm does besides launching: replays, and A's row sums (torch's).
+    relaunched: list[bool] = []
+    summed: list[bool] = []
+    relaunch, row_sums = gemm._relaunch, gemm._row_sums
+
+    def counted(*args):
+        relaunched.append(True)
+        relaunch(*args)
+
+    def sum_counted(*args):
+        summed.append(True)
+        row_sums(*args)
+
+    gemm._relaunch, gemm._row_sums = counted, sum_counted
+
     g = torch.Generator().manual_seed(0)
     half = torch.float16
     a, b = torch.randn(64, 64, generator=g).to(half), torch.randn(64, 32, generator=g).to(half)
     weight, bias = torch.randn(48, 64, generator=g).to(half), torch.randn(48, generator=g)
     tall = torch.randn(16, 4096, generator=g).to(half), torch.randn(4096, 16, generator=g).to(half)
+    a32 = a.float()
+    rows = torch.randn(8, 64, generator=g)  # FP32 and 8 rows: C.T = B.T @ A.T
     products = [
         lambda: triton_gemm(a, b, compute_dtype=half, out_dtype=half),
         lambda: triton_gemm(
             a, weight.t(), compute_dtype=half, out_dtype=half, bias=bias, activation="relu"
         ),
-        lambda: triton_gemm(a.float(), b, compute_dtype=half, out_dtype=torch.float32),
+        lambda: triton_gemm(a32, b, compute_dtype=half, out_dtype=torch.float32),
         lambda: triton_gemm(*tall, compute_dtype=half, out_dtype=torch.float32),  # split-K
+        # A's row sums beside the TMA kernel, and in the pointer kernel's transpose.
+        lambda: triton_gemm(a.t(), b, compute_dtype=half, out_dtype=half, rowsum_a=True),
+        lambda: triton_gemm(rows, b.t(), compute_dtype=half, out_dtype=half, rowsum_a=True),
     ]
+    inputs = {t.data_ptr() for t in (a, b, weight, bias, *tall, a32, rows)}
     compared = 0
     driver.set_active(Driver())
     for product in products:
@@ -322,6 +363,33 @@ def _compare_gemm_launches():
                     assert mine[6:9] == (None, None, None)
                 assert list(map(fields, mine[9:])) == list(map(fields, theirs[9:]))
                 compared += 1
+        # Un-intercepted, the cached binary's launch, then ``triton_gemm``'s replay of it
+        # (one launch; split-K's two are not replayed): the same launcher arguments,
+        # each tensor the same input or the same output of its call.
+        made, sums = [], []
+        for _ in range(2):
+            before = len(calls)
+            summed.clear()
+            outputs = product()
+            made.append([(kernel, given, outputs) for kernel, given in calls[before:]])
+            sums.append(len(summed))
+        assert sums[0] == sums[1]
+        assert len(relaunched) == (len(captured) == 1)
+        relaunched.clear()
+        for (kernel, direct, out), (kernel_run, replayed, out_again) in zip(*made, strict=True):
+            assert kernel_run is kernel and replayed[:9] == direct[:9]
+            assert [role(x, out) for x in direct[9:]] == [role(x, out_again) for x in replayed[9:]]
+            compared += 1
+        # A replay is no way around interception.
+        captured = []
+        with launches.intercept(lambda *launch_args, to=captured: to.append(launch_args)):
+            product()
+        assert len(captured) == len(made[0]) and relaunched == []
+        # Nor around binaries swapped out (``bench/host_time.py``'s stand-ins).
+        binaries, launches._binaries = launches._binaries, {}
+        product()
+        assert relaunched == [] and len(launches._binaries) == len(made[0])
+        launches._binaries = binaries
     print("compared", compared)
 
 
