@@ -6,20 +6,24 @@ launcher does nothing. So everything of ours runs (the launch layer and
 ``triton_gemm``'s replays included), and nothing of triton's launch.
 
     python3 bench/host_time.py
+    python3 bench/host_time.py --replays   # the GEMM cases, triton_gemm's replays off/on
 
 Prints microseconds per call (the best of 7 rounds) for a 512^2 FP16 product, an
 ``mpgemm.Linear(512, 512, activation="relu")`` forward and backward at batch 256, the
-small MLP's training step (784-128-10, batch 128, Adam), ``mpgemm.scaling.unscale_``
+small MLP's training step (784-128-10, batch 128, Adam), the guide MLP's
+(784-4096-4096-10) at batch 64, ``mpgemm.scaling.unscale_``
 over 200 gradients, and a ``LossScaleOptimizer(Adam)`` step (the inf check, the fused
 step, the scale update) over 100 ``mpgemm.Linear(64, 64)`` layers: 100 weights with
 16-bit copies and 100 biases. Then a tiny MLP's step (8-8-10, batch 4, so that the
 CPU's arithmetic hardly counts) split into its phases (``phase_times``: medians of 300
 steps), mpgemm's and FP32's (torch's Adam runs its for-loop implementation on a CPU,
 foreach on a GPU). On a shared machine compare two trees by alternating runs and
-reading each one's minimum."""
+reading each one's minimum. ``--replays`` instead compares, in one process, the GEMM
+cases with ``triton_gemm``'s replays off and on (``replays_ab``)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,7 +36,7 @@ from triton.runtime.jit import JITFunction
 import mpgemm
 from mpgemm import functional
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
-from mpgemm.kernels import launches
+from mpgemm.kernels import gemm, launches
 from mpgemm.kernels.aot import _hopper_target
 from mpgemm.scaling import unscale_
 
@@ -170,6 +174,27 @@ def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
     return best
 
 
+def replays_ab(cases: dict, rounds: int = 4) -> None:
+    """Print each case's host time with ``triton_gemm``'s replays off (``current``
+    answering no: every launch decides and keys anew) and on, alternating ``rounds``
+    times in this process (best of 5 each), and the minima's ratio. Within
+    ``triton_stubbed``."""
+    replayable = gemm.current
+    times: dict[str, dict[str, list[float]]] = {name: {"off": [], "on": []} for name in cases}
+    try:
+        for _ in range(rounds):
+            for mode in ("off", "on"):
+                gemm.current = replayable if mode == "on" else (lambda launched: False)
+                for name, (fn, calls) in cases.items():
+                    times[name][mode].append(best_us(fn, calls, rounds=5))
+    finally:
+        gemm.current = replayable
+    print("| host us | replays off | on | ratio |\n| --- | --- | --- | --- |")
+    for name, measured in times.items():
+        off, on = min(measured["off"]), min(measured["on"])
+        print(f"| {name} | {off:.1f} | {on:.1f} | {on / off:.2f}x |", flush=True)
+
+
 def main() -> None:
     torch.manual_seed(0)
     a, b = (torch.randn(512, 512, dtype=torch.float16) for _ in range(2))
@@ -182,16 +207,27 @@ def main() -> None:
     found, inv_scale = torch.zeros(()), torch.ones(())
     layers = torch.nn.Sequential(*(mpgemm.Linear(64, 64) for _ in range(100)))
     optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(layers.parameters()))
-    cases = {
+    # The guide's MLP at batch 64: its launches, little of the CPU's arithmetic.
+    guide = Recipe("mpgemm", build_mlp(784, (4096, 4096), 10), TrainConfig(hidden=(4096, 4096)))
+    xg, yg = torch.randn(64, 784), torch.randint(0, 10, (64,))
+    gemms = {
         "matmul 512^2 fp16": (lambda: mpgemm.matmul(a, b), 3000),
         "Linear relu forward+backward": (lambda: layer(x).sum().backward(), 1000),
         "small MLP step": (lambda: recipe.step(xs, ys), 200),
+        "guide MLP step, batch 64": (lambda: guide.step(xg, yg), 30),
+    }
+    cases = {
+        **gemms,
         "unscale_ 200 tensors": (lambda: unscale_(grads, found, inv_scale), 500),
         "LossScaleOptimizer(Adam) step, 100 layers": (optimizer.step, 100),
     }
     # An MLP too small for the CPU's arithmetic to count, for the phases.
     tiny = TrainConfig(hidden=(8,), batch_size=4)
     tiny_batch = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    if "--replays" in sys.argv:
+        with triton_stubbed():
+            replays_ab(gemms)
+        return
     with triton_stubbed():
         # The layers' gradients and 16-bit weight copies, which every step then reads.
         optimizer.scale_loss(layers(torch.randn(8, 64)).float().sum()).backward()

@@ -1,0 +1,72 @@
+"""``triton_gemm``'s replays on a GPU: a launch signature met again (the fourth call:
+after the autotuner, the JIT and the cached binary's launch) reuses the first launch's
+decisions with the new call's tensors. Each call gets fresh operands of the same shapes,
+strides and alignment, NaN-padded, and every call's results must meet the FP64 bar, so
+a replay that read an earlier call's tensors, or skipped A's row sums, fails. The
+interpreter's kernels launch through the JIT every time (no replays): GPU only; the
+compiled comparison in ``test_launches.py`` checks the replays' launcher arguments on
+any machine."""
+
+import pytest
+import torch
+
+from mpgemm.reference import gemm_ref
+from tests.accuracy import assert_within_torch_error, nan_padded
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("replays need compiled kernels (a GPU)", allow_module_level=True)
+
+from mpgemm.kernels import gemm  # noqa: E402
+
+HALF = torch.float16
+
+
+def _launch(kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Fresh (a, b, kwargs) of one launch kind."""
+
+    def operand(*shape, dtype=HALF, transposed=False):
+        t = torch.randn(*shape, device=device).to(dtype)
+        return nan_padded(t, transposed, aligned=True)
+
+    if kind == "tma bias gelu":  # a layer's forward, G kept for the backward
+        bias = torch.randn(96, device=device)
+        kwargs = dict(bias=bias, activation="gelu", store_act_grad=True)
+        return operand(200, 136), operand(96, 136).t(), kwargs
+    if kind == "tma row sums":  # a weight gradient dZ.T @ X and the bias gradient
+        return operand(136, 200).t(), operand(136, 96), dict(rowsum_a=True)
+    if kind == "pointer fp32":  # an FP32 operand, rounded in registers
+        return operand(200, 136, dtype=torch.float32), operand(136, 96), {}
+    if kind == "pointer transposed":  # C.T = B.T @ A.T, R as B.T's column sums
+        return operand(10, 136, dtype=torch.float32), operand(136, 96), dict(rowsum_a=True)
+    # split-K: two launches, not replayed
+    return operand(16, 8192), operand(8192, 16), {}
+
+
+KINDS = ["tma bias gelu", "tma row sums", "pointer fp32", "pointer transposed", "split-k"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_replayed_launch_computes_on_its_own_tensors(kind, device, monkeypatch):
+    relaunched: list[None] = []
+    relaunch = gemm._relaunch
+    monkeypatch.setattr(gemm, "_relaunch", lambda *args: relaunched.append(relaunch(*args)))
+    torch.manual_seed(0)
+    for call in range(5):
+        a, b, kwargs = _launch(kind, device)
+        out_dtype = torch.float32 if kwargs.get("rowsum_a") else HALF
+        c, g, r = gemm.triton_gemm(a, b, compute_dtype=HALF, out_dtype=out_dtype, **kwargs)
+        ref_c, ref_g, ref_r = gemm_ref(a, b, compute_dtype=HALF, out_dtype=out_dtype, **kwargs)
+        what = f"{kind}, call {call}"
+        z = a.double() @ b.double()
+        if "bias" in kwargs:
+            z = z + kwargs["bias"].double()
+            cdf = 0.5 * (1 + torch.erf(z / 2**0.5))
+            exact_g = cdf + z * torch.exp(-0.5 * z * z) / (2 * torch.pi) ** 0.5
+            assert_within_torch_error(g, exact_g, ref_g, f"{what}: GELU derivative")
+            z = torch.nn.functional.gelu(z)
+        assert_within_torch_error(c, z, ref_c, what)
+        if r is not None:
+            assert_within_torch_error(r, a.double().sum(1), ref_r, f"{what}: row sums")
+    # Calls 4 and 5 replay the third's launch; split-K's two launches are not kept.
+    assert len(relaunched) == (0 if kind == "split-k" else 2)
