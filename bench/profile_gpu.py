@@ -143,6 +143,13 @@ def launch_costs(out: Path) -> None:
         with use_kernel("pointer"):
             mpgemm.matmul(a, b)
 
+    def not_replayed():  # triton_gemm decides and keys the launch anew
+        replayable, gemm.current = gemm.current, lambda launched: False
+        try:
+            mpgemm.matmul(a, b)
+        finally:
+            gemm.current = replayable
+
     def tma_launcher():
         gemm_tma.launch_tma_gemm(
             a, b, c, bias=None, g=None, layout=(False, False), sms=sms, flags=flags
@@ -162,6 +169,7 @@ def launch_costs(out: Path) -> None:
         "torch.matmul fp16 512": lambda: torch.matmul(a, b),
         "mpgemm.matmul 512 (tma)": lambda: mpgemm.matmul(a, b),
         "mpgemm.matmul 512 (pointer)": pointer,
+        "mpgemm.matmul 512 (tma), not replayed": not_replayed,
         "  triton_gemm (no autograd, no checks)": lambda: triton_gemm(
             a, b, compute_dtype=torch.float16, out_dtype=torch.float16
         ),
