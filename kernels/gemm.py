@@ -562,8 +562,8 @@ class _Replay(NamedTuple):
     the pointer kernel computes C.T, and the integer arguments. Every decision
     ``triton_gemm`` makes for a launch (kernel, layout, split, config) and every integer
     argument is a function of the signature, and an eager training step repeats its
-    signatures step after step: the decisions and ``launch``'s key took 43% of
-    ``mpgemm.matmul``'s host time (``bench/host_time.py``, launches stubbed)."""
+    signatures step after step: the decisions and ``launch``'s key took about 40% of
+    ``mpgemm.matmul``'s host time (``bench/host_time.py --replays``)."""
 
     launched: Launched
     layout: tuple[bool, bool] | None

@@ -5,6 +5,7 @@ TRITON_INTERPRET must be set before triton is first imported, hence at the top h
 
 import math
 import os
+import sys
 
 import torch
 
@@ -51,6 +52,17 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def fresh_gemm_replays():
+    """Each test starts with no ``triton_gemm`` replays: a replay is keyed by its launch's
+    signature, not by what a test patches (``multiprocessors``, ``split_k_for``), so one
+    kept from an earlier test would run another test's GEMM without its patch. (Only
+    compiled kernels replay: on a GPU.)"""
+    gemm = sys.modules.get("mpgemm.kernels.gemm")
+    if gemm is not None:
+        gemm._replays.clear()
 
 
 @pytest.fixture(autouse=True)
