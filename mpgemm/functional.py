@@ -397,6 +397,24 @@ def _linear_function(
     return LinearFunction.apply(*args, x_rounded)
 
 
+def _broadcast_batch(x: Sequence[int], y: Sequence[int]) -> tuple[int, ...]:
+    """``torch.broadcast_shapes(x, y)`` (RuntimeError where they do not broadcast), by
+    its rule for sizes that are plain integers: torch's runs its symbolic-shape
+    machinery even for those, twice an eager batched ``matmul``'s call, a third of its
+    host time (``bench/host_time.py``'s stub). Symbolic sizes (traced) take torch's."""
+    if not all(type(d) is int for d in (*x, *y)):
+        return tuple(torch.broadcast_shapes(x, y))
+    if len(x) < len(y):
+        x, y = y, x
+    out = list(x)
+    for i, d in enumerate(y, len(x) - len(y)):
+        if out[i] == 1:
+            out[i] = d
+        elif d != 1 and d != out[i]:
+            raise RuntimeError(f"shapes {tuple(x)} and {tuple(y)} do not broadcast")
+    return tuple(out)
+
+
 def _batched_product(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -411,7 +429,7 @@ def _batched_product(
     dtype. Broadcast over the whole batch, it is one sum of all the products
     (``sum_batch``: in the kernel's K loop, where it can); over some batch dimensions,
     the products in FP32, then their sums."""
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    batch = _broadcast_batch(a.shape[:-2], b.shape[:-2])
     summed = like is not None and tuple(like.shape) != (*batch, a.shape[-2], b.shape[-1])
     whole = summed and like is not None and math.prod(like.shape[:-2]) == 1
     gemm = _gemm(a.device, a, b)
@@ -689,7 +707,7 @@ def matmul(
         return out.squeeze(-1) if b.dim() == 1 else out
     rows = a.unsqueeze(0) if a.dim() == 1 else a
     try:
-        torch.broadcast_shapes(rows.shape[:-2], b.shape[:-2])
+        _broadcast_batch(rows.shape[:-2], b.shape[:-2])
     except RuntimeError:
         raise ValueError(
             f"{op}: the batch dimensions of a of shape {tuple(a.shape)} and b of shape "

@@ -2,6 +2,7 @@
 broadcast, against FP64 with torch's own product of the rounded operands as the bar."""
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -284,6 +285,23 @@ def test_shapes_torch_matmul_refuses_raise_value_error(shapes, match, device):
         torch.matmul(a, b)
     with pytest.raises(ValueError, match=match):
         mpgemm.matmul(a, b)
+
+
+def test_batch_shapes_broadcast_as_torch_broadcasts_them():
+    """``_broadcast_batch``, matmul's own broadcast of batch shapes, against
+    ``torch.broadcast_shapes`` over every pair of shapes of up to 3 dimensions of sizes
+    0 to 3: the same shape, or both refuse."""
+    from mpgemm.functional import _broadcast_batch
+
+    shapes = [shape for rank in range(4) for shape in itertools.product(range(4), repeat=rank)]
+    for x, y in itertools.product(shapes, repeat=2):
+        try:
+            expected = tuple(torch.broadcast_shapes(x, y))
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                _broadcast_batch(x, y)
+            continue
+        assert _broadcast_batch(x, y) == expected, (x, y)
 
 
 def test_compiled_batched_matmul_matches_eager_bit_for_bit(device):
