@@ -8,7 +8,8 @@ launcher does nothing. So everything of ours runs (the launch layer and
     python3 bench/host_time.py
     python3 bench/host_time.py --replays   # the GEMM cases, triton_gemm's replays off/on
 
-Prints microseconds per call (the best of 7 rounds) for a 512^2 FP16 product, an
+Prints microseconds per call (the best of 7 rounds) for a 512^2 FP16 product, a batch
+of them (attention's scores: q @ k.T, (8, 16) x 128x64 by 64x128), an
 ``mpgemm.Linear(512, 512, activation="relu")`` forward and backward at batch 256, the
 small MLP's training step (784-128-10, batch 128, Adam), the guide MLP's
 (784-4096-4096-10) at batch 64, ``mpgemm.scaling.unscale_``
@@ -210,8 +211,14 @@ def main() -> None:
     # The guide's MLP at batch 64: its launches, little of the CPU's arithmetic.
     guide = Recipe("mpgemm", build_mlp(784, (4096, 4096), 10), TrainConfig(hidden=(4096, 4096)))
     xg, yg = torch.randn(64, 784), torch.randint(0, 10, (64,))
+    # Attention's scores, q @ k.T over (batch, heads): a batch of products.
+    q, k = (torch.randn(8, 16, 128, 64, dtype=torch.float16) for _ in range(2))
     gemms = {
         "matmul 512^2 fp16": (lambda: mpgemm.matmul(a, b), 3000),
+        "batched matmul (8, 16) x 128x64x128 fp16": (
+            lambda: mpgemm.matmul(q, k.transpose(-1, -2)),
+            2000,
+        ),
         "Linear relu forward+backward": (lambda: layer(x).sum().backward(), 1000),
         "small MLP step": (lambda: recipe.step(xs, ys), 200),
         "guide MLP step, batch 64": (lambda: guide.step(xg, yg), 30),

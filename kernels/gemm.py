@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -505,7 +505,12 @@ def triton_gemm(
         if sum_batch:
             return _sum_batched(a, b, compute_dtype, out_dtype), None, None
         c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=out_dtype)
-        _launch_batched(a, b, c, compute_dtype)
+        signature = _signature(a, b, c, None, compute_dtype, None, False, False)
+        replay = _replays.get(signature)
+        if replay is not None and current(replay.launched):
+            _relaunch(replay, a, b, c, None, None, None)
+        else:
+            _launch_batched(a, b, c, compute_dtype, signature)
         return c, None, None
     M, K = a.shape
     N = b.shape[1]
@@ -540,13 +545,11 @@ def triton_gemm(
             *operands, bias=bias, g=g, r=r, k_sums=k_sums, splits=splits, flags=flags
         )
     if launched is not None:
-        if len(_replays) >= _MAX_REPLAYS:  # shapes without end: keep the newest
-            _replays.clear()
         if layout is not None:
             integers = gemm_tma.tma_integers(a, b, c, bias, g)
         else:
             integers = _pointer_integers(*operands, bias, g)
-        _replays[signature] = _Replay(launched, layout, swapped, integers)
+        _remember(signature, _Replay(launched, layout, swapped, integers, None))
     return c, g, r
 
 
@@ -556,10 +559,12 @@ def _row_sums(a: torch.Tensor, r: torch.Tensor) -> None:
 
 
 class _Replay(NamedTuple):
-    """A 2-D launch of one kernel, repeated by ``_relaunch`` for ``triton_gemm``'s later
-    launches of its signature (``_signature``): the launch (binary, config and grid),
+    """``triton_gemm``'s launch when it made one, repeated by ``_relaunch`` for its later
+    launches of the signature (``_signature``): the launch (binary, config and grid),
     the TMA kernel's layout of A and B (None: the pointer kernel, unsplit), whether
-    the pointer kernel computes C.T, and the integer arguments. Every decision
+    the pointer kernel computes C.T, the integer arguments, and for a batch of
+    products, the batch's size and A's, B's and C's stride over it (the merged batch
+    dimensions of ``_launch_batched``'s one launch). Every decision
     ``triton_gemm`` makes for a launch (kernel, layout, split, config) and every integer
     argument is a function of the signature, and an eager training step repeats its
     signatures step after step: the decisions and ``launch``'s key took about 40% of
@@ -569,10 +574,20 @@ class _Replay(NamedTuple):
     layout: tuple[bool, bool] | None
     swapped: bool
     integers: tuple[int, ...]
+    batch: tuple[int, tuple[int, ...]] | None
+
+
+def _remember(signature: tuple, replay: _Replay) -> None:
+    if len(_replays) >= _MAX_REPLAYS:  # shapes without end: keep the newest
+        _replays.clear()
+    _replays[signature] = replay
 
 
 def _relaunch(replay: _Replay, a, b, c, bias, g, r) -> None:
     """``triton_gemm``'s launch as ``replay`` made it, on these tensors."""
+    if replay.batch is not None:
+        count, strides = replay.batch
+        a, b, c = _batch_views((a, b, c), count, strides, [t.storage_offset() for t in (a, b, c)])
     if replay.layout is not None:
         if r is not None:
             _row_sums(a, r)
@@ -624,14 +639,19 @@ _MAX_BATCH = 65535
 
 
 def _launch_batched(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, compute_dtype: torch.dtype
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    compute_dtype: torch.dtype,
+    signature: tuple | None = None,
 ) -> None:
     """C[i] = round(A[i]) @ round(B[i]) for every batch index i of (*batch, ., .)
     operands, by launches over 3-D views, each of the TMA kernel where it qualifies
     (``tma_layout``), else of the pointer kernel: batch dimensions are merged where the
     strides of all three allow (always for contiguous operands, and for an operand
     broadcast over every batch dimension), any others iterated on the host, and each
-    launch takes at most ``_MAX_BATCH`` products."""
+    launch takes at most ``_MAX_BATCH`` products. With ``signature`` (``triton_gemm``'s),
+    a batch done in one launch is kept to replay."""
     if c.numel() == 0:
         return
     flags = _flags(compute_dtype, None, None, False)
@@ -644,13 +664,11 @@ def _launch_batched(
         ]
         for start in range(0, inner, _MAX_BATCH):
             count = min(inner - start, _MAX_BATCH)
-            a3, b3, c3 = (
-                t.as_strided((count, *t.shape[-2:]), (s, *t.stride()[-2:]), off + start * s)
-                for t, s, off in zip(operands, inner_strides, offsets, strict=True)
-            )
+            starts = [offset + start * s for offset, s in zip(offsets, inner_strides, strict=True)]
+            a3, b3, c3 = _batch_views(operands, count, inner_strides, starts)
             layout = _tma_layout(a3, b3, compute_dtype, 1)
             if layout is not None:
-                gemm_tma.launch_tma_gemm(
+                launched = gemm_tma.launch_tma_gemm(
                     a3,
                     b3,
                     c3,
@@ -661,7 +679,23 @@ def _launch_batched(
                     flags=flags,
                 )
             else:
-                _launch_pointer(a3, b3, c3, r=None, k_sums=None, splits=1, flags=flags)
+                launched = _launch_pointer(a3, b3, c3, r=None, k_sums=None, splits=1, flags=flags)
+            if signature is not None and launched is not None and not outer and count == inner:
+                integers = gemm_tma.tma_integers if layout is not None else _pointer_integers
+                batch = (count, tuple(inner_strides))
+                replay = _Replay(launched, layout, False, integers(a3, b3, c3, None, None), batch)
+                _remember(signature, replay)
+
+
+def _batch_views(
+    operands: tuple[torch.Tensor, ...], count: int, strides: Sequence[int], starts: Sequence[int]
+) -> tuple[torch.Tensor, ...]:
+    """(count, ., .) views of (*batch, ., .) ``operands``: each one's matrices from
+    element ``starts[i]`` of its storage on, ``strides[i]`` apart."""
+    return tuple(
+        t.as_strided((count, *t.shape[-2:]), (s, *t.stride()[-2:]), start)
+        for t, s, start in zip(operands, strides, starts, strict=True)
+    )
 
 
 def _merged_batch(operands: tuple[torch.Tensor, ...]) -> list[tuple[int, ...]]:

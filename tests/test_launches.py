@@ -252,16 +252,19 @@ def _probe(
 def test_the_gemm_launches_hand_the_launcher_what_the_autotuner_would(tmp_path):
     """Each launch ``triton_gemm`` makes (the TMA kernel plain, with a transposed
     weight, bias and ReLU, and beside A's row sums; the pointer kernel on an FP32
-    operand, and computing C.T with B.T's column sums; split-K with its reduction),
+    operand, and computing C.T with B.T's column sums; split-K with its reduction;
+    batches of products: the TMA kernel's from a storage offset with B broadcast, the
+    pointer kernel's over merged batch dimensions, and a launch per outer index),
     compiled for an H100 through the stand-in driver with one config per launch:
     ``launch`` hands the launcher what triton's autotuner (or JIT) hands it, through the
     autotuner, the JIT with the chosen config and the cached binary alike (descriptors
-    compared by their fields). Then ``triton_gemm``'s replay of each unsplit launch
-    hands it what the cached binary's launch did, sums A's rows where that did, and
+    compared by their fields). Then ``triton_gemm``'s replay of each call made in one
+    launch (split-K's two and a launch per outer index are not replayed) hands the
+    launcher what the cached binary's launch did, sums A's rows where that did, and
     steps aside while launches are intercepted or the binaries swapped out. In a
     process of its own, as above."""
     # One config each: nothing to time.
-    assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 28
+    assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 48
 
 
 def _compare_gemm_launches():
@@ -288,11 +291,14 @@ def _compare_gemm_launches():
         if isinstance(arg, TensorDescriptor):
             base = arg.base
             return (base.data_ptr(), base.dtype, arg.shape, arg.strides, arg.block_shape)
-        return id(arg)
+        if isinstance(arg, torch.Tensor):
+            return id(arg)
+        return arg  # by value: an integer above 256 is an object of its own
 
     def fresh(arg):  # a descriptor as the launch sites make one, before any pre-hook
         if isinstance(arg, TensorDescriptor):
-            return TensorDescriptor(arg.base, arg.shape, arg.strides, [16, 16])
+            placeholder = [1, 16, 16] if len(arg.shape) == 3 else [16, 16]
+            return TensorDescriptor(arg.base, arg.shape, arg.strides, placeholder)
         return arg
 
     def role(arg, outputs):
@@ -343,8 +349,18 @@ def _compare_gemm_launches():
         # A's row sums beside the TMA kernel, and in the pointer kernel's transpose.
         lambda: triton_gemm(a.t(), b, compute_dtype=half, out_dtype=half, rowsum_a=True),
         lambda: triton_gemm(rows, b.t(), compute_dtype=half, out_dtype=half, rowsum_a=True),
+        # Batches of products: the TMA kernel with B broadcast (batch stride 0), the
+        # pointer kernel on FP32 batches from a (2, 3) batch that merges into one,
+        # and a batch that does not merge (a launch per outer index: not replayed).
+        lambda: triton_gemm(batch, b.expand(3, 64, 32), compute_dtype=half, out_dtype=half),
+        lambda: triton_gemm(grid32, b.expand(2, 3, 64, 32), compute_dtype=half, out_dtype=half),
+        lambda: triton_gemm(
+            grid32.transpose(0, 1), b.expand(3, 2, 64, 32), compute_dtype=half, out_dtype=half
+        ),
     ]
-    inputs = {t.data_ptr() for t in (a, b, weight, bias, *tall, a32, rows)}
+    batch = torch.randn(4, 64, 64, generator=g).to(half)[1:]  # its storage from an offset
+    grid32 = torch.randn(2, 3, 64, 64, generator=g)
+    inputs = {t.data_ptr() for t in (a, b, weight, bias, *tall, a32, rows, batch, grid32)}
     compared = 0
     driver.set_active(Driver())
     for product in products:
@@ -387,8 +403,9 @@ def _compare_gemm_launches():
         assert len(captured) == len(made[0]) and relaunched == []
         # Nor around binaries swapped out (``bench/host_time.py``'s stand-ins).
         binaries, launches._binaries = launches._binaries, {}
+        before = len(calls)
         product()
-        assert relaunched == [] and len(launches._binaries) == len(made[0])
+        assert relaunched == [] and len(calls) - before == len(made[0])
         launches._binaries = binaries
     print("compared", compared)
 

@@ -39,11 +39,16 @@ def _launch(kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
         return operand(200, 136, dtype=torch.float32), operand(136, 96), {}
     if kind == "pointer transposed":  # C.T = B.T @ A.T, R as B.T's column sums
         return operand(10, 136, dtype=torch.float32), operand(136, 96), dict(rowsum_a=True)
+    if kind == "tma batch":  # attention's scores: (batch, heads) merged, K.T per head
+        q = torch.randn(2, 4, 80, 64, device=device).to(HALF)
+        k = torch.randn(2, 4, 72, 64, device=device).to(HALF)
+        return q, k.transpose(-1, -2), {}
     # split-K: two launches, not replayed
     return operand(16, 8192), operand(8192, 16), {}
 
 
-KINDS = ["tma bias gelu", "tma row sums", "pointer fp32", "pointer transposed", "split-k"]
+KINDS = ["tma bias gelu", "tma row sums", "pointer fp32", "pointer transposed", "tma batch"]
+KINDS += ["split-k"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -61,7 +66,7 @@ def test_a_replayed_launch_computes_on_its_own_tensors(kind, device, monkeypatch
         replayed.append(len(relaunched) > before)
         ref_c, ref_g, ref_r = gemm_ref(a, b, compute_dtype=HALF, out_dtype=out_dtype, **kwargs)
         what = f"{kind}, call {call}"
-        z = a.double() @ b.double()
+        z = a.double() @ b.double()  # batched where a and b are
         if "bias" in kwargs:
             z = z + kwargs["bias"].double()
             cdf = 0.5 * (1 + torch.erf(z / 2**0.5))
