@@ -267,23 +267,29 @@ def test_the_gemm_launches_hand_the_launcher_what_the_autotuner_would(tmp_path):
     assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 48
 
 
-def _compare_gemm_launches():
-    from triton.runtime import driver
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from mpgemm.kernels import gemm, launches
+def _stand_in_driver():
+    """The compile check's stand-in driver (an H100's target, device 0, stream 0),
+    with a benchmarker: triton 3.6's autotuner times even one config when it caches
+    its results, and a call and a constant time stand in for the timing."""
     from mpgemm.kernels.aot import _HopperDriver
-    from mpgemm.kernels.gemm import triton_gemm
 
     class Driver(_HopperDriver):
-        # Triton 3.6's autotuner times even one config when it caches its results: a
-        # call and a constant time stand in for the timing.
         def get_benchmarker(self):
             def bench(kernel_call, quantiles=None, **kwargs):
                 kernel_call()
                 return [1.0] * len(quantiles) if quantiles else 1.0
 
             return bench
+
+    return Driver()
+
+
+def _compare_gemm_launches():
+    from triton.runtime import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mpgemm.kernels import gemm, launches
+    from mpgemm.kernels.gemm import triton_gemm
 
     calls = _record_launchers()
 
@@ -362,7 +368,7 @@ def _compare_gemm_launches():
     grid32 = torch.randn(2, 3, 64, 64, generator=g)
     inputs = {t.data_ptr() for t in (a, b, weight, bias, *tall, a32, rows, batch, grid32)}
     compared = 0
-    driver.set_active(Driver())
+    driver.set_active(_stand_in_driver())
     for product in products:
         for cached in (False, False, True):  # the autotuner, the JIT, the binary
             captured: list[tuple] = []
@@ -407,6 +413,150 @@ def _compare_gemm_launches():
         product()
         assert relaunched == [] and len(calls) - before == len(made[0])
         launches._binaries = binaries
+    print("compared", compared)
+
+
+def test_a_training_step_launches_the_same_when_its_gemms_replay(tmp_path):
+    """A training step (an MLP with bias + ReLU layers, a 10-class head, the loss
+    scaling and Adam), compiled for an H100 through the stand-in driver, launchers
+    recorded: with ``triton_gemm``'s replays, every GEMM of the step replays, and the
+    step hands the launchers what it does with every launch decided anew (each
+    launch's binary, grid, stream and arguments: tensors by dtype, shape and strides,
+    descriptors by their fields, the rest by value). In a process of its own."""
+    assert _compared_apart("_compare_step_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") > 10
+
+
+def _compare_step_launches():
+    from triton.runtime import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mpgemm import functional
+    from mpgemm.app.train import Recipe, TrainConfig, build_mlp
+    from mpgemm.kernels import gemm
+
+    calls = _record_launchers()
+    driver.set_active(_stand_in_driver())
+    functional._intercepting = lambda: True  # CPU tensors take the kernel path
+    relaunched: list[None] = []
+    relaunch, replayable = gemm._relaunch, gemm.current
+    gemm._relaunch = lambda *args: relaunched.append(relaunch(*args))
+
+    def described(arg):
+        if isinstance(arg, TensorDescriptor):
+            return (arg.base.dtype, arg.shape, arg.strides, arg.block_shape)
+        if isinstance(arg, torch.Tensor):
+            return (arg.dtype, arg.shape, arg.stride())
+        return arg
+
+    def step(replays: bool) -> list[tuple]:
+        gemm.current = replayable if replays else (lambda launched: False)
+        before = len(calls)
+        recipe.step(x, y)
+        return [
+            (kernel, given[:6], [described(arg) for arg in given[9:]])
+            for kernel, given in calls[before:]
+        ]
+
+    torch.manual_seed(0)
+    hidden = (48, 32)
+    recipe = Recipe("mpgemm", build_mlp(64, hidden, 10), TrainConfig(hidden=hidden))
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    for _ in range(3):  # the autotuner, the JIT, then the cached binaries
+        step(replays=False)
+    decided = step(replays=False)
+    assert relaunched == []
+    replayed = step(replays=True)
+    gemms = [kernel for kernel, _ in calls[-len(replayed) :] if "gemm" in kernel.name]
+    assert len(relaunched) == len(gemms) > 0
+    assert replayed == decided
+    print("compared", len(replayed))
+
+
+def test_calls_that_differ_in_any_part_of_the_signature_never_share_a_replay(tmp_path):
+    """``triton_gemm`` calls of one shape that differ in one thing each (the epilogue,
+    A's row sums, the dtypes, an operand's layout or alignment, the output's strides, a
+    bias broadcast from one value, the kernel asked for), compiled for an H100 through
+    the stand-in driver, launchers recorded: called over and over in turn with replays,
+    each call hands the launcher what it does when every launch is decided anew. A
+    signature that missed what tells two of them apart would replay one's launch for
+    the other. In a process of its own."""
+    assert _compared_apart("_compare_signatures", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 66
+
+
+def _compare_signatures():
+    from triton.runtime import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mpgemm.kernels import gemm
+
+    calls = _record_launchers()
+    driver.set_active(_stand_in_driver())
+    replayable = gemm.current
+    g = torch.Generator().manual_seed(0)
+    half, bf16 = torch.float16, torch.bfloat16
+    a, b = torch.randn(64, 64, generator=g).to(half), torch.randn(64, 32, generator=g).to(half)
+    bias = torch.randn(32, generator=g)
+    shifted = torch.randn(64 * 64 + 1, generator=g).to(half)[1:].view(64, 64)  # 2 bytes off
+    wide = torch.randn(64, 96, generator=g).to(half)
+    kinds = {
+        "plain": dict(),
+        "fp32 out": dict(out_dtype=torch.float32),
+        "bf16 compute": dict(compute_dtype=bf16),
+        "row sums": dict(rowsum_a=True),
+        "bias": dict(bias=bias),
+        "bias relu": dict(bias=bias, activation="relu"),
+        "bias gelu": dict(bias=bias, activation="gelu", store_act_grad=True),
+        "bias gelu, no G": dict(bias=bias, activation="gelu"),
+        "silu": dict(activation="silu", store_act_grad=True),
+        "one bias value": dict(bias=bias[:1].expand(32)),
+        "more rows": dict(a=torch.randn(80, 64, generator=g).to(half)),
+        "longer K": dict(a=wide, b=torch.randn(96, 32, generator=g).to(half)),
+        "fp32 a": dict(a=a.float()),
+        "fp32 b": dict(b=b.float()),
+        # B's and C's strides, not their shapes
+        "fewer columns": dict(b=b[:, :16], out=torch.empty(64, 32, dtype=half)[:, :16]),
+        "b unaligned": dict(b=torch.randn(64 * 32 + 1, generator=g).to(half)[1:].view(64, 32)),
+        "out unaligned": dict(out=torch.empty(64 * 32 + 1, dtype=half)[1:].view(64, 32)),
+        "a unaligned": dict(a=shifted),
+        "a transposed": dict(a=a.t().contiguous().t()),
+        "b transposed": dict(b=b.t().contiguous().t()),
+        "strided out": dict(out=torch.empty(64, 48, dtype=half)[:, :32]),
+        "pointer kernel": dict(kernel="pointer"),
+    }
+
+    def product(kind: str):
+        options = {"a": a, "b": b, "compute_dtype": half, "out_dtype": half, **kinds[kind]}
+        with gemm.use_kernel(options.pop("kernel", "auto")):
+            return gemm.triton_gemm(options.pop("a"), options.pop("b"), **options)
+
+    def described(arg):
+        if isinstance(arg, TensorDescriptor):
+            return (arg.base.data_ptr(), arg.shape, arg.strides, arg.block_shape)
+        if isinstance(arg, torch.Tensor):  # outputs are new each call
+            return (arg.dtype, arg.shape, arg.stride(), arg.data_ptr() & 15)
+        return arg
+
+    def launched(kind: str) -> list[tuple]:
+        before = len(calls)
+        product(kind)
+        return [(k, given[:6], [described(x) for x in given[9:]]) for k, given in calls[before:]]
+
+    gemm.current = lambda replay: False
+    for _ in range(3):  # the autotuner, the JIT, then the cached binaries
+        for kind in kinds:
+            launched(kind)
+    decided = {kind: launched(kind) for kind in kinds}
+    gemm.current = replayable
+    gemm._replays.clear()
+    relaunched: list[None] = []
+    relaunch = gemm._relaunch
+    gemm._relaunch = lambda *args: relaunched.append(relaunch(*args))
+    compared = 0
+    for _ in range(3):
+        for kind in kinds:
+            assert launched(kind) == decided[kind], kind
+            compared += 1
+    assert len(relaunched) == 2 * len(kinds)  # each kind replays from its second call
     print("compared", compared)
 
 
