@@ -259,9 +259,7 @@ class GradScaler:
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if state["stage"] is OptState.READY:
                 # Check only: the optimizer unscales as it reads the gradients.
-                state["found_inf_per_device"] = self._unscale_grads_(
-                    optimizer, None, self._fresh_flag(scale), True
-                )
+                self._check_inf_per_device(optimizer)
             found_inf = self._found_inf(optimizer)
             previous = getattr(optimizer, "grad_scale", None)
             if state["stage"] is OptState.UNSCALED:
@@ -293,12 +291,39 @@ class GradScaler:
                 "No inf checks were recorded for this optimizer: none of its parameters has "
                 "a gradient."
             )
-        result = None
-        # The optimizer is not ours: whether to call it is decided on the host.
-        if not sum(v.item() for v in state["found_inf_per_device"].values()):
-            result = optimizer.step(*args, **kwargs)
+        result = self._maybe_opt_step(optimizer, state, *args, **kwargs)
         state["stage"] = OptState.STEPPED
         return result
+
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args, **kwargs
+    ) -> Any:
+        """``optimizer.step(*args, **kwargs)`` unless a flag of ``optimizer_state`` (this
+        iteration's, per device) is set; None when skipped. For an optimizer that does
+        not skip on the device, the flags are read on the host. Torch's override point,
+        with its signature."""
+        if sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Check ``optimizer``'s gradients for inf/NaN without unscaling them, and record
+        and return each device's flag for this iteration (``{device: flag}``), as
+        torch's scaler does for an optimizer that unscales as it steps."""
+        scale = self._require_scale("_check_inf_per_device")
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, None, self._fresh_flag(scale), True
+        )
+        return state["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict:
+        """This iteration's inf/NaN flags of ``optimizer`` by device, as recorded by
+        ``unscale_`` (or by ``step``): the tensors ``step`` and ``update`` then read, so
+        that a change made to them in place between (torch's idiom: an all-reduce of
+        each with MAX, so that every rank skips a step any rank found an inf in) is what
+        they act on. Empty before any check."""
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """This iteration's inf/NaN flags for ``optimizer``, summed over devices, on the
@@ -378,6 +403,11 @@ class GradScaler:
         if not self._enabled:
             return 1.0
         return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor itself (no synchronisation), None before the first
+        ``scale()``: as torch's scaler returns it."""
+        return self._scale
 
     def get_growth_factor(self) -> float:
         return self._growth_factor

@@ -335,6 +335,96 @@ def test_unscale_grads_is_torchs_override_point(device):
     assert Counting.calls == [False, False]
 
 
+def test_maybe_opt_step_is_torchs_override_point(device):
+    import inspect
+
+    # The same parameters as torch's; a step of an optimizer that does not skip on the
+    # device goes through it, one that does (mpgemm's SGD) does not.
+    ours = list(inspect.signature(mpgemm.GradScaler._maybe_opt_step).parameters)
+    assert ours == list(inspect.signature(torch.amp.GradScaler._maybe_opt_step).parameters)
+
+    class Counting(mpgemm.GradScaler):
+        calls: list = []
+
+        def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+            self.calls.append(type(optimizer))
+            return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+
+    for make in (torch.optim.SGD, mpgemm.optim.SGD):
+        param = torch.nn.Parameter(torch.ones(3, device=device))
+        optimizer = make([param], lr=0.5)
+        scaler = Counting(device.type, init_scale=4.0)
+        scaler.scale(param.sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert param.tolist() == [0.5, 0.5, 0.5]
+    assert Counting.calls == [torch.optim.SGD]
+
+
+@pytest.mark.parametrize("scaler_class", [mpgemm.GradScaler, torch.amp.GradScaler])
+def test_torchs_private_helpers_that_scripts_call(device, scaler_class):
+    # _get_scale_async (the scale without a sync), _check_inf_per_device (check without
+    # unscaling) and _found_inf_per_device (this iteration's flags), as torch's scaler
+    # has them: the test runs on both.
+    param = torch.nn.Parameter(torch.ones(3, device=device))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    scaler = scaler_class(device.type, init_scale=8.0)
+    assert scaler._get_scale_async() is None
+    assert scaler._found_inf_per_device(optimizer) == {}
+    scaler.scale(param.sum()).backward()
+    scale = scaler._get_scale_async()
+    assert scale.tolist() == 8.0
+    param.grad[1] = float("inf")
+    flags = scaler._check_inf_per_device(optimizer)
+    assert {device: flag.tolist() for device, flag in flags.items()} == {device: 1.0}
+    assert scaler._found_inf_per_device(optimizer) is flags
+    assert param.grad.tolist() == [8.0, float("inf"), 8.0]  # checked, not unscaled
+    scaler.step(optimizer)
+    scaler.update()
+    assert param.tolist() == [1.0, 1.0, 1.0]  # skipped
+    assert scaler._get_scale_async() is scale and scale.tolist() == 4.0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+        lambda p: torch.optim.SGD(p, lr=1e-3, fused=True),
+        lambda p: mpgemm.optim.SGD(p, lr=1e-3, momentum=0.9),
+    ],
+    ids=["torch_sgd", "torch_fused_sgd", "mpgemm_sgd"],
+)
+def test_flags_raised_in_place_after_unscale_skip_the_step_as_in_torch(device, make):
+    """Torch's idiom under DDP: after ``unscale_``, each flag of ``_found_inf_per_device``
+    is all-reduced in place with MAX, so that every rank skips a step any rank found an
+    inf in. Here the flags are raised in place at chosen steps, as another rank's inf
+    would raise them, on finite gradients: both scalers skip those steps and back off,
+    and take the others, with the same parameters, step by step."""
+    results = []
+    for scaler_class in (mpgemm.GradScaler, torch.amp.GradScaler):
+        params = _params(torch.float32, device)
+        optimizer = make(params)
+        scaler = scaler_class(device.type, init_scale=256.0, growth_interval=2)
+        g = torch.Generator().manual_seed(1)
+        trajectory = []
+        for step in range(8):
+            for p in params:
+                p.grad = scaler.scale(torch.randn(p.shape, generator=g).to(device))
+            scaler.unscale_(optimizer)
+            if step in (2, 3, 6):
+                for flag in scaler._found_inf_per_device(optimizer).values():
+                    flag.fill_(1.0)
+            before = [p.detach().clone() for p in params]
+            scaler.step(optimizer)
+            scaler.update()
+            stepped = any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+            trajectory.append((scaler.get_scale(), stepped))
+        results.append((trajectory, params))
+    (ours, ours_params), (theirs, torch_params) = results
+    assert [stepped for _, stepped in ours] == [step not in (2, 3, 6) for step in range(8)]
+    _assert_identical(ours, theirs, ours_params, torch_params)
+
+
 def test_a_pickled_loss_scale_optimizers_scaler_still_reduces_its_flag(device, monkeypatch):
     from mpgemm import loss_scale_optimizer
 
