@@ -18,20 +18,17 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
-from enum import Enum
 from typing import Any
 
 import torch
 
+# Torch's enum of an optimizer's stage in an iteration, which scripts compare with
+# (``scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY``).
+from torch.amp.grad_scaler import OptState
+
 from mpgemm.scaling import by_device, unscale_, update_scale_
 
 __all__ = ["GradScaler"]
-
-
-class OptState(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:

@@ -385,6 +385,24 @@ def test_torchs_private_helpers_that_scripts_call(device, scaler_class):
     assert scaler._get_scale_async() is scale and scale.tolist() == 4.0
 
 
+@pytest.mark.parametrize("scaler_class", [mpgemm.GradScaler, torch.amp.GradScaler])
+def test_an_optimizers_stage_is_torchs_enum(device, scaler_class):
+    # Scripts read it: scaler._per_optimizer_states[id(optimizer)]["stage"] is
+    # torch.amp.grad_scaler.OptState.READY (torch.cuda.amp's is the same enum).
+    from torch.amp.grad_scaler import OptState
+
+    param = torch.nn.Parameter(torch.ones(3, device=device))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    scaler = scaler_class(device.type, init_scale=8.0)
+    scaler.scale(param.sum()).backward()
+    stages = [scaler._per_optimizer_states[id(optimizer)]["stage"]]
+    scaler.unscale_(optimizer)
+    stages.append(scaler._per_optimizer_states[id(optimizer)]["stage"])
+    scaler.step(optimizer)
+    stages.append(scaler._per_optimizer_states[id(optimizer)]["stage"])
+    assert all(a is b for a, b in zip(stages, OptState, strict=True))
+
+
 @pytest.mark.parametrize(
     "make",
     [
