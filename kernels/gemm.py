@@ -506,10 +506,7 @@ def triton_gemm(
             return _sum_batched(a, b, compute_dtype, out_dtype), None, None
         c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=out_dtype)
         signature = _signature(a, b, c, None, compute_dtype, None, False, False)
-        replay = _replays.get(signature)
-        if replay is not None and current(replay.launched):
-            _relaunch(replay, a, b, c, None, None, None)
-        else:
+        if not _replayed(signature, a, b, c, None, None, None):
             _launch_batched(a, b, c, compute_dtype, signature)
         return c, None, None
     M, K = a.shape
@@ -522,9 +519,7 @@ def triton_gemm(
         return c, g, r
 
     signature = _signature(a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a)
-    replay = _replays.get(signature)
-    if replay is not None and current(replay.launched):
-        _relaunch(replay, a, b, c, bias, g, r)
+    if _replayed(signature, a, b, c, bias, g, r):
         return c, g, r
     flags = _flags(compute_dtype, bias, activation, store_act_grad)
     epilogue = bias is not None or activation is not None or store_act_grad
@@ -577,6 +572,16 @@ class _Replay(NamedTuple):
     batch: tuple[int, tuple[int, ...]] | None
 
 
+def _replayed(signature: tuple, a, b, c, bias, g, r) -> bool:
+    """Whether the launch kept for ``signature`` could be, and was, repeated on these
+    tensors (``_relaunch``)."""
+    replay = _replays.get(signature)
+    if replay is None or not current(replay.launched):
+        return False
+    _relaunch(replay, a, b, c, bias, g, r)
+    return True
+
+
 def _remember(signature: tuple, replay: _Replay) -> None:
     if len(_replays) >= _MAX_REPLAYS:  # shapes without end: keep the newest
         _replays.clear()
@@ -603,10 +608,10 @@ def _operands(a, b, c, swapped: bool) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def _signature(a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a) -> tuple:
-    """What a 2-D launch's decisions and arguments other than its tensors depend on: the
-    operands' shapes, strides, dtypes and 16-byte alignment (C's and the bias's too: G
-    and R are allocated contiguous), what the epilogue computes, the device and the
-    kernel ``use_kernel`` asks for."""
+    """What ``triton_gemm``'s decisions and launch arguments other than its tensors
+    depend on, for one product or a batch: the operands' shapes, strides, dtypes and
+    16-byte alignment (C's and the bias's too: G and R are allocated contiguous), what
+    the epilogue computes, the device and the kernel ``use_kernel`` asks for."""
     return (
         a.shape,
         a.stride(),
