@@ -530,21 +530,20 @@ def triton_gemm(
     if layout is not None:
         if rowsum_a:
             _row_sums(a, r)
-        launched = gemm_tma.launch_tma_gemm(
-            a, b, c, bias=bias, g=g, layout=layout, sms=multiprocessors(a.device), flags=flags
-        )
+        replay = _launch_tma(a, b, c, bias=bias, g=g, layout=layout, flags=flags)
     else:
         k_sums = ("b" if swapped else "a") if rowsum_a else None
-        operands = _operands(a, b, c, swapped)
-        launched = _launch_pointer(
-            *operands, bias=bias, g=g, r=r, k_sums=k_sums, splits=splits, flags=flags
+        replay = _launch_pointer(
+            *_operands(a, b, c, swapped),
+            bias=bias,
+            g=g,
+            r=r,
+            k_sums=k_sums,
+            splits=splits,
+            flags=flags,
         )
-    if launched is not None:
-        if layout is not None:
-            integers = gemm_tma.tma_integers(a, b, c, bias, g)
-        else:
-            integers = _pointer_integers(*operands, bias, g)
-        _remember(signature, _Replay(launched, layout, swapped, integers, None))
+    if replay is not None:
+        _remember(signature, replay._replace(swapped=swapped))
     return c, g, r
 
 
@@ -554,18 +553,19 @@ def _row_sums(a: torch.Tensor, r: torch.Tensor) -> None:
 
 
 class _Replay(NamedTuple):
-    """``triton_gemm``'s launch when it made one, repeated by ``_relaunch`` for its later
-    launches of the signature (``_signature``): the launch (binary, config and grid),
-    the TMA kernel's layout of A and B (None: the pointer kernel, unsplit), whether
-    the pointer kernel computes C.T, the integer arguments, and for a batch of
-    products, the batch's size and A's, B's and C's stride over it (the merged batch
-    dimensions of ``_launch_batched``'s one launch). Every decision
-    ``triton_gemm`` makes for a launch (kernel, layout, split, config) and every integer
-    argument is a function of the signature, and an eager training step repeats its
-    signatures step after step: the decisions and ``launch``'s key took about 40% of
-    ``mpgemm.matmul``'s host time (``bench/host_time.py --replays``)."""
+    """``triton_gemm``'s launches for a signature (``_signature``), repeated by
+    ``_relaunch`` for its later calls: each launch (binary, config and grid: the
+    kernel's, then split-K's reduction where it splits), the TMA kernel's layout of A
+    and B (None: the pointer kernel), whether the pointer kernel computes C.T, the
+    kernel's integer arguments, and for a batch of products, the batch's size and A's,
+    B's and C's stride over it (the merged batch dimensions of ``_launch_batched``'s one
+    launch). Every decision ``triton_gemm`` makes for a launch (kernel, layout, split,
+    config) and every integer argument is a function of the signature, and an eager
+    training step repeats its signatures step after step: the decisions and
+    ``launch``'s key took about 40% of ``mpgemm.matmul``'s host time
+    (``bench/host_time.py --replays``)."""
 
-    launched: Launched
+    launches: tuple[Launched, ...]
     layout: tuple[bool, bool] | None
     swapped: bool
     integers: tuple[int, ...]
@@ -573,10 +573,10 @@ class _Replay(NamedTuple):
 
 
 def _replayed(signature: tuple, a, b, c, bias, g, r) -> bool:
-    """Whether the launch kept for ``signature`` could be, and was, repeated on these
+    """Whether the launches kept for ``signature`` could be, and were, repeated on these
     tensors (``_relaunch``)."""
     replay = _replays.get(signature)
-    if replay is None or not current(replay.launched):
+    if replay is None or not all(map(current, replay.launches)):
         return False
     _relaunch(replay, a, b, c, bias, g, r)
     return True
@@ -589,17 +589,23 @@ def _remember(signature: tuple, replay: _Replay) -> None:
 
 
 def _relaunch(replay: _Replay, a, b, c, bias, g, r) -> None:
-    """``triton_gemm``'s launch as ``replay`` made it, on these tensors."""
+    """``triton_gemm``'s launches as ``replay`` made them, on these tensors."""
     if replay.batch is not None:
         count, strides = replay.batch
         a, b, c = _batch_views((a, b, c), count, strides, [t.storage_offset() for t in (a, b, c)])
+    first, *reduction = replay.launches
     if replay.layout is not None:
         if r is not None:
             _row_sums(a, r)
-        tensors = gemm_tma.tma_tensors(a, b, c, bias, g, replay.layout)
-    else:
-        tensors = _pointer_tensors(*_operands(a, b, c, replay.swapped), bias, g, r)
-    relaunch(replay.launched, (*tensors, *replay.integers))
+        relaunch(first, (*gemm_tma.tma_tensors(a, b, c, bias, g, replay.layout), *replay.integers))
+        return
+    a, b, c = _operands(a, b, c, replay.swapped)
+    result, sums = c, r
+    if reduction:  # split-K: into partials, then their sum (the grid's second axis)
+        c, r = _partials(a, b, r, first.grid[1])
+    relaunch(first, (*_pointer_tensors(a, b, c, bias, g, r), *replay.integers))
+    if reduction:
+        relaunch(reduction[0], _reduction_arguments(c, result, r, sums))
 
 
 def _operands(a, b, c, swapped: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -673,23 +679,11 @@ def _launch_batched(
             a3, b3, c3 = _batch_views(operands, count, inner_strides, starts)
             layout = _tma_layout(a3, b3, compute_dtype, 1)
             if layout is not None:
-                launched = gemm_tma.launch_tma_gemm(
-                    a3,
-                    b3,
-                    c3,
-                    bias=None,
-                    g=None,
-                    layout=layout,
-                    sms=multiprocessors(a.device),
-                    flags=flags,
-                )
+                replay = _launch_tma(a3, b3, c3, bias=None, g=None, layout=layout, flags=flags)
             else:
-                launched = _launch_pointer(a3, b3, c3, r=None, k_sums=None, splits=1, flags=flags)
-            if signature is not None and launched is not None and not outer and count == inner:
-                integers = gemm_tma.tma_integers if layout is not None else _pointer_integers
-                batch = (count, tuple(inner_strides))
-                replay = _Replay(launched, layout, False, integers(a3, b3, c3, None, None), batch)
-                _remember(signature, replay)
+                replay = _launch_pointer(a3, b3, c3, r=None, k_sums=None, splits=1, flags=flags)
+            if signature is not None and replay is not None and not outer and count == inner:
+                _remember(signature, replay._replace(batch=(count, tuple(inner_strides))))
 
 
 def _batch_views(
@@ -787,11 +781,11 @@ def _launch_pointer(
     flags: dict,
     bias: torch.Tensor | None = None,
     g: torch.Tensor | None = None,
-) -> Launched | None:
+) -> _Replay | None:
     """The pointer kernel's launch (and split-K's reduction) writing C, G and R, which
     ``triton_gemm`` has allocated; R has A's rows (``k_sums`` "a") or B's columns
     ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T. Returns
-    what ``launch`` returns for an unsplit launch, else None."""
+    the launches to replay where each called a cached binary (``launch``), else None."""
     M, K = a.shape[-2:]
     N = b.shape[-1]
     # (B, M, K) @ (B, K, N) -> (B, M, N): a batch of products (``_launch_batched``)
@@ -800,9 +794,7 @@ def _launch_pointer(
         batch, batch_strides = a.shape[0], (a.stride(0), b.stride(0), c.stride(0))
     result, sums = c, r
     if splits > 1:  # the kernel writes FP32 partials; the reduction writes c and r
-        c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
-        if r is not None:
-            r = torch.empty((splits, r.shape[0]), device=a.device, dtype=torch.float32)
+        c, r = _partials(a, b, r, splits)
     operands = [t for t in (a, b, c, bias, g, r) if t is not None]
     strides = [
         *a.stride(),
@@ -825,37 +817,71 @@ def _launch_pointer(
     def grid(meta):
         return (cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1), splits, batch)
 
+    integers = _pointer_integers(a, b, c, bias, g)
     launched = launch(
         tuned_gemm_kernel,
         grid,
         *_pointer_tensors(a, b, c, bias, g, r),
-        *_pointer_integers(a, b, c, bias, g),
+        *integers,
         gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"N_BUCKET": n_bucket}, **flags),
         **flags,
     )
-    if splits == 1:
-        return launched
-    # The reduction writes C and R from the partials.
-    block = 32 if INTERPRET else 64
-    launch(
-        _split_k_reduce_kernel,
-        (cdiv(M, block), max(cdiv(N, block), 1)),
-        c,
+    launches = (launched,)
+    if splits > 1:
+        block = 32 if INTERPRET else 64
+        reduced = launch(
+            _split_k_reduce_kernel,
+            (cdiv(M, block), max(cdiv(N, block), 1)),
+            *_reduction_arguments(c, result, r, sums),
+            SPLIT_K=splits,
+            K_SUMS=k_sums,
+            INTERPRETED=INTERPRET,
+            BLOCK_M=block,
+            BLOCK_N=block,
+            num_warps=4,
+        )
+        launches += (reduced,)
+    if None in launches:
+        return None
+    return _Replay(launches, None, False, integers, None)
+
+
+def _launch_tma(a, b, c, *, bias, g, layout: tuple[bool, bool], flags: dict) -> _Replay | None:
+    """The TMA kernel's launch (``gemm_tma.launch_tma_gemm``), and the replay of it where
+    it called a cached binary."""
+    sms = multiprocessors(a.device)
+    launched = gemm_tma.launch_tma_gemm(
+        a, b, c, bias=bias, g=g, layout=layout, sms=sms, flags=flags
+    )
+    if launched is None:
+        return None
+    return _Replay((launched,), layout, False, gemm_tma.tma_integers(a, b, c, bias, g), None)
+
+
+def _partials(a, b, r, splits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Split-K's FP32 partials of C, (splits, M, N), and of R, (splits, len(R)), or
+    None without R: what the split launches write and the reduction adds."""
+    M, N = a.shape[-2], b.shape[-1]
+    c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
+    if r is not None:
+        r = torch.empty((splits, r.shape[0]), device=a.device, dtype=torch.float32)
+    return c, r
+
+
+def _reduction_arguments(partials, result, partial_sums, sums) -> tuple:
+    """``_split_k_reduce_kernel``'s arguments: it adds ``partials`` into ``result`` and
+    ``partial_sums`` into ``sums`` (the partials where there are no sums)."""
+    M, N = result.shape
+    return (
+        partials,
         result,
-        r if r is not None else c,
-        sums if sums is not None else c,
+        partial_sums if partial_sums is not None else partials,
+        sums if sums is not None else partials,
         M,
         N,
         result.stride(0),
         result.stride(1),
-        SPLIT_K=splits,
-        K_SUMS=k_sums,
-        INTERPRETED=INTERPRET,
-        BLOCK_M=block,
-        BLOCK_N=block,
-        num_warps=4,
     )
-    return None
 
 
 def _pointer_tensors(a, b, c, bias, g, r) -> tuple[torch.Tensor, ...]:

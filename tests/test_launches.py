@@ -252,19 +252,20 @@ def _probe(
 def test_the_gemm_launches_hand_the_launcher_what_the_autotuner_would(tmp_path):
     """Each launch ``triton_gemm`` makes (the TMA kernel plain, with a transposed
     weight, bias and ReLU, and beside A's row sums; the pointer kernel on an FP32
-    operand, and computing C.T with B.T's column sums; split-K with its reduction;
+    operand, and computing C.T with B.T's column sums; split-K with its reduction, and
+    of C.T with the column sums (a head's weight gradient);
     batches of products: the TMA kernel's from a storage offset with B broadcast, the
     pointer kernel's over merged batch dimensions, and a launch per outer index),
     compiled for an H100 through the stand-in driver with one config per launch:
     ``launch`` hands the launcher what triton's autotuner (or JIT) hands it, through the
     autotuner, the JIT with the chosen config and the cached binary alike (descriptors
-    compared by their fields). Then ``triton_gemm``'s replay of each call made in one
-    launch (split-K's two and a launch per outer index are not replayed) hands the
-    launcher what the cached binary's launch did, sums A's rows where that did, and
+    compared by their fields). Then ``triton_gemm``'s replay of each call (split-K's
+    two launches included; a launch per outer batch index is not replayed) hands the
+    launchers what the cached binaries' launches did, sums A's rows where they did, and
     steps aside while launches are intercepted or the binaries swapped out. In a
     process of its own, as above."""
     # One config each: nothing to time.
-    assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 48
+    assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 56
 
 
 def _stand_in_driver():
@@ -344,6 +345,8 @@ def _compare_gemm_launches():
     weight, bias = torch.randn(48, 64, generator=g).to(half), torch.randn(48, generator=g)
     tall = torch.randn(16, 4096, generator=g).to(half), torch.randn(4096, 16, generator=g).to(half)
     a32 = a.float()
+    head = torch.randn(10, 4096, generator=g)  # FP32 (the loss's gradient), 10 classes
+    features = torch.randn(4096, 64, generator=g).to(half)
     rows = torch.randn(8, 64, generator=g)  # FP32 and 8 rows: C.T = B.T @ A.T
     products = [
         lambda: triton_gemm(a, b, compute_dtype=half, out_dtype=half),
@@ -352,6 +355,10 @@ def _compare_gemm_launches():
         ),
         lambda: triton_gemm(a32, b, compute_dtype=half, out_dtype=torch.float32),
         lambda: triton_gemm(*tall, compute_dtype=half, out_dtype=torch.float32),  # split-K
+        # A head's weight gradient: split-K of C.T = B.T @ A.T, with A's row sums.
+        lambda: triton_gemm(
+            head, features, compute_dtype=half, out_dtype=torch.float32, rowsum_a=True
+        ),
         # A's row sums beside the TMA kernel, and in the pointer kernel's transpose.
         lambda: triton_gemm(a.t(), b, compute_dtype=half, out_dtype=half, rowsum_a=True),
         lambda: triton_gemm(rows, b.t(), compute_dtype=half, out_dtype=half, rowsum_a=True),
@@ -366,7 +373,8 @@ def _compare_gemm_launches():
     ]
     batch = torch.randn(4, 64, 64, generator=g).to(half)[1:]  # its storage from an offset
     grid32 = torch.randn(2, 3, 64, 64, generator=g)
-    inputs = {t.data_ptr() for t in (a, b, weight, bias, *tall, a32, rows, batch, grid32)}
+    inputs = {t.data_ptr() for t in (a, b, weight, bias, *tall, a32, head, features, rows)}
+    inputs |= {batch.data_ptr(), grid32.data_ptr()}
     compared = 0
     driver.set_active(_stand_in_driver())
     for product in products:
@@ -385,9 +393,9 @@ def _compare_gemm_launches():
                     assert mine[6:9] == (None, None, None)
                 assert list(map(fields, mine[9:])) == list(map(fields, theirs[9:]))
                 compared += 1
-        # Un-intercepted, the cached binary's launch, then ``triton_gemm``'s replay of it
-        # (one launch; split-K's two are not replayed): the same launcher arguments,
-        # each tensor the same input or the same output of its call.
+        # Un-intercepted, the cached binaries' launches, then ``triton_gemm``'s replay of
+        # them: the same launcher arguments, each tensor the same input, the same output
+        # of its call, or split-K's partials.
         made, sums = [], []
         for _ in range(2):
             before = len(calls)
@@ -396,7 +404,8 @@ def _compare_gemm_launches():
             made.append([(kernel, given, outputs) for kernel, given in calls[before:]])
             sums.append(len(summed))
         assert sums[0] == sums[1]
-        assert len(relaunched) == (len(captured) == 1)
+        # Each call replays but the last, a launch per outer index.
+        assert len(relaunched) == (product is not products[-1])
         relaunched.clear()
         for (kernel, direct, out), (kernel_run, replayed, out_again) in zip(*made, strict=True):
             assert kernel_run is kernel and replayed[:9] == direct[:9]
