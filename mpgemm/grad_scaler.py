@@ -99,7 +99,7 @@ class GradScaler:
         def scaled(value):
             if isinstance(value, torch.Tensor):
                 if self._scale is None:
-                    self._lazy_init(value.device)
+                    self._lazy_init_scale_growth_tracker(value.device)
                 if value.device not in per_device:
                     per_device[value.device] = self._scale.to(value.device, non_blocking=True)
                 return value * per_device[value.device]
@@ -112,19 +112,24 @@ class GradScaler:
 
         return scaled(outputs)
 
-    def _lazy_init(self, device: torch.device) -> None:
-        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+    # Torch's names and signatures, which scripts call: to make the scale before a CUDA
+    # graph's capture, to read it after update().
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        """Make the scale (FP32) and the growth tracker (int32) on ``dev``."""
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
         self._growth_tracker = torch.full(
-            (), self._init_growth_tracker, dtype=torch.int32, device=device
+            (), self._init_growth_tracker, dtype=torch.int32, device=dev
         )
 
-    def _require_scale(self, funcname: str) -> torch.Tensor:
-        if self._scale is None:
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, growth tracker); RuntimeError naming ``funcname`` before they exist."""
+        if self._scale is None or self._growth_tracker is None:
             raise RuntimeError(
                 f"Attempted {funcname} but the scale is not initialised. This may indicate "
                 "your script did not use scaler.scale(loss or outputs) earlier in the iteration."
             )
-        return self._scale
+        return self._scale, self._growth_tracker
 
     # -- unscaling and the inf check ---------------------------------------------------
 
@@ -220,7 +225,7 @@ class GradScaler:
     def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._enabled:
             return
-        scale = self._require_scale("unscale_")
+        scale, _ = self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
@@ -248,7 +253,7 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        scale = self._require_scale("step")
+        scale, _ = self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -307,7 +312,7 @@ class GradScaler:
         """Check ``optimizer``'s gradients for inf/NaN without unscaling them, and record
         and return each device's flag for this iteration (``{device: flag}``), as
         torch's scaler does for an optimizer that unscales as it steps."""
-        scale = self._require_scale("_check_inf_per_device")
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = self._unscale_grads_(
             optimizer, None, self._fresh_flag(scale), True
@@ -325,7 +330,7 @@ class GradScaler:
     def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """This iteration's inf/NaN flags for ``optimizer``, summed over devices, on the
         scale's device (zero when none was recorded)."""
-        scale = self._require_scale("step")
+        scale, _ = self._check_scale_growth_tracker("step")
         flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
         total = self._sum_flags(flags, scale.device)
         return torch.zeros((), device=scale.device) if total is None else total
@@ -347,7 +352,7 @@ class GradScaler:
         scaler's device type). Resets every optimizer's stage for the next iteration."""
         if not self._enabled:
             return
-        scale = self._require_scale("update")
+        scale, tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             if isinstance(new_scale, float | int):
                 scale.fill_(new_scale)
@@ -365,8 +370,6 @@ class GradScaler:
             )
             if combined is None:
                 raise RuntimeError("No inf checks were recorded prior to update().")
-            tracker = self._growth_tracker
-            assert tracker is not None, "made with the scale (_lazy_init)"
             update_scale_(
                 scale,
                 tracker,

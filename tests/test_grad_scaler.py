@@ -363,17 +363,23 @@ def test_maybe_opt_step_is_torchs_override_point(device):
 
 @pytest.mark.parametrize("scaler_class", [mpgemm.GradScaler, torch.amp.GradScaler])
 def test_torchs_private_helpers_that_scripts_call(device, scaler_class):
-    # _get_scale_async (the scale without a sync), _check_inf_per_device (check without
-    # unscaling) and _found_inf_per_device (this iteration's flags), as torch's scaler
-    # has them: the test runs on both.
+    # _get_scale_async (the scale without a sync), _lazy_init_scale_growth_tracker and
+    # _check_scale_growth_tracker (make, then get, the scale and tracker),
+    # _check_inf_per_device (check without unscaling) and _found_inf_per_device (this
+    # iteration's flags), as torch's scaler has them: the test runs on both.
     param = torch.nn.Parameter(torch.ones(3, device=device))
     optimizer = torch.optim.SGD([param], lr=0.5)
     scaler = scaler_class(device.type, init_scale=8.0)
     assert scaler._get_scale_async() is None
     assert scaler._found_inf_per_device(optimizer) == {}
+    with pytest.raises((RuntimeError, AssertionError), match="update"):
+        scaler._check_scale_growth_tracker("update")
+    # Made ahead (before a CUDA graph's capture, say), then kept by scale().
+    scaler._lazy_init_scale_growth_tracker(device)
+    scale, tracker = scaler._check_scale_growth_tracker("update")
+    assert scale.tolist() == 8.0 and tracker.tolist() == 0 and tracker.dtype == torch.int32
     scaler.scale(param.sum()).backward()
-    scale = scaler._get_scale_async()
-    assert scale.tolist() == 8.0
+    assert scaler._get_scale_async() is scale
     param.grad[1] = float("inf")
     flags = scaler._check_inf_per_device(optimizer)
     assert {device: flag.tolist() for device, flag in flags.items()} == {device: 1.0}
