@@ -24,6 +24,13 @@ Split-K: a launch with no epilogue (the backward GEMMs) whose tile grid would le
 most SMs idle splits K over ``split_k_for`` programs per tile; each writes its FP32
 partial C (and sums), and ``_split_k_reduce_kernel`` adds them in split order and
 rounds once, so the result is the same run to run.
+
+Replays: every decision above, and every integer a launch passes, is a function of the
+call's signature (``_signature``: shapes, strides, dtypes, alignment, epilogue), which
+an eager training step repeats step after step. Once a signature's launches have run a
+cached binary, later calls of it repeat them with their own tensors (``_Replay``,
+``launches.relaunch``), skipping the decisions and the launch key: host time is what
+an eager step on an H100 waits for.
 """
 
 from __future__ import annotations
