@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from triton.runtime.autotuner import Autotuner
@@ -175,21 +175,27 @@ def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
     return best
 
 
-def replays_ab(cases: dict, rounds: int = 4) -> None:
-    """Print each case's host time with ``triton_gemm``'s replays off (``current``
-    answering no: every launch decides and keys anew) and on, alternating ``rounds``
-    times in this process (best of 5 each), and the minima's ratio. Within
-    ``triton_stubbed``."""
-    replayable = gemm.current
-    times: dict[str, dict[str, list[float]]] = {name: {"off": [], "on": []} for name in cases}
+@contextmanager
+def replays_off() -> Iterator[None]:
+    """Within the block, ``triton_gemm`` decides and keys every launch anew: its
+    replays' guard (``current``) answers no."""
+    replayable, gemm.current = gemm.current, lambda launched: False
     try:
-        for _ in range(rounds):
-            for mode in ("off", "on"):
-                gemm.current = replayable if mode == "on" else (lambda launched: False)
-                for name, (fn, calls) in cases.items():
-                    times[name][mode].append(best_us(fn, calls, rounds=5))
+        yield
     finally:
         gemm.current = replayable
+
+
+def replays_ab(cases: dict, rounds: int = 4) -> None:
+    """Print each case's host time with ``triton_gemm``'s replays off (``replays_off``)
+    and on, alternating ``rounds`` times in this process (best of 5 each), and the
+    minima's ratio. Within ``triton_stubbed``."""
+    times: dict[str, dict[str, list[float]]] = {name: {"off": [], "on": []} for name in cases}
+    for _ in range(rounds):
+        for mode in ("off", "on"):
+            with replays_off() if mode == "off" else nullcontext():
+                for name, (fn, calls) in cases.items():
+                    times[name][mode].append(best_us(fn, calls, rounds=5))
     print("| host us | replays off | on | ratio |\n| --- | --- | --- | --- |")
     for name, measured in times.items():
         off, on = min(measured["off"]), min(measured["on"])

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import triton
 from harness import SYNC_WARNING
-from host_time import PHASE_COLUMNS, phase_times
+from host_time import PHASE_COLUMNS, phase_times, replays_off
 from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
@@ -144,11 +144,8 @@ def launch_costs(out: Path) -> None:
             mpgemm.matmul(a, b)
 
     def not_replayed():  # triton_gemm decides and keys the launch anew
-        replayable, gemm.current = gemm.current, lambda launched: False
-        try:
+        with replays_off():
             mpgemm.matmul(a, b)
-        finally:
-            gemm.current = replayable
 
     def tma_launcher():
         gemm_tma.launch_tma_gemm(

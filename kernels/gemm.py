@@ -734,11 +734,8 @@ def _sum_batched(
     M, N = a.shape[-2], b.shape[-1]
     dims = _merged_batch((a, b))
     if len(dims) == 1:
-        ((count, a_stride, b_stride),) = dims
-        a3, b3 = (
-            t.as_strided((count, *t.shape[-2:]), (s, *t.stride()[-2:]))
-            for t, s in ((a, a_stride), (b, b_stride))
-        )
+        ((count, *strides),) = dims
+        a3, b3 = _batch_views((a, b), count, strides, (a.storage_offset(), b.storage_offset()))
         layout = _tma_eligible(a3, b3, compute_dtype, 1)
         if layout is not None:
             sms = multiprocessors(a.device)
