@@ -604,7 +604,8 @@ def _relaunch(replay: _Replay, a, b, c, bias, g, r) -> None:
     if replay.layout is not None:
         if r is not None:
             _row_sums(a, r)
-        relaunch(first, (*gemm_tma.tma_tensors(a, b, c, bias, g, replay.layout), *replay.integers))
+        descriptors = gemm_tma.tma_tensors(a, b, c, bias, g, replay.layout, replay=True)
+        relaunch(first, (*descriptors, *replay.integers))
         return
     a, b, c = _operands(a, b, c, replay.swapped)
     result, sums = c, r
