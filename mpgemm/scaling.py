@@ -118,7 +118,8 @@ def _dispatch(
     # An in-place op passes one list twice: each distinct list is converted once, and a
     # tensor in two lists (a parameter as its own copy) stays one tensor.
     shards: dict[int, torch.Tensor] = {}
-    local = {id(lst): _local_list(lst, shards) for lst in lists}
+    distinct = {id(lst): lst for lst in lists}
+    local = {key: _local_list(lst, shards) for key, lst in distinct.items()}
     # A list comes back as it is when it holds plain tensors only.
     plain = all(local[id(lst)] is lst for lst in lists)
     lists = [local[id(lst)] for lst in lists]
