@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -95,18 +96,28 @@ def _sleep_cycles_per_second() -> float:
 _MAX_WAIT_S = 0.5
 
 
-def kernel_time(fn, setup=None, rounds: int = ROUNDS) -> float | None:
-    """The median GPU time of ``fn``'s work (``fn(*setup()[0])``) in seconds, with its host
-    latency hidden: L2 is flushed as by ``DeviceClock``, then the GPU is kept busy
-    (``torch.cuda._sleep``) for twice the host time the call took, so that everything
-    ``fn`` enqueues is queued before the start event runs. ``DeviceClock`` times the
-    same round from an idle GPU (the eager latency: host and GPU). A round whose start
-    event ran before the host had finished enqueueing is run again with a longer wait;
-    None if even ``_MAX_WAIT_S`` is not enough."""
+class KernelTime(NamedTuple):
+    """``kernel_time``'s medians, in seconds: the GPU time of a call's work with its host
+    latency hidden, and the host's time to enqueue it (the call's wall clock while the
+    GPU is kept busy: the latency an idle GPU waits for, less what ``flush_time``
+    overlaps)."""
+
+    kernel: float
+    host: float
+
+
+def kernel_time(fn, setup=None, rounds: int = ROUNDS) -> KernelTime | None:
+    """The median GPU time of ``fn``'s work (``fn(*setup()[0])``) with its host latency
+    hidden, and the median host time of the call: L2 is flushed as by ``DeviceClock``,
+    then the GPU is kept busy (``torch.cuda._sleep``) for twice the host time the call
+    took, so that everything ``fn`` enqueues is queued before the start event runs.
+    ``DeviceClock`` times the same round from an idle GPU (the eager latency: host and
+    GPU). A round whose start event ran before the host had finished enqueueing is run
+    again with a longer wait; None if even ``_MAX_WAIT_S`` is not enough."""
     flush = _flush_buffer(DEVICE)
     rate = _sleep_cycles_per_second()
     wait = 1e-3
-    times = []
+    times, hosts = [], []
     while len(times) < rounds:
         if wait > _MAX_WAIT_S:
             return None
@@ -126,5 +137,25 @@ def kernel_time(fn, setup=None, rounds: int = ROUNDS) -> float | None:
             wait *= 2
             continue
         times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    return times[len(times) // 2]
+        hosts.append(host)
+    return KernelTime(_median(times), _median(hosts))
+
+
+def flush_time(rounds: int = 10) -> float:
+    """The median GPU time of one L2 flush (``DeviceClock``'s), in seconds. An idle
+    round enqueues its call while the flush runs: the host's first ``flush_time`` of
+    enqueueing is hidden, and the rest adds to the round's time."""
+    flush = _flush_buffer(DEVICE)
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        flush.zero_()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return _median(times)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]

@@ -157,6 +157,7 @@ def markdown(data: dict) -> str:
     lines = [
         "Device: " + ", ".join(f"{k} {v}" for k, v in env.items()),
         f"Run: {data.get('datetime', '?')}",
+        *_flush_line(data["machine_info"].get("l2_flush_ms")),
         "",
         *targets(data["benchmarks"]),
     ]
@@ -167,7 +168,7 @@ def markdown(data: dict) -> str:
         rate = "TFLOP/s" if any("tflops" in r["extra_info"] for r in rows) else "GB/s"
         headers = ["case", "impl", "ms", rate, "peak MiB", *(f"x {b}" for b in baselines)]
         if kernel:
-            headers += ["kernel ms", *(f"x {b} (kernel)" for b in baselines)]
+            headers += ["kernel ms", "host ms", *(f"x {b} (kernel)" for b in baselines)]
         lines += [f"### {group}", "", f"| {' | '.join(headers)} |", "|---" * len(headers) + "|"]
         for row in rows:
             info = row["extra_info"]
@@ -183,12 +184,25 @@ def markdown(data: dict) -> str:
             if kernel:
                 cells += [
                     _cell(info.get("kernel_ms"), ".3f"),
+                    _cell(info.get("host_ms"), ".3f"),
                     *(_cell(info.get("kernel_ratio_to", {}).get(b), ".2f") for b in baselines),
                 ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += _counts(data["benchmarks"], group)
     return "\n".join(lines)
+
+
+def _flush_line(flush_ms: float | None) -> list[str]:
+    """What the idle rounds' time and the host times read against: the flush before
+    each idle round, which hides that much of the host's enqueue."""
+    if flush_ms is None:
+        return []
+    return [
+        f"L2 flush before each round: {flush_ms:.3f} ms of GPU time. A round from an idle "
+        "GPU (ms) adds the host's enqueue (host ms) beyond it to the kernel's time "
+        "(kernel ms)."
+    ]
 
 
 def _cell(value: float | None, spec: str) -> str:

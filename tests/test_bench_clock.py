@@ -39,7 +39,8 @@ def test_device_clock_times_a_round_like_cuda_events():
 
 def test_kernel_time_hides_the_hosts_latency():
     """A call that spends 20 ms on the host before a kernel of about 5 ms: timed from an
-    idle GPU (DeviceClock) it takes both; kernel_time gives the kernel's time alone."""
+    idle GPU (DeviceClock) it takes both; kernel_time gives the kernel's time alone,
+    and the host's."""
     import time
 
     harness = _harness()
@@ -54,8 +55,17 @@ def test_kernel_time_hides_the_hosts_latency():
     start = clock()
     call()
     eager = clock() - start
-    kernel = harness.kernel_time(call, rounds=3)
-    alone = harness.kernel_time(lambda: torch.cuda._sleep(cycles), rounds=3)
+    kernel, host = harness.kernel_time(call, rounds=3)
+    alone, alone_host = harness.kernel_time(lambda: torch.cuda._sleep(cycles), rounds=3)
     assert eager > kernel + 15e-3, (eager, kernel)
     # (_sleep counts cycles, and the GPU's clock varies: the bounds of the test above.)
     assert 0.8 < kernel / alone < 1.25, (kernel, alone)
+    # The host's time is the call's: its sleep, and then a launch.
+    assert 20e-3 <= host < 20e-3 + 10e-3 and alone_host < 5e-3, (host, alone_host)
+
+
+def test_flush_time_is_the_gpu_time_of_writing_the_flush_buffer():
+    harness = _harness()
+    seconds = harness.flush_time()
+    # 256 MB written at between 50 GB/s and 10 TB/s: any GPU's memory.
+    assert harness.L2_FLUSH_BYTES / 10e12 < seconds < harness.L2_FLUSH_BYTES / 50e9, seconds
