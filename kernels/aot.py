@@ -162,6 +162,11 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     yield "matmul batched, a broadcast", lambda: matmul(a2, b2)
     a3 = _tensor((m, k), half, aligned).requires_grad_()
     yield "matmul batched, a broadcast, in parts", lambda: matmul(a3, b)
+    # FP32 operands (and, unaligned, 16-bit ones) take the pointer kernel, which sums
+    # in its K loop too.
+    a4 = _tensor((m, k), f32, aligned).requires_grad_()
+    b4 = _tensor((3, k, n), f32, aligned).requires_grad_()
+    yield "matmul batched fp32, a broadcast, in parts", lambda: matmul(a4, b4)
 
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:

@@ -233,6 +233,14 @@ def _gemm_kernel(
     stride_bb=0,
     stride_cb=0,
     BATCHED: tl.constexpr = False,
+    # C is the sum of PRODUCTS products (the gradient of an operand broadcast over the
+    # batch, ``_sum_batched``; no sums, no epilogue, no split of K, not BATCHED), A's and
+    # B's batch strides stride_ab and stride_bb: program_id(1) sums the PER_SPLIT
+    # products of its part (fewer at the batch's end) into C's part program_id(1),
+    # stride_cb apart (FP32 partials where the batch is split).
+    PER_SPLIT=1,
+    PRODUCTS=1,
+    SUM_BATCH: tl.constexpr = False,
 ):
     if BATCHED:
         pid_b = tl.program_id(2).to(tl.int64)
@@ -278,21 +286,42 @@ def _gemm_kernel(
         sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
     else:
         sums = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        mask_k = offs_k < k_hi - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        # Only the first column of programs owns A's row sums, the first row B's
-        # column sums (from the operand as loaded, before its rounding).
-        if K_SUMS == "a":
-            if pid_n == 0:
-                sums += tl.sum(widen(a, INTERPRETED), axis=1)
-        elif K_SUMS == "b":
-            if pid_m == 0:
-                sums += tl.sum(widen(b, INTERPRETED), axis=0)
-        acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    if SUM_BATCH:
+        part = tl.program_id(1)
+        acc = _summed_products(
+            acc,
+            a_ptr + rows[:, None] * stride_am,
+            b_ptr + cols[None, :] * stride_bn,
+            mask_m,
+            mask_n,
+            K,
+            stride_ak,
+            stride_bk,
+            stride_ab,
+            stride_bb,
+            part * PER_SPLIT,
+            tl.minimum(PER_SPLIT, PRODUCTS - part * PER_SPLIT),
+            compute_dtype,
+            INTERPRETED,
+            BLOCK_K,
+        )
+        c_ptr += part.to(tl.int64) * stride_cb
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            mask_k = offs_k < k_hi - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            # Only the first column of programs owns A's row sums, the first row B's
+            # column sums (from the operand as loaded, before its rounding).
+            if K_SUMS == "a":
+                if pid_n == 0:
+                    sums += tl.sum(widen(a, INTERPRETED), axis=1)
+            elif K_SUMS == "b":
+                if pid_m == 0:
+                    sums += tl.sum(widen(b, INTERPRETED), axis=0)
+            acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
 
     store_epilogue(
         acc,
@@ -319,6 +348,50 @@ def _gemm_kernel(
     elif K_SUMS == "b":
         if pid_m == 0:
             tl.store(r_ptr + cols, sums, mask=mask_n)
+
+
+@triton.jit
+def _summed_products(
+    acc,
+    a_rows,
+    b_cols,
+    mask_m,
+    mask_n,
+    K,
+    stride_ak,
+    stride_bk,
+    stride_ab,
+    stride_bb,
+    first,
+    count,
+    compute_dtype: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``acc`` plus the sum of ``count`` products' tiles from product ``first`` on,
+    round(A[i]) @ round(B[i]): ``a_rows`` and ``b_cols`` point at the tile's rows of A
+    and columns of B in product 0. One loop over every product's K steps, one product
+    after another (as the TMA kernel's ``SUM_BATCH``), so that the sum is accumulated
+    in FP32 and the loop is pipelined across products."""
+    k_steps = tl.cdiv(K, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    for step in range(count * k_steps):
+        product = (first + step // k_steps).to(tl.int64)
+        # 64-bit: a K step's offset times a transposed operand's stride may pass 2**31.
+        ks = ((step % k_steps) * BLOCK_K + offs_k).to(tl.int64)
+        mask_k = ks < K
+        a = tl.load(
+            a_rows + product * stride_ab + ks[None, :] * stride_ak,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_cols + product * stride_bb + ks[:, None] * stride_bk,
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
+    return acc
 
 
 @triton.jit
@@ -384,6 +457,7 @@ _AUTOTUNE_KEY = [
     "ALIGNED",
     "SPLIT_K",
     "BATCHED",
+    "SUM_BATCH",
 ]
 # ``_gemm_kernel`` is the JIT function (its name is what launch records and the compile
 # reports show); ``tuned_gemm_kernel`` the autotuner around it, which launches take.
@@ -726,27 +800,30 @@ def _sum_batched(
 ) -> torch.Tensor:
     """C = sum over i of round(A[i]) @ round(B[i]), summed in FP32 and rounded once, for
     (*batch, M, K) and (*batch, K, N) operands of one batch shape: the gradient of an
-    operand broadcast over the whole batch. Where the batch dimensions merge into one
-    and the operands qualify (``tma_layout``), the TMA kernel sums in its K loop, which
-    runs over the products one after another (``SUM_BATCH``), with the batch split into
-    as many parts as it takes to give every SM a tile (``sum_splits``): one launch into
-    C, or into FP32 partials that are then added. Else the batch of products in FP32
-    (``_launch_batched``), then their sum."""
+    operand broadcast over the whole batch. Where the batch dimensions merge into one,
+    a kernel sums in its K loop, which runs over the products one after another
+    (``SUM_BATCH``): the TMA kernel where the operands qualify (``tma_layout``), else
+    the pointer kernel (FP32 or unaligned operands), with the batch split into as many
+    parts as it takes to give every SM a tile (``sum_splits``): one launch into C, or
+    into FP32 partials that are then added. Else (batch dimensions that do not merge)
+    the batch of products in FP32 (``_launch_batched``), then their sum."""
     M, N = a.shape[-2], b.shape[-1]
+    if a.numel() == 0 or b.numel() == 0:  # no products, or empty ones: C is zeros
+        return torch.zeros((M, N), device=a.device, dtype=out_dtype)
     dims = _merged_batch((a, b))
     if len(dims) == 1:
         ((count, *strides),) = dims
         a3, b3 = _batch_views((a, b), count, strides, (a.storage_offset(), b.storage_offset()))
+        sms = multiprocessors(a.device)
+        splits = sum_splits(M, N, count, sms)
+        per_split = cdiv(count, splits)
+        if splits == 1:
+            c = torch.empty((M, N), device=a.device, dtype=out_dtype)
+        else:
+            c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
+        flags = _flags(compute_dtype, None, None, False)
         layout = _tma_eligible(a3, b3, compute_dtype, 1)
         if layout is not None:
-            sms = multiprocessors(a.device)
-            splits = sum_splits(M, N, count, sms)
-            per_split = cdiv(count, splits)
-            if splits == 1:
-                c = torch.empty((M, N), device=a.device, dtype=out_dtype)
-            else:
-                c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
-            flags = _flags(compute_dtype, None, None, False)
             gemm_tma.launch_tma_gemm(
                 a3,
                 b3,
@@ -758,7 +835,11 @@ def _sum_batched(
                 flags=flags,
                 per_split=per_split,
             )
-            return c if splits == 1 else c.sum(dim=0).to(out_dtype)
+        else:
+            _launch_pointer(
+                a3, b3, c, r=None, k_sums=None, splits=1, flags=flags, per_split=per_split
+            )
+        return c if splits == 1 else c.sum(dim=0).to(out_dtype)
     products = torch.empty((*a.shape[:-1], N), device=a.device, dtype=torch.float32)
     _launch_batched(a, b, products, compute_dtype)
     return products.sum(dim=tuple(range(a.dim() - 2))).to(out_dtype)
@@ -786,17 +867,22 @@ def _launch_pointer(
     flags: dict,
     bias: torch.Tensor | None = None,
     g: torch.Tensor | None = None,
+    per_split: int | None = None,
 ) -> _Replay | None:
     """The pointer kernel's launch (and split-K's reduction) writing C, G and R, which
     ``triton_gemm`` has allocated; R has A's rows (``k_sums`` "a") or B's columns
-    ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T. Returns
-    the launches to replay where each called a cached binary (``launch``), else None."""
+    ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T. With
+    ``per_split``, (P, M, K) and (P, K, N) operands' products summed (``SUM_BATCH``, no
+    sums, no epilogue, no split): C is (M, N), or (S, M, N) FP32 partials, C[i] the sum
+    of products i * per_split on, per_split of them or fewer. Returns the launches to
+    replay where each called a cached binary (``launch``), else None."""
     M, K = a.shape[-2:]
     N = b.shape[-1]
     # (B, M, K) @ (B, K, N) -> (B, M, N): a batch of products (``_launch_batched``)
     batch, batch_strides = 1, ()
     if a.dim() == 3:
-        batch, batch_strides = a.shape[0], (a.stride(0), b.stride(0), c.stride(0))
+        c_stride = c.stride(0) if c.dim() == 3 else 0
+        batch, batch_strides = a.shape[0], (a.stride(0), b.stride(0), c_stride)
     result, sums = c, r
     if splits > 1:  # the kernel writes FP32 partials; the reduction writes c and r
         c, r = _partials(a, b, r, splits)
@@ -814,13 +900,20 @@ def _launch_pointer(
         ALIGNED=operands_aligned(operands, strides),
         SPLIT_K=splits,
     )
+    # The grid: C's tiles, K's splits (summing: the batch's parts), the products.
+    second, third = splits, batch
     if batch_strides:
         stride_ab, stride_bb, stride_cb = batch_strides
-        flags.update(stride_ab=stride_ab, stride_bb=stride_bb, stride_cb=stride_cb, BATCHED=True)
+        flags.update(stride_ab=stride_ab, stride_bb=stride_bb, stride_cb=stride_cb)
+        if per_split is None:
+            flags.update(BATCHED=True)
+        else:
+            flags.update(PER_SPLIT=per_split, PRODUCTS=batch, SUM_BATCH=True)
+            second, third = cdiv(batch, per_split), 1
     n_bucket = size_bucket(N)
 
     def grid(meta):
-        return (cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1), splits, batch)
+        return (cdiv(M, meta["BLOCK_M"]) * max(cdiv(N, meta["BLOCK_N"]), 1), second, third)
 
     integers = _pointer_integers(a, b, c, bias, g)
     launched = launch(

@@ -141,18 +141,23 @@ def test_nan_and_inf_reach_the_products_that_read_them(device):
     assert torch.isnan(out[1, 2]).all() and not torch.isnan(out[0]).any()
 
 
-def nan_padded_batch(t: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+def nan_padded_batch(
+    t: torch.Tensor, transposed: bool = False, aligned: bool = True
+) -> torch.Tensor:
     """A copy of (B, rows, cols) ``t`` as one strided view inside a NaN-filled buffer,
-    each matrix laid out as ``nan_padded(..., aligned=True)`` lays one out (stored
-    column-major when ``transposed``): 16-byte-aligned for descriptors, and any read
-    outside a matrix, its neighbours' included, shows up as NaN."""
+    each matrix laid out as ``nan_padded(..., aligned=aligned)`` lays one out (stored
+    column-major when ``transposed``): 16-byte-aligned for descriptors where
+    ``aligned``, and any read outside a matrix, its neighbours' included, shows up as
+    NaN."""
     batch, rows, cols = t.shape
     if transposed:
         rows, cols = cols, rows
-    width = cols + 8 + 16
-    width += -width % 8
+    lead, skip = (8, 16) if aligned else (2, 5)  # as nan_padded's
+    width = cols + lead + skip
+    if aligned:
+        width += -width % 8
     buf = torch.full((batch, rows + 3, width), float("nan"), dtype=t.dtype, device=t.device)
-    view = buf[:, 1 : 1 + rows, 8 : 8 + cols]
+    view = buf[:, 1 : 1 + rows, lead : lead + cols]
     if transposed:
         view = view.transpose(-1, -2)
     view.copy_(t)
@@ -201,13 +206,13 @@ def test_a_gradient_summed_over_the_whole_batch_is_one_tma_launch(
     """The gradient of an operand broadcast over every batch dimension is summed in the
     TMA kernel's K loop (``SUM_BATCH``), in one launch: into the gradient, or, where its
     tiles are fewer than the SMs (here 1 tile, for ``sms``), into FP32 partial sums of
-    parts of the batch, then added. Its products nearly cancel in pairs, so that
-    rounding any partial sum to 16 bits would show; the operands sit in NaN-filled
-    buffers."""
+    parts of the batch, then added. Its products nearly cancel in pairs (each pair
+    reads one B, and dC's pair nearly cancels), so that rounding any partial sum to 16
+    bits would show; the operands sit in NaN-filled buffers."""
     monkeypatch.setattr(gemm, "multiprocessors", lambda device: sms)
     a = nan_padded(torch.randn(40, 48, device=device).to(half), a_transposed, aligned=True)
     a.requires_grad_()
-    b = nan_padded_batch(torch.randn(products, 48, 24, device=device).to(half))
+    b = nan_padded_batch(_in_pairs(torch.randn(products, 48, 24, device=device).to(half)))
     first = torch.randn(products // 2, 40, 24, device=device)
     pairs = torch.stack([first, -first + 1e-2 * torch.randn_like(first)], dim=1).flatten(0, 1)
     grad_out = torch.cat([pairs, torch.randn(products % 2, 40, 24, device=device)]).to(half)
@@ -250,6 +255,67 @@ def test_b_broadcast_over_as_batch_has_its_gradient_summed_in_the_kernel(
     a.requires_grad_()
     mpgemm.matmul(a, b.detach()).backward(grad_out)
     assert_gradients_within_torch_error(a, b, grad_out, torch.float16, "b summed")
+
+
+def _in_pairs(batch: torch.Tensor) -> torch.Tensor:
+    # Products 2j and 2j + 1 the same matrix (the first of each pair's).
+    return batch[torch.arange(len(batch), device=batch.device) // 2 * 2]
+
+
+@pytest.mark.parametrize(
+    "dtype, products, sms, parts",
+    [
+        (torch.float32, 6, 1, 1),
+        (torch.float32, 7, 3, 3),
+        (torch.float16, 6, 132, 6),  # unaligned FP16: dC's rows are 23 elements apart
+    ],
+    ids=["FP32, one part", "FP32, parts of 3, 3 and 1", "FP16 unaligned, a part per product"],
+)
+def test_a_gradient_summed_over_the_whole_batch_in_the_pointer_kernel(
+    dtype, products, sms, parts, device, monkeypatch
+):
+    """Operands the TMA kernel does not take (FP32, or unaligned 16-bit) have a whole
+    batch's gradient summed in the pointer kernel's K loop (``SUM_BATCH``) too: one
+    launch over the products one after another, into the gradient or into FP32
+    partials of parts of the batch that are then added, never a batch of products in
+    memory. Its products nearly cancel in pairs (each pair reads one B, and dC's pair
+    nearly cancels), so that rounding any partial sum to 16 bits would show; the
+    operands sit in NaN-filled buffers."""
+    monkeypatch.setattr(gemm, "multiprocessors", lambda device: sms)
+    n = 24 if dtype == torch.float32 else 23
+    a = nan_padded(torch.randn(40, 48, device=device).to(dtype)).requires_grad_()
+    b = nan_padded_batch(_in_pairs(torch.randn(products, 48, n, device=device).to(dtype)))
+    first = torch.randn(products // 2, 40, n, device=device)
+    pairs = torch.stack([first, -first + 1e-2 * torch.randn_like(first)], dim=1).flatten(0, 1)
+    grad_out = torch.cat([pairs, torch.randn(products % 2, 40, n, device=device)])
+    out = mpgemm.matmul(a, b)
+    grad_out = nan_padded_batch(grad_out.to(out.dtype), aligned=False)
+    launches = []
+
+    def run_and_keep(kernel, grid, args, kwargs, configs):
+        launches.append((jit_function(kernel).fn.__name__, kwargs.get("SUM_BATCH", False)))
+        assert kwargs["PRODUCTS"] == products and -(-products // kwargs["PER_SPLIT"]) == parts
+        kernel[grid](*args, **kwargs)
+
+    with intercept(run_and_keep):
+        out.backward(grad_out, inputs=[a])
+    assert launches == [("_gemm_kernel", True)]
+    b.requires_grad_()
+    mpgemm.matmul(a.detach(), b).backward(grad_out)
+    assert_gradients_within_torch_error(a, b, grad_out, torch.float16, f"{dtype} summed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "shapes",
+    [((17, 33), (0, 33, 9)), ((0, 33), (4, 33, 9)), ((17, 33), (4, 33, 0)), ((17, 0), (4, 0, 9))],
+    ids=["no products", "no rows", "no columns", "empty products"],
+)
+def test_a_summed_gradient_of_nothing_is_zeros(shapes, dtype, device):
+    a, b = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for shape in shapes)
+    out = mpgemm.matmul(a, b)
+    out.backward(torch.ones_like(out))
+    assert torch.equal(a.grad, torch.zeros_like(a))
 
 
 def test_inf_in_a_summed_gradient_lands_where_torchs_does(device, monkeypatch):

@@ -67,6 +67,15 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     # into the gradient and into partial sums of parts of the batch.
     summed = [r for r in tma if r["flags"].get("SUM_BATCH")]
     assert {r["flags"].get("BATCHED", False) for r in summed} == {False, True}
+    # The pointer kernel sums them too, for FP32 and unaligned 16-bit operands, fed by
+    # cp.async where aligned.
+    summed = [r for r in gemms if r["kernel"] == "_gemm_kernel" and r["flags"].get("SUM_BATCH")]
+    assert {(r["specialization"], "fp32" in (r["a_dtype"], r["b_dtype"])) for r in summed} == {
+        ("aligned", True),
+        ("unaligned", True),
+        ("unaligned", False),
+    }
+    assert all(r["cp_async"] for r in summed if r["specialization"] == "aligned")
 
     # Every GEMM of a converted MLP's training step (16-bit weight copies, an FP32 input
     # rounded once, fused activations) has 16-bit operands, but for the head's backward
