@@ -244,7 +244,7 @@ STAGES = {
             _train_commands,
             _train_workloads,
             precompile=True,
-            run_s=60,
+            run_s=65,
         ),
         Stage(
             "tests",

@@ -1,6 +1,7 @@
-"""mpgemm.graphs.GraphedStep and ``mpgemm train --cuda-graph``: a step captured once and
-replayed gives what the eager steps give, bit for bit (GPU), skipped steps and scale
-updates included; what cannot be replayed is refused with a clear error (any machine)."""
+"""mpgemm.graphs.GraphedStep and ``mpgemm train``'s ``mpgemm_cuda_graph`` mode: a step
+captured once and replayed gives what the eager steps give, bit for bit (GPU), skipped
+steps and scale updates included; what cannot be replayed is refused with a clear error
+(any machine)."""
 
 import pytest
 import torch
@@ -18,10 +19,17 @@ def test_inputs_must_be_cuda_tensors():
         GraphedStep(lambda x: x, warmup_steps=0)
 
 
-def test_cuda_graph_needs_a_cuda_device(capsys):
-    with pytest.raises(ValueError, match="--device cuda"):
-        TrainConfig(device="cpu", cuda_graph=True)
-    assert main(["train", "--device", "cpu", "--cuda-graph", "--steps", "2"]) == 2
+def test_the_cuda_graph_mode_needs_a_cuda_device(capsys):
+    from mpgemm.app.data import load
+    from mpgemm.app.train import MODES, modes_on, train
+
+    # --mode all trains in every mode on CUDA, and leaves the graph out on the CPU.
+    assert modes_on("cuda") == MODES and "mpgemm_cuda_graph" in MODES
+    assert modes_on("cpu") == tuple(m for m in MODES if m != "mpgemm_cuda_graph")
+    with pytest.raises(ValueError, match="mpgemm_cuda_graph replays CUDA graphs.*--device cuda"):
+        train(load("digits"), TrainConfig(steps=2), ("mpgemm_cuda_graph",), progress=False)
+    argv = ["train", "--device", "cpu", "--mode", "mpgemm_cuda_graph", "--steps", "2"]
+    assert main(argv) == 2
     assert "--device cuda" in capsys.readouterr().err
 
 
@@ -29,10 +37,10 @@ def test_cuda_graph_needs_a_cuda_device(capsys):
 def test_replayed_steps_match_eager_steps_bit_for_bit():
     # 784 -> 128 -> 10, batch 128; the 7th batch holds an inf, so one replay skips its
     # step and backs the scale off, on the device.
-    def run(cuda_graph):
+    def run(mode):
         torch.manual_seed(0)
-        config = TrainConfig(hidden=(128,), batch_size=128, device="cuda", cuda_graph=cuda_graph)
-        recipe = Recipe("mpgemm", build_mlp(784, (128,), 10).cuda(), config)
+        config = TrainConfig(hidden=(128,), batch_size=128, device="cuda")
+        recipe = Recipe(mode, build_mlp(784, (128,), 10).cuda(), config)
         g = torch.Generator().manual_seed(1)
         losses = []
         for step in range(12):
@@ -44,8 +52,8 @@ def test_replayed_steps_match_eager_steps_bit_for_bit():
         params = [p.detach().clone() for p in recipe.model.parameters()]
         return (torch.stack(losses), params, recipe.skipped_steps(12), recipe.loss_scale(), recipe)
 
-    eager_losses, eager_params, eager_skipped, eager_scale, _ = run(False)
-    losses, params, skipped, scale, recipe = run(True)
+    eager_losses, eager_params, eager_skipped, eager_scale, _ = run("mpgemm")
+    losses, params, skipped, scale, recipe = run("mpgemm_cuda_graph")
     assert recipe._step.graph is not None  # captured at the 4th step, replayed after
     assert skipped == eager_skipped == 1 and scale == eager_scale
     assert torch.equal(losses.isnan(), eager_losses.isnan())

@@ -160,7 +160,7 @@ def test_the_modes_take_turns_and_time_per_step_is_the_median(monkeypatch):
     monkeypatch.setattr(train_module._Run, "run", run)
     config = train_module.TrainConfig(hidden=(8,), batch_size=16, steps=12, warmup_steps=2)
     results = train_module.train(load("digits"), config, progress=False)
-    modes = list(train_module.MODES)
+    modes = list(train_module.modes_on("cpu"))
     assert turns[:3] == [(m, 2, False) for m in modes]  # the warm-up, untimed
     timed = [t for t in turns if t[2]]
     assert len(timed) == 10 * 3 and all(n == 1 for _, n, _ in timed)

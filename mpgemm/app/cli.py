@@ -1,9 +1,8 @@
 """The ``mpgemm`` command (also ``python -m mpgemm``).
 
-    mpgemm train [--mode fp32|autocast|mpgemm|all] [--hidden 256,256] [--data PATH]
-                 [--batch-size 64] [--epochs 20 | --steps N] [--lr 1e-3]
-                 [--optimizer adam|sgd] [--seed 0] [--device cpu|cuda] [--cuda-graph]
-                 [--out DIR]
+    mpgemm train [--mode fp32|autocast|mpgemm|mpgemm_cuda_graph|all] [--hidden 256,256]
+                 [--data PATH] [--batch-size 64] [--epochs 20 | --steps N] [--lr 1e-3]
+                 [--optimizer adam|sgd] [--seed 0] [--device cpu|cuda] [--out DIR]
 
 Bad input ends with one line on stderr naming the problem and exit status 2.
 """
@@ -19,7 +18,7 @@ from typing import NoReturn
 import torch
 
 from mpgemm.app.data import Dataset, load
-from mpgemm.app.train import MODES, OPTIMIZERS, TrainConfig, train
+from mpgemm.app.train import MODES, OPTIMIZERS, TrainConfig, check_modes, modes_on, train
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
         help="train an MLP in FP32, with torch.autocast and with mpgemm",
         description="Train the same MLP, from the same weights on the same batches, in "
         "FP32, with torch.autocast + GradScaler, and with mpgemm (convert + "
-        "LossScaleOptimizer); print a table of accuracy, loss and speed.",
+        "LossScaleOptimizer; on CUDA also with its step replayed as a CUDA graph, "
+        "mpgemm_cuda_graph); print a table of accuracy, loss and speed.",
     )
     t.add_argument("--mode", choices=[*MODES, "all"], default="all")
     t.add_argument(
@@ -99,12 +99,6 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--warmup-steps", type=int, default=10, help="steps left out of the timing (default 10)"
     )
-    t.add_argument(
-        "--cuda-graph",
-        action="store_true",
-        help="capture the mpgemm mode's step as a CUDA graph and replay it "
-        "(the other modes stay eager)",
-    )
     t.add_argument("--out", type=Path, help="write results.json and results.png here")
     t.add_argument(
         "--no-progress",
@@ -132,8 +126,9 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, Dataset]:
         seed=args.seed,
         device=args.device,
         warmup_steps=args.warmup_steps,
-        cuda_graph=args.cuda_graph,
     )
+    if args.mode != "all":
+        check_modes((args.mode,), config.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     data = load(args.data, features=args.features, samples=args.samples, seed=args.seed)
@@ -147,15 +142,13 @@ def _threads(n: int) -> str:
 
 
 def _train(args: argparse.Namespace, config: TrainConfig, data: Dataset) -> None:
-    modes = tuple(MODES) if args.mode == "all" else (args.mode,)
+    modes = modes_on(config.device) if args.mode == "all" else (args.mode,)
     widths = " -> ".join(map(str, (data.features, *config.hidden, data.num_classes)))
     device = (
         torch.cuda.get_device_name(config.device)
         if config.device == "cuda"
         else f"cpu, {_threads(torch.get_num_threads())}"
     )
-    if config.cuda_graph:
-        device += ", mpgemm step as a CUDA graph"
     title = f"{data.name}: MLP {widths}, batch {config.batch_size}, {config.optimizer}, {device}"
     print(title, flush=True)
     results = train(data, config, modes, progress=not args.no_progress)

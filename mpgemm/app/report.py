@@ -46,15 +46,16 @@ def format_table(results: Sequence[ModeResult]) -> str:
     """One row per mode; ``x fp32`` is FP32's time per step over this mode's (above 1:
     faster than FP32). Peak memory is measured on a GPU only."""
     fp32_ms = next((r.ms_per_step for r in results if r.mode == "fp32"), None)
-    widths = [
-        len(fmt.format(*[v])) for (_, fmt), v in zip(_COLUMNS, _row(results[0], 1.0), strict=True)
+    rows = [
+        [fmt.format(v) for (_, fmt), v in zip(_COLUMNS, _row(result, fp32_ms), strict=True)]
+        for result in results
     ]
-    header = " ".join(name.rjust(w) for (name, _), w in zip(_COLUMNS, widths, strict=True))
-    lines = [header]
-    for result in results:
-        cells = [fmt.format(v) for (_, fmt), v in zip(_COLUMNS, _row(result, fp32_ms), strict=True)]
-        lines.append(" ".join(cell.rjust(w) for cell, w in zip(cells, widths, strict=True)))
-    return "\n".join(lines)
+    # Each column as wide as its widest cell or header (a mode's name may be long).
+    table = [[name for name, _ in _COLUMNS], *rows]
+    widths = [max(map(len, column)) for column in zip(*table, strict=True)]
+    return "\n".join(
+        " ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table
+    )
 
 
 def environment(device: str | torch.device) -> dict:

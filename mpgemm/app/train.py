@@ -1,9 +1,12 @@
-"""Train one MLP three ways, from the same initial weights on the same data order:
+"""Train one MLP in several modes, from the same initial weights on the same data order:
 
 - ``fp32``: plain FP32 training;
 - ``autocast``: ``torch.autocast`` (FP16) + ``torch.amp.GradScaler`` + the same optimizer;
 - ``mpgemm``: ``mpgemm.convert`` (FP16 operands, FP32 weights, FP32 logits) +
-  ``mpgemm.LossScaleOptimizer`` around mpgemm's fused optimizer.
+  ``mpgemm.LossScaleOptimizer`` around mpgemm's fused optimizer;
+- ``mpgemm_cuda_graph`` (CUDA only): the ``mpgemm`` step captured as a CUDA graph after
+  3 eager steps and replayed (``mpgemm.graphs.GraphedStep``), the same arithmetic
+  without the host's time per launch.
 
 Each run reports test accuracy, the final training loss, milliseconds per step after a
 warm-up (the modes take turns, a window of steps each, each window timed between two
@@ -26,18 +29,28 @@ import mpgemm
 from mpgemm.app.data import Dataset
 from mpgemm.graphs import GraphedStep
 
-__all__ = ["MODES", "ModeResult", "Recipe", "TrainConfig", "build_mlp", "train"]
+__all__ = [
+    "MODES",
+    "ModeResult",
+    "Recipe",
+    "TrainConfig",
+    "build_mlp",
+    "check_modes",
+    "modes_on",
+    "train",
+]
 
-MODES = ("fp32", "autocast", "mpgemm")
+MODES = ("fp32", "autocast", "mpgemm", "mpgemm_cuda_graph")
+# The modes that train with mpgemm's layers and optimizer, and those that need CUDA.
+_MPGEMM_MODES = ("mpgemm", "mpgemm_cuda_graph")
+_CUDA_MODES = ("mpgemm_cuda_graph",)
 OPTIMIZERS = ("adam", "sgd")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """What to train and how. ``steps``, when given, replaces ``epochs``; the first
-    ``warmup_steps`` steps (compilation, autotuning, allocator growth) are not timed.
-    ``cuda_graph``: the mpgemm mode's step is captured as a CUDA graph after 3 eager
-    steps and replayed (``mpgemm.graphs.GraphedStep``); the other modes stay eager."""
+    ``warmup_steps`` steps (compilation, autotuning, allocator growth) are not timed."""
 
     hidden: tuple[int, ...] = (256, 256)
     batch_size: int = 64
@@ -48,7 +61,6 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     warmup_steps: int = 10
-    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         if not self.hidden or any(not isinstance(w, int) or w < 1 for w in self.hidden):
@@ -71,8 +83,24 @@ class TrainConfig:
             raise ValueError("--device cuda: CUDA is not available on this machine")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.cuda_graph and device.type != "cuda":
-            raise ValueError("--cuda-graph replays CUDA graphs: it needs --device cuda")
+
+
+def check_modes(modes: tuple[str, ...], device: str | torch.device) -> None:
+    """ValueError naming any of ``modes`` that is unknown, or that ``device`` cannot
+    train in (``modes_on``)."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    elsewhere = [m for m in modes if m not in modes_on(device)]
+    if elsewhere:
+        raise ValueError(f"mode {', '.join(elsewhere)} replays CUDA graphs: it needs --device cuda")
+
+
+def modes_on(device: str | torch.device) -> tuple[str, ...]:
+    """The modes that train on ``device`` (``--mode all``): every one on CUDA, those
+    without a CUDA graph on the CPU."""
+    cuda = torch.device(device).type == "cuda"
+    return tuple(mode for mode in MODES if cuda or mode not in _CUDA_MODES)
 
 
 @dataclass
@@ -144,12 +172,13 @@ class Recipe:
         self.scaler = None
         self.optimizer_steps = 0
         self._step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._eager_step
-        if mode == "mpgemm":
+        self.uses_mpgemm = mode in _MPGEMM_MODES
+        if self.uses_mpgemm:
             mpgemm.convert(model)
             self.optimizer = mpgemm.LossScaleOptimizer(
                 _optimizer(mpgemm.optim, config, model.parameters())
             )
-            if config.cuda_graph:
+            if mode == "mpgemm_cuda_graph":
                 self._step = GraphedStep(self._eager_step)
             return
         options = {"fused": True} if fused_torch_optimizer else {}
@@ -183,7 +212,7 @@ class Recipe:
         # their addresses, so the kernels' tensor tables are the ones built in warm-up.
         self.optimizer.zero_grad(set_to_none=not isinstance(self._step, GraphedStep))
         loss = self.loss(x, y)
-        if self.mode == "mpgemm":
+        if self.uses_mpgemm:
             self.optimizer.scale_loss(loss).backward()
             self.optimizer.step()
         elif self.scaler is not None:
@@ -196,14 +225,14 @@ class Recipe:
         return loss.detach()
 
     def skipped_steps(self, steps: int) -> int:
-        if self.mode == "mpgemm":
+        if self.uses_mpgemm:
             return self.optimizer.skipped_steps
         if self.scaler is not None:
             return steps - self.optimizer_steps
         return 0
 
     def loss_scale(self) -> float | None:
-        if self.mode == "mpgemm":
+        if self.uses_mpgemm:
             return self.optimizer.loss_scale
         return self.scaler.get_scale() if self.scaler is not None else None
 
@@ -303,9 +332,14 @@ def _windows(steps: int, warmup: int) -> list[tuple[range, bool]]:
 
 
 def train(
-    data: Dataset, config: TrainConfig, modes: tuple[str, ...] = MODES, *, progress: bool = True
+    data: Dataset,
+    config: TrainConfig,
+    modes: tuple[str, ...] | None = None,
+    *,
+    progress: bool = True,
 ) -> list[ModeResult]:
-    """Train once per mode from the same initial weights on the same batches.
+    """Train once per mode (default: every one the device trains in, ``modes_on``) from
+    the same initial weights on the same batches.
 
     The modes take turns, a window of steps each (the first in turn rotating), so that
     a change in the machine's load falls on all of them alike: a mode's time per step is
@@ -313,9 +347,9 @@ def train(
     (the others are idle during its windows)."""
     from tqdm.auto import tqdm
 
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if modes is None:
+        modes = modes_on(config.device)
+    check_modes(modes, config.device)
     torch.manual_seed(config.seed)
     initial = build_mlp(data.features, config.hidden, data.num_classes).state_dict()
     batches = _batches(data, config)
