@@ -10,7 +10,8 @@ kernels starts from an idle GPU, so it adds the host's time to enqueue the call 
 eager call's latency); ``kernel_ms`` in ``extra_info`` is the same work's GPU time with
 that latency hidden, and ``host_ms`` the host's time to enqueue it (``harness.kernel_time``;
 the JSON's ``machine_info`` has ``l2_flush_ms``, the flush's GPU time, during which an
-idle round's enqueue is hidden). Each result carries
+idle round's enqueue is hidden). A whole step's ``host_ms`` (GPU only) is its enqueue
+time within the rounds: against the wall clock, how host-bound the step is. Each result carries
 ``case``, ``impl``, the work done (``flops``, ``bytes``), peak memory and the clock used
 (``timing``) in ``extra_info``; the JSON hook below adds TFLOP/s, GB/s
 and the ratio of mpgemm to each baseline measured in the same run
@@ -22,6 +23,9 @@ small shapes, so that it cannot rot; those numbers say nothing about GPUs.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import pytest
 import torch
@@ -85,8 +89,12 @@ def run_case(benchmark):
             **extra,
         )
 
+        enqueue: list[float] = []  # a whole step's host time within each round
+
         def timed(*args):
+            begin = time.perf_counter()
             fn(*args)
+            enqueue.append(time.perf_counter() - begin)
             synchronize()
 
         if device_time:
@@ -107,12 +115,17 @@ def run_case(benchmark):
             timing = kernel_time(fn, setup)
             benchmark.extra_info["kernel_ms"] = None if timing is None else timing.kernel * 1e3
             benchmark.extra_info["host_ms"] = None if timing is None else timing.host * 1e3
+        elif ON_GPU:
+            # A step's time to enqueue, from a synchronised GPU (the rounds', less the
+            # warm-up's): against its wall clock, how host-bound it is.
+            benchmark.extra_info["host_ms"] = statistics.median(enqueue[-ROUNDS:]) * 1e3
         if benchmark.stats is not None:  # a line per case in the log as the suite runs
             kernel = benchmark.extra_info.get("kernel_ms")
             host = benchmark.extra_info.get("host_ms")
             print(
                 f"\n{case} {impl}: median {benchmark.stats.stats.median * 1e3:.3f} ms"
-                + ("" if kernel is None else f", kernel {kernel:.3f} ms, host {host:.3f} ms")
+                + ("" if kernel is None else f", kernel {kernel:.3f} ms")
+                + ("" if host is None else f", host {host:.3f} ms")
             )
 
     return run

@@ -163,12 +163,18 @@ def markdown(data: dict) -> str:
     ]
     for group, rows in _rows(data["benchmarks"]).items():
         baselines = sorted({b for r in rows for b in r["extra_info"].get("ratio_to", {})})
-        # GPU times with the host's latency hidden, where the run measured them.
+        # GPU times with the host's latency hidden, and the host's, where the run
+        # measured them.
         kernel = any("kernel_ms" in r["extra_info"] for r in rows)
+        host = any("host_ms" in r["extra_info"] for r in rows)
         rate = "TFLOP/s" if any("tflops" in r["extra_info"] for r in rows) else "GB/s"
         headers = ["case", "impl", "ms", rate, "peak MiB", *(f"x {b}" for b in baselines)]
         if kernel:
-            headers += ["kernel ms", "host ms", *(f"x {b} (kernel)" for b in baselines)]
+            headers.append("kernel ms")
+        if host:
+            headers.append("host ms")
+        if kernel:
+            headers += [f"x {b} (kernel)" for b in baselines]
         lines += [f"### {group}", "", f"| {' | '.join(headers)} |", "|---" * len(headers) + "|"]
         for row in rows:
             info = row["extra_info"]
@@ -182,11 +188,11 @@ def markdown(data: dict) -> str:
                 *(_cell(info.get("ratio_to", {}).get(b), ".2f") for b in baselines),
             ]
             if kernel:
-                cells += [
-                    _cell(info.get("kernel_ms"), ".3f"),
-                    _cell(info.get("host_ms"), ".3f"),
-                    *(_cell(info.get("kernel_ratio_to", {}).get(b), ".2f") for b in baselines),
-                ]
+                cells.append(_cell(info.get("kernel_ms"), ".3f"))
+            if host:
+                cells.append(_cell(info.get("host_ms"), ".3f"))
+            if kernel:
+                cells += [_cell(info.get("kernel_ratio_to", {}).get(b), ".2f") for b in baselines]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += _counts(data["benchmarks"], group)

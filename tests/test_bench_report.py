@@ -56,6 +56,21 @@ def test_a_run_without_kernel_times_keeps_its_table():
     assert "kernel" not in gemm and "| 2048x2048x2048 | mpgemm | 0.180 |" in gemm
 
 
+def test_a_steps_host_time_has_a_column_of_its_own():
+    report = _report()
+    # Whole steps: wall clock, and on a GPU the host's time to enqueue one; no kernel time.
+    benchmarks = [_bench("mpgemm", 3.3e-3, case="guide", group="step"), _bench("fp32", 5e-3)]
+    benchmarks[0]["extra_info"]["host_ms"] = 3.1
+    benchmarks[1].update(group="step")
+    benchmarks[1]["extra_info"]["case"] = "guide"
+    report.add_derived_metrics(benchmarks)
+    table = report.markdown({"machine_info": {}, "benchmarks": benchmarks}).splitlines()
+    start = table.index("### step")
+    header, _, row = table[start + 2 : start + 5]
+    assert header.split(" | ")[-2:] == ["x fp32", "host ms |"]
+    assert row.split(" | ")[-2:] == ["1.52", "3.100 |"]
+
+
 def test_the_targets_read_from_the_same_run():
     report = _report()
     benchmarks = [
