@@ -401,7 +401,7 @@ class _Vouched(TensorDescriptor):
     rank, the base's and the strides' 16-byte alignment, a unit last stride, positive
     sizes), each a function of what ``triton_gemm``'s signature holds (shapes, strides,
     dtypes, alignment): a replay's, whose signature's first launch passed them. They
-    took 3 of the 22 us of host time of a replayed ``mpgemm.matmul``
+    took about 2 of the 21 us of host time of a replayed ``mpgemm.matmul``
     (``bench/host_time.py``). The launcher reads it as it reads triton's."""
 
     def __post_init__(self) -> None:
