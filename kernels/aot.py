@@ -167,6 +167,10 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     a4 = _tensor((m, k), f32, aligned).requires_grad_()
     b4 = _tensor((3, k, n), f32, aligned).requires_grad_()
     yield "matmul batched fp32, a broadcast, in parts", lambda: matmul(a4, b4)
+    # b broadcast over a's first batch dimension: its gradient sums over it and keeps
+    # the second, a part per kept index (the pointer kernel).
+    a5 = _tensor((2, 3, m, k), half, aligned).requires_grad_()
+    yield "matmul batched, b broadcast over one dimension", lambda: matmul(a5, b)
 
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:

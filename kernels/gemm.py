@@ -234,12 +234,17 @@ def _gemm_kernel(
     stride_cb=0,
     BATCHED: tl.constexpr = False,
     # C is the sum of PRODUCTS products (the gradient of an operand broadcast over the
-    # batch, ``_sum_batched``; no sums, no epilogue, no split of K, not BATCHED), A's and
-    # B's batch strides stride_ab and stride_bb: program_id(1) sums the PER_SPLIT
-    # products of its part (fewer at the batch's end) into C's part program_id(1),
-    # stride_cb apart (FP32 partials where the batch is split).
+    # batch, ``_sum_batched``; no sums, no epilogue, no split of K, not BATCHED):
+    # program_id(1) sums the PER_SPLIT products of its part (fewer at the batch's end)
+    # into C's part program_id(1), stride_cb apart (FP32 partials where the batch is
+    # split, or each kept index's sum). Product p is A's and B's matrix
+    # (p // SUMMED) * stride_*_kept + (p % SUMMED) * stride_*b: SUMMED products to each
+    # kept batch index (all of them, kept strides 0, where the whole batch is summed).
     PER_SPLIT=1,
     PRODUCTS=1,
+    SUMMED=1,
+    stride_a_kept=0,
+    stride_b_kept=0,
     SUM_BATCH: tl.constexpr = False,
 ):
     if BATCHED:
@@ -299,6 +304,9 @@ def _gemm_kernel(
             stride_bk,
             stride_ab,
             stride_bb,
+            SUMMED,
+            stride_a_kept,
+            stride_b_kept,
             part * PER_SPLIT,
             tl.minimum(PER_SPLIT, PRODUCTS - part * PER_SPLIT),
             compute_dtype,
@@ -362,6 +370,9 @@ def _summed_products(
     stride_bk,
     stride_ab,
     stride_bb,
+    summed,
+    stride_a_kept,
+    stride_b_kept,
     first,
     count,
     compute_dtype: tl.constexpr,
@@ -369,24 +380,27 @@ def _summed_products(
     BLOCK_K: tl.constexpr,
 ):
     """``acc`` plus the sum of ``count`` products' tiles from product ``first`` on,
-    round(A[i]) @ round(B[i]): ``a_rows`` and ``b_cols`` point at the tile's rows of A
-    and columns of B in product 0. One loop over every product's K steps, one product
-    after another (as the TMA kernel's ``SUM_BATCH``), so that the sum is accumulated
-    in FP32 and the loop is pipelined across products."""
+    round(A[p]) @ round(B[p]): ``a_rows`` and ``b_cols`` point at the tile's rows of A
+    and columns of B in product 0, product p at (p // summed) * stride_*_kept +
+    (p % summed) * stride_*b from there. One loop over every product's K steps, one
+    product after another (as the TMA kernel's ``SUM_BATCH``), so that the sum is
+    accumulated in FP32 and the loop is pipelined across products."""
     k_steps = tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     for step in range(count * k_steps):
         product = (first + step // k_steps).to(tl.int64)
+        kept = product // summed
+        product -= kept * summed
         # 64-bit: a K step's offset times a transposed operand's stride may pass 2**31.
         ks = ((step % k_steps) * BLOCK_K + offs_k).to(tl.int64)
         mask_k = ks < K
         a = tl.load(
-            a_rows + product * stride_ab + ks[None, :] * stride_ak,
+            a_rows + kept * stride_a_kept + product * stride_ab + ks[None, :] * stride_ak,
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
         b = tl.load(
-            b_cols + product * stride_bb + ks[:, None] * stride_bk,
+            b_cols + kept * stride_b_kept + product * stride_bb + ks[:, None] * stride_bk,
             mask=mask_k[:, None] & mask_n[None, :],
             other=0.0,
         )
@@ -567,6 +581,7 @@ def triton_gemm(
     rowsum_a: bool = False,
     out: torch.Tensor | None = None,
     sum_batch: bool = False,
+    kept_dims: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the kernel; see the module docstring for the math.
 
@@ -577,14 +592,15 @@ def triton_gemm(
     Batched: a (*batch, M, K) and b (*batch, K, N) of one batch shape, any strides (0
     where an operand is broadcast), with no bias, activation, G, R or out: C is
     (*batch, M, N), one product per batch entry (``_launch_batched``); with
-    ``sum_batch``, C is (M, N), their sum (``_sum_batched``).
+    ``sum_batch``, C is (*batch[:kept_dims], M, N), the products summed over the other
+    batch dimensions (``_sum_batched``).
     The caller has validated shapes, dtypes and devices.
     """
     if a.dim() > 2:
         if bias is not None or activation or store_act_grad or rowsum_a or out is not None:
             raise ValueError("a batch of products takes no bias, activation, G, R or out")
         if sum_batch:
-            return _sum_batched(a, b, compute_dtype, out_dtype), None, None
+            return _sum_batched(a, b, compute_dtype, out_dtype, kept_dims), None, None
         c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=out_dtype)
         signature = _signature(a, b, c, None, compute_dtype, None, False, False)
         if not _replayed(signature, a, b, c, None, None, None):
@@ -779,12 +795,17 @@ def _batch_views(
     )
 
 
-def _merged_batch(operands: tuple[torch.Tensor, ...]) -> list[tuple[int, ...]]:
-    """The batch dimensions of (*batch, ., .) ``operands`` (one batch shape), merged
-    where the strides of all of them allow, outermost first: (size, each operand's
-    stride) per dimension left, one of size 1 for no batch."""
+def _merged_batch(
+    operands: tuple[torch.Tensor, ...], first: int = 0, end: int | None = None
+) -> list[tuple[int, ...]]:
+    """The batch dimensions ``first`` to ``end`` (default: all) of (*batch, ., .)
+    ``operands`` (one batch shape), merged where the strides of all of them allow,
+    outermost first: (size, each operand's stride) per dimension left, one of size 1
+    for none."""
     dims: list[tuple[int, ...]] = []
-    for i, size in enumerate(operands[0].shape[:-2]):
+    batch = operands[0].shape[:-2]
+    for i in range(first, len(batch) if end is None else end):
+        size = batch[i]
         strides = tuple(t.stride(i) for t in operands)
         if size == 1:
             continue
@@ -796,24 +817,50 @@ def _merged_batch(operands: tuple[torch.Tensor, ...]) -> list[tuple[int, ...]]:
 
 
 def _sum_batched(
-    a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype
+    a: torch.Tensor,
+    b: torch.Tensor,
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    kept_dims: int = 0,
 ) -> torch.Tensor:
-    """C = sum over i of round(A[i]) @ round(B[i]), summed in FP32 and rounded once, for
-    (*batch, M, K) and (*batch, K, N) operands of one batch shape: the gradient of an
-    operand broadcast over the whole batch. Where the batch dimensions merge into one,
-    a kernel sums in its K loop, which runs over the products one after another
-    (``SUM_BATCH``): the TMA kernel where the operands qualify (``tma_layout``), else
-    the pointer kernel (FP32 or unaligned operands), with the batch split into as many
-    parts as it takes to give every SM a tile (``sum_splits``): one launch into C, or
-    into FP32 partials that are then added. Else (batch dimensions that do not merge)
-    the batch of products in FP32 (``_launch_batched``), then their sum."""
+    """C[k] = sum over i of round(A[k, i]) @ round(B[k, i]), summed in FP32 and rounded
+    once, for (*kept, *summed, M, K) and (*kept, *summed, K, N) operands of one batch
+    shape, ``kept_dims`` batch dimensions kept: the gradient of an operand broadcast
+    over the summed ones; C is (*kept, M, N). Where the kept dimensions merge into one,
+    and the summed ones too, a kernel sums in its K loop, which runs over the products
+    one after another (``SUM_BATCH``): over the whole batch, the TMA kernel where the
+    operands qualify (``tma_layout``), else the pointer kernel (FP32 or unaligned
+    operands), with the batch split into as many parts as it takes to give every SM a
+    tile (``sum_splits``): one launch into C, or into FP32 partials that are then
+    added; with kept dimensions, the pointer kernel, a part per kept index. Else
+    (dimensions that do not merge) the batch of products in FP32 (``_launch_batched``),
+    then their sums."""
     M, N = a.shape[-2], b.shape[-1]
+    shape = (*a.shape[:kept_dims], M, N)
     if a.numel() == 0 or b.numel() == 0:  # no products, or empty ones: C is zeros
-        return torch.zeros((M, N), device=a.device, dtype=out_dtype)
-    dims = _merged_batch((a, b))
-    if len(dims) == 1:
-        ((count, *strides),) = dims
+        return torch.zeros(shape, device=a.device, dtype=out_dtype)
+    kept = _merged_batch((a, b), 0, kept_dims)
+    summed = _merged_batch((a, b), kept_dims)
+    if len(kept) == 1 and len(summed) == 1:
+        ((parts, a_kept, b_kept),) = kept
+        ((count, *strides),) = summed
         a3, b3 = _batch_views((a, b), count, strides, (a.storage_offset(), b.storage_offset()))
+        flags = _flags(compute_dtype, None, None, False)
+        if parts > 1:
+            c = torch.empty((parts, M, N), device=a.device, dtype=out_dtype)
+            kept_strides = (a_kept, b_kept)
+            _launch_pointer(
+                a3,
+                b3,
+                c,
+                r=None,
+                k_sums=None,
+                splits=1,
+                flags=flags,
+                per_split=count,
+                kept=(parts, *kept_strides),
+            )
+            return c.view(shape)
         sms = multiprocessors(a.device)
         splits = sum_splits(M, N, count, sms)
         per_split = cdiv(count, splits)
@@ -821,7 +868,6 @@ def _sum_batched(
             c = torch.empty((M, N), device=a.device, dtype=out_dtype)
         else:
             c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
-        flags = _flags(compute_dtype, None, None, False)
         layout = _tma_eligible(a3, b3, compute_dtype, 1)
         if layout is not None:
             gemm_tma.launch_tma_gemm(
@@ -839,10 +885,10 @@ def _sum_batched(
             _launch_pointer(
                 a3, b3, c, r=None, k_sums=None, splits=1, flags=flags, per_split=per_split
             )
-        return c if splits == 1 else c.sum(dim=0).to(out_dtype)
+        return (c if splits == 1 else c.sum(dim=0).to(out_dtype)).view(shape)
     products = torch.empty((*a.shape[:-1], N), device=a.device, dtype=torch.float32)
     _launch_batched(a, b, products, compute_dtype)
-    return products.sum(dim=tuple(range(a.dim() - 2))).to(out_dtype)
+    return products.sum(dim=tuple(range(kept_dims, a.dim() - 2))).to(out_dtype)
 
 
 def sum_splits(M: int, N: int, count: int, sms: int) -> int:
@@ -868,14 +914,18 @@ def _launch_pointer(
     bias: torch.Tensor | None = None,
     g: torch.Tensor | None = None,
     per_split: int | None = None,
+    kept: tuple[int, int, int] | None = None,
 ) -> _Replay | None:
     """The pointer kernel's launch (and split-K's reduction) writing C, G and R, which
     ``triton_gemm`` has allocated; R has A's rows (``k_sums`` "a") or B's columns
     ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T. With
     ``per_split``, (P, M, K) and (P, K, N) operands' products summed (``SUM_BATCH``, no
     sums, no epilogue, no split): C is (M, N), or (S, M, N) FP32 partials, C[i] the sum
-    of products i * per_split on, per_split of them or fewer. Returns the launches to
-    replay where each called a cached binary (``launch``), else None."""
+    of products i * per_split on, per_split of them or fewer. With ``kept`` too,
+    (count, A's stride, B's stride): the P products repeat over ``count`` kept indices,
+    so many apart, and C is (count, M, N), C[k] the sum of kept index k's (per_split is
+    P). Returns the launches to replay where each called a cached binary (``launch``),
+    else None."""
     M, K = a.shape[-2:]
     N = b.shape[-1]
     # (B, M, K) @ (B, K, N) -> (B, M, N): a batch of products (``_launch_batched``)
@@ -893,6 +943,7 @@ def _launch_pointer(
         *c.stride()[-2:],
         *(g.stride() if g is not None else ()),
         *batch_strides,
+        *(kept[1:] if kept is not None else ()),
     ]
     flags = dict(
         flags,
@@ -908,7 +959,11 @@ def _launch_pointer(
         if per_split is None:
             flags.update(BATCHED=True)
         else:
-            flags.update(PER_SPLIT=per_split, PRODUCTS=batch, SUM_BATCH=True)
+            summed, *kept_strides = (batch, 0, 0) if kept is None else (batch, *kept[1:])
+            if kept is not None:
+                batch *= kept[0]
+            flags.update(PER_SPLIT=per_split, PRODUCTS=batch, SUM_BATCH=True, SUMMED=summed)
+            flags.update(stride_a_kept=kept_strides[0], stride_b_kept=kept_strides[1])
             second, third = cdiv(batch, per_split), 1
     n_bucket = size_bucket(N)
 

@@ -426,24 +426,29 @@ def _batched_product(
     broadcast, FP32 accumulation: (*batch, M, N) of ``out_dtype``, a batch of GEMMs
     over the operands' broadcast views (no copies). With ``like``, a gradient for it:
     summed to its shape where it was broadcast (in FP32, rounded once) and of its
-    dtype. Broadcast over the whole batch, it is one sum of all the products
-    (``sum_batch``: in the kernel's K loop, where it can); over some batch dimensions,
-    the products in FP32, then their sums."""
+    dtype: the batch dimensions it was broadcast over go last, and the kernels sum the
+    products over them (``sum_batch``), keeping the others."""
     batch = _broadcast_batch(a.shape[:-2], b.shape[:-2])
-    summed = like is not None and tuple(like.shape) != (*batch, a.shape[-2], b.shape[-1])
-    whole = summed and like is not None and math.prod(like.shape[:-2]) == 1
+    shape = (*batch, a.shape[-2], b.shape[-1])
+    a, b = a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:])
     gemm = _gemm(a.device, a, b)
+    if like is None or tuple(like.shape) == shape:
+        product, _, _ = gemm(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype)
+        return product
+    # like's batch sizes, aligned with the batch's (its missing leading ones are 1).
+    sizes = (1,) * (len(batch) + 2 - like.dim()) + tuple(like.shape[:-2])
+    summed = [i for i, (n, m) in enumerate(zip(sizes, batch, strict=True)) if n == 1 != m]
+    order = [i for i in range(len(batch)) if i not in summed] + summed
+    a, b = (t.permute(*order, len(batch), len(batch) + 1) for t in (a, b))
     product, _, _ = gemm(
-        a.expand(*batch, *a.shape[-2:]),
-        b.expand(*batch, *b.shape[-2:]),
+        a,
+        b,
         compute_dtype=compute_dtype,
-        out_dtype=out_dtype if whole or not summed else torch.float32,
-        sum_batch=whole,
+        out_dtype=out_dtype,
+        sum_batch=True,
+        kept_dims=len(batch) - len(summed),
     )
-    if summed:
-        assert like is not None
-        return product.view(like.shape) if whole else product.sum_to_size(like.shape).to(out_dtype)
-    return product
+    return product.view(like.shape)
 
 
 class BatchedMatmulFunction(_Function):

@@ -42,6 +42,7 @@ def _gemm_op(
     store_act_grad: bool,
     rowsum_a: bool,
     sum_batch: bool = False,
+    kept_dims: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from mpgemm.functional import _implementation
 
@@ -55,6 +56,7 @@ def _gemm_op(
         store_act_grad=store_act_grad,
         rowsum_a=rowsum_a,
         sum_batch=sum_batch,
+        kept_dims=kept_dims,
     )
     # An op returns tensors, none aliasing another: an output not asked for is empty.
     return (
@@ -75,9 +77,11 @@ def _(
     store_act_grad,
     rowsum_a,
     sum_batch=False,
+    kept_dims=0,
 ):
     m, n = a.shape[-2], b.shape[-1]
-    c = a.new_empty((m, n) if sum_batch else (*a.shape[:-2], m, n), dtype=out_dtype)
+    batch = a.shape[:kept_dims] if sum_batch else a.shape[:-2]
+    c = a.new_empty((*batch, m, n), dtype=out_dtype)
     g = a.new_empty((m, n) if store_act_grad else (0,), dtype=torch.float32)
     r = a.new_empty((m,) if rowsum_a else (0,), dtype=torch.float32)
     return c, g, r
@@ -95,6 +99,7 @@ def gemm(
     rowsum_a=False,
     out=None,
     sum_batch=False,
+    kept_dims=0,
 ):
     """``gemm_ref``'s contract (and ``triton_gemm``'s) through the custom op, which
     returns C as a new tensor: ``out`` must be None."""
@@ -110,6 +115,7 @@ def gemm(
         store_act_grad,
         rowsum_a,
         sum_batch,
+        kept_dims,
     )
     return c, (g if store_act_grad else None), (r if rowsum_a else None)
 

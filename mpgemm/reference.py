@@ -82,14 +82,16 @@ def gemm_ref(
     rowsum_a: bool = False,
     out: torch.Tensor | None = None,
     sum_batch: bool = False,
+    kept_dims: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The math of ``triton_gemm`` (see ``mpgemm.kernels.gemm``), same arguments and
     results: C = act(round(A) @ round(B) + bias), G = act'(...) if asked, R = FP32 row
-    sums of A; ``sum_batch``: C = the sum of a batch's products, in FP32."""
+    sums of A; ``sum_batch``: C = the sum of a batch's products over every batch
+    dimension after the first ``kept_dims``, in FP32."""
     a32 = a.to(torch.float32)
     z = round_to(a32, compute_dtype) @ round_to(b, compute_dtype)
-    if sum_batch:
-        z = z.sum(dim=tuple(range(z.dim() - 2))) if z.dim() > 2 else z
+    if sum_batch and z.dim() > 2 + kept_dims:
+        z = z.sum(dim=tuple(range(kept_dims, z.dim() - 2)))
     if bias is not None:
         z = z + bias.to(torch.float32)
     y, dy_dz = activation_and_derivative(z, activation)

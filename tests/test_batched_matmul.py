@@ -306,6 +306,37 @@ def test_a_gradient_summed_over_the_whole_batch_in_the_pointer_kernel(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_gradient_summed_over_some_batch_dimensions_keeps_the_others(dtype, device):
+    """b (3, K, N) times a (2, 3, M, K): b's gradient sums over a's first dimension and
+    keeps the second, sum_i A[i, h]^T @ dC[i, h] for each h, in one launch of the
+    pointer kernel (``SUM_BATCH`` with kept indices, a part each), not a batch of FP32
+    products in memory. The two products of each h nearly cancel (one A, and dC's pair
+    nearly cancels), so that rounding either to 16 bits would show; a sits in a
+    NaN-filled buffer."""
+    a = torch.randn(1, 3, 40, 48, device=device).expand(2, 3, 40, 48).to(dtype)
+    a = nan_padded_batch(a.reshape(6, 40, 48), aligned=False).view(2, 3, 40, 48)
+    b = torch.randn(3, 48, 24, device=device).to(dtype).requires_grad_()
+    first = torch.randn(3, 40, 24, device=device)
+    grad_out = torch.stack([first, -first + 1e-2 * torch.randn_like(first)])
+    out = mpgemm.matmul(a, b)
+    grad_out = grad_out.to(out.dtype)
+    launches = []
+
+    def run_and_keep(kernel, grid, args, kwargs, configs):
+        name = jit_function(kernel).fn.__name__
+        launches.append((name, kwargs.get("SUM_BATCH", False), kwargs.get("SUMMED")))
+        assert kwargs.get("PRODUCTS") == 6 and kwargs.get("PER_SPLIT") == 2
+        kernel[grid](*args, **kwargs)
+
+    with intercept(run_and_keep):
+        out.backward(grad_out, inputs=[b])
+    assert launches == [("_gemm_kernel", True, 2)]
+    a.requires_grad_()
+    mpgemm.matmul(a, b.detach()).backward(grad_out)
+    assert_gradients_within_torch_error(a, b, grad_out, torch.float16, f"{dtype} kept")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "shapes",
     [((17, 33), (0, 33, 9)), ((0, 33), (4, 33, 9)), ((17, 33), (4, 33, 0)), ((17, 0), (4, 0, 9))],

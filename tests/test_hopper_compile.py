@@ -67,14 +67,18 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     # into the gradient and into partial sums of parts of the batch.
     summed = [r for r in tma if r["flags"].get("SUM_BATCH")]
     assert {r["flags"].get("BATCHED", False) for r in summed} == {False, True}
-    # The pointer kernel sums them too, for FP32 and unaligned 16-bit operands, fed by
-    # cp.async where aligned.
+    # The pointer kernel sums them too, for FP32 and unaligned 16-bit operands, and
+    # over some batch dimensions only (a part per kept index) for aligned 16-bit ones;
+    # fed by cp.async where aligned.
     summed = [r for r in gemms if r["kernel"] == "_gemm_kernel" and r["flags"].get("SUM_BATCH")]
     assert {(r["specialization"], "fp32" in (r["a_dtype"], r["b_dtype"])) for r in summed} == {
         ("aligned", True),
         ("unaligned", True),
         ("unaligned", False),
+        ("aligned", False),
     }
+    kept = [r for r in summed if r["specialization"] == "aligned" and r["b_dtype"] != "fp32"]
+    assert all(r["flags"]["SUMMED"] < r["flags"]["PRODUCTS"] for r in kept)
     assert all(r["cp_async"] for r in summed if r["specialization"] == "aligned")
 
     # Every GEMM of a converted MLP's training step (16-bit weight copies, an FP32 input
