@@ -171,6 +171,10 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     # the second, a part per kept index (the pointer kernel).
     a5 = _tensor((2, 3, m, k), half, aligned).requires_grad_()
     yield "matmul batched, b broadcast over one dimension", lambda: matmul(a5, b)
+    # Attention's scores on (batch, heads) views of (batch, tokens, heads, dim)
+    # projections: two batch dimensions that do not merge, one launch (OUTER).
+    q, kt = (_tensor((2, m, 3, k), half, aligned).transpose(1, 2) for _ in range(2))
+    yield "matmul batched, transposed heads", lambda: matmul(q, kt.transpose(-1, -2))
 
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:

@@ -233,22 +233,33 @@ def _gemm_kernel(
     stride_bb=0,
     stride_cb=0,
     BATCHED: tl.constexpr = False,
+    # A batch over two dimensions whose strides do not merge into one (OUTER): product
+    # p is at (p // INNER) * stride_*o + (p % INNER) * stride_*b, INNER products to
+    # each outer index.
+    INNER=1,
+    stride_ao=0,
+    stride_bo=0,
+    stride_co=0,
+    OUTER: tl.constexpr = False,
     # C is the sum of PRODUCTS products (the gradient of an operand broadcast over the
     # batch, ``_sum_batched``; no sums, no epilogue, no split of K, not BATCHED):
     # program_id(1) sums the PER_SPLIT products of its part (fewer at the batch's end)
     # into C's part program_id(1), stride_cb apart (FP32 partials where the batch is
-    # split, or each kept index's sum). Product p is A's and B's matrix
-    # (p // SUMMED) * stride_*_kept + (p % SUMMED) * stride_*b: SUMMED products to each
-    # kept batch index (all of them, kept strides 0, where the whole batch is summed).
+    # split, or each outer index's sum: the kept batch dimensions). Products are
+    # addressed as OUTER's are (one outer index, outer strides 0, where the whole
+    # batch is summed).
     PER_SPLIT=1,
     PRODUCTS=1,
-    SUMMED=1,
-    stride_a_kept=0,
-    stride_b_kept=0,
     SUM_BATCH: tl.constexpr = False,
 ):
     if BATCHED:
         pid_b = tl.program_id(2).to(tl.int64)
+        if OUTER:
+            outer = pid_b // INNER
+            pid_b -= outer * INNER
+            a_ptr += outer * stride_ao
+            b_ptr += outer * stride_bo
+            c_ptr += outer * stride_co
         a_ptr += pid_b * stride_ab
         b_ptr += pid_b * stride_bb
         c_ptr += pid_b * stride_cb
@@ -304,9 +315,9 @@ def _gemm_kernel(
             stride_bk,
             stride_ab,
             stride_bb,
-            SUMMED,
-            stride_a_kept,
-            stride_b_kept,
+            INNER,
+            stride_ao,
+            stride_bo,
             part * PER_SPLIT,
             tl.minimum(PER_SPLIT, PRODUCTS - part * PER_SPLIT),
             compute_dtype,
@@ -370,9 +381,9 @@ def _summed_products(
     stride_bk,
     stride_ab,
     stride_bb,
-    summed,
-    stride_a_kept,
-    stride_b_kept,
+    inner,
+    stride_ao,
+    stride_bo,
     first,
     count,
     compute_dtype: tl.constexpr,
@@ -381,26 +392,26 @@ def _summed_products(
 ):
     """``acc`` plus the sum of ``count`` products' tiles from product ``first`` on,
     round(A[p]) @ round(B[p]): ``a_rows`` and ``b_cols`` point at the tile's rows of A
-    and columns of B in product 0, product p at (p // summed) * stride_*_kept +
-    (p % summed) * stride_*b from there. One loop over every product's K steps, one
+    and columns of B in product 0, product p at (p // inner) * stride_*o +
+    (p % inner) * stride_*b from there. One loop over every product's K steps, one
     product after another (as the TMA kernel's ``SUM_BATCH``), so that the sum is
     accumulated in FP32 and the loop is pipelined across products."""
     k_steps = tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     for step in range(count * k_steps):
         product = (first + step // k_steps).to(tl.int64)
-        kept = product // summed
-        product -= kept * summed
+        outer = product // inner
+        product -= outer * inner
         # 64-bit: a K step's offset times a transposed operand's stride may pass 2**31.
         ks = ((step % k_steps) * BLOCK_K + offs_k).to(tl.int64)
         mask_k = ks < K
         a = tl.load(
-            a_rows + kept * stride_a_kept + product * stride_ab + ks[None, :] * stride_ak,
+            a_rows + outer * stride_ao + product * stride_ab + ks[None, :] * stride_ak,
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
         b = tl.load(
-            b_cols + kept * stride_b_kept + product * stride_bb + ks[:, None] * stride_bk,
+            b_cols + outer * stride_bo + product * stride_bb + ks[:, None] * stride_bk,
             mask=mask_k[:, None] & mask_n[None, :],
             other=0.0,
         )
@@ -758,7 +769,8 @@ def _launch_batched(
     operands, by launches over 3-D views, each of the TMA kernel where it qualifies
     (``tma_layout``), else of the pointer kernel: batch dimensions are merged where the
     strides of all three allow (always for contiguous operands, and for an operand
-    broadcast over every batch dimension), any others iterated on the host, and each
+    broadcast over every batch dimension); two that do not merge take one launch of
+    the pointer kernel over both (``OUTER``), more are iterated on the host; each
     launch takes at most ``_MAX_BATCH`` products. With ``signature`` (``triton_gemm``'s),
     a batch done in one launch is kept to replay."""
     if c.numel() == 0:
@@ -766,6 +778,19 @@ def _launch_batched(
     flags = _flags(compute_dtype, None, None, False)
     operands = (a, b, c)
     *outer, (inner, *inner_strides) = _merged_batch(operands)
+    if len(outer) == 1 and outer[0][0] * inner <= _MAX_BATCH:
+        # Two dimensions that do not merge (attention's (batch, heads) of a transposed
+        # view): one launch of the pointer kernel over both (OUTER), not one per
+        # outer index.
+        starts = [t.storage_offset() for t in operands]
+        a3, b3, c3 = _batch_views(operands, inner, inner_strides, starts)
+        replay = _launch_pointer(
+            a3, b3, c3, r=None, k_sums=None, splits=1, flags=flags, outer=outer[0]
+        )
+        # Its outer strides are keyword arguments of the binary, fixed by the signature.
+        if signature is not None and replay is not None:
+            _remember(signature, replay._replace(batch=(inner, tuple(inner_strides))))
+        return
     for index in itertools.product(*(range(dim[0]) for dim in outer)):
         offsets = [
             t.storage_offset() + sum(i * dim[1 + j] for i, dim in zip(index, outer, strict=True))
@@ -848,7 +873,6 @@ def _sum_batched(
         flags = _flags(compute_dtype, None, None, False)
         if parts > 1:
             c = torch.empty((parts, M, N), device=a.device, dtype=out_dtype)
-            kept_strides = (a_kept, b_kept)
             _launch_pointer(
                 a3,
                 b3,
@@ -858,7 +882,7 @@ def _sum_batched(
                 splits=1,
                 flags=flags,
                 per_split=count,
-                kept=(parts, *kept_strides),
+                outer=(parts, a_kept, b_kept, 0),
             )
             return c.view(shape)
         sms = multiprocessors(a.device)
@@ -914,17 +938,18 @@ def _launch_pointer(
     bias: torch.Tensor | None = None,
     g: torch.Tensor | None = None,
     per_split: int | None = None,
-    kept: tuple[int, int, int] | None = None,
+    outer: tuple[int, int, int, int] | None = None,
 ) -> _Replay | None:
     """The pointer kernel's launch (and split-K's reduction) writing C, G and R, which
     ``triton_gemm`` has allocated; R has A's rows (``k_sums`` "a") or B's columns
     ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T. With
     ``per_split``, (P, M, K) and (P, K, N) operands' products summed (``SUM_BATCH``, no
     sums, no epilogue, no split): C is (M, N), or (S, M, N) FP32 partials, C[i] the sum
-    of products i * per_split on, per_split of them or fewer. With ``kept`` too,
-    (count, A's stride, B's stride): the P products repeat over ``count`` kept indices,
-    so many apart, and C is (count, M, N), C[k] the sum of kept index k's (per_split is
-    P). Returns the launches to replay where each called a cached binary (``launch``),
+    of products i * per_split on, per_split of them or fewer. ``outer``, (count, A's,
+    B's and C's stride): the batch of 3-D views repeats over ``count`` outer indices,
+    so many elements apart (a batch over two dimensions that do not merge); summed,
+    C is (count, M, N), C[k] outer index k's sum (per_split is the views' batch).
+    Returns the launches to replay where each called a cached binary (``launch``),
     else None."""
     M, K = a.shape[-2:]
     N = b.shape[-1]
@@ -943,7 +968,7 @@ def _launch_pointer(
         *c.stride()[-2:],
         *(g.stride() if g is not None else ()),
         *batch_strides,
-        *(kept[1:] if kept is not None else ()),
+        *(outer[1:] if outer is not None else ()),
     ]
     flags = dict(
         flags,
@@ -956,15 +981,16 @@ def _launch_pointer(
     if batch_strides:
         stride_ab, stride_bb, stride_cb = batch_strides
         flags.update(stride_ab=stride_ab, stride_bb=stride_bb, stride_cb=stride_cb)
+        count, stride_ao, stride_bo, stride_co = (1, 0, 0, 0) if outer is None else outer
+        addressed = dict(INNER=batch, stride_ao=stride_ao, stride_bo=stride_bo)
         if per_split is None:
             flags.update(BATCHED=True)
+            if outer is not None:
+                flags.update(addressed, stride_co=stride_co, OUTER=True)
+                third = batch * count
         else:
-            summed, *kept_strides = (batch, 0, 0) if kept is None else (batch, *kept[1:])
-            if kept is not None:
-                batch *= kept[0]
-            flags.update(PER_SPLIT=per_split, PRODUCTS=batch, SUM_BATCH=True, SUMMED=summed)
-            flags.update(stride_a_kept=kept_strides[0], stride_b_kept=kept_strides[1])
-            second, third = cdiv(batch, per_split), 1
+            flags.update(addressed, PER_SPLIT=per_split, PRODUCTS=batch * count, SUM_BATCH=True)
+            second, third = cdiv(batch * count, per_split), 1
     n_bucket = size_bucket(N)
 
     def grid(meta):

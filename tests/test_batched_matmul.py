@@ -92,14 +92,27 @@ def test_vector_gradients(device):
 
 
 def test_strided_batches_run_without_copies(device):
-    # Batch dimensions that do not merge (a's are transposed): one launch per entry of
-    # the outer one, each over views of the operands; the NaN poison of the output
-    # shows any product left unwritten.
-    a = torch.randn(3, 2, 17, 33, device=device).transpose(0, 1)  # (2, 3, 17, 33)
+    # Batch dimensions that do not merge (a's are transposed, as attention's
+    # (batch, heads) of a (batch, tokens, heads, dim) projection): two in one launch of
+    # the pointer kernel (OUTER); three, a launch per index of the outer two, each over
+    # views of the operands. The NaN poison of the output shows any product left
+    # unwritten.
     b = torch.randn(3, 33, 9, device=device)
-    names, out = launched_kernels(lambda: mpgemm.matmul(a, b, out_dtype=torch.float32))
-    assert names == ["_gemm_kernel"] * 2
-    assert_product_within_torch_error(out, a, b)
+    flags = []
+
+    def keep(kernel, grid, args, kwargs, configs):
+        flags.append(kwargs.get("OUTER", False))
+        kernel[grid](*args, **kwargs)
+
+    for a, launches in (
+        (torch.randn(3, 2, 17, 33, device=device).transpose(0, 1), 1),  # (2, 3, 17, 33)
+        (torch.randn(3, 2, 2, 17, 33, device=device).permute(2, 1, 0, 3, 4), 4),
+    ):
+        flags.clear()
+        with intercept(keep):
+            out = mpgemm.matmul(a, b, out_dtype=torch.float32)
+        assert flags == [launches == 1] * launches
+        assert_product_within_torch_error(out, a, b)
 
     # Contiguous batches merge into one launch, a broadcast 2-D a too.
     a, b = torch.randn(2, 3, 17, 33, device=device), torch.randn(2, 3, 33, 9, device=device)
@@ -324,7 +337,7 @@ def test_a_gradient_summed_over_some_batch_dimensions_keeps_the_others(dtype, de
 
     def run_and_keep(kernel, grid, args, kwargs, configs):
         name = jit_function(kernel).fn.__name__
-        launches.append((name, kwargs.get("SUM_BATCH", False), kwargs.get("SUMMED")))
+        launches.append((name, kwargs.get("SUM_BATCH", False), kwargs.get("INNER")))
         assert kwargs.get("PRODUCTS") == 6 and kwargs.get("PER_SPLIT") == 2
         kernel[grid](*args, **kwargs)
 

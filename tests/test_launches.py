@@ -255,7 +255,8 @@ def test_the_gemm_launches_hand_the_launcher_what_the_autotuner_would(tmp_path):
     operand, and computing C.T with B.T's column sums; split-K with its reduction, and
     of C.T with the column sums (a head's weight gradient);
     batches of products: the TMA kernel's from a storage offset with B broadcast, the
-    pointer kernel's over merged batch dimensions, and a launch per outer index),
+    pointer kernel's over merged batch dimensions and over two that do not merge, and
+    a launch per outer index),
     compiled for an H100 through the stand-in driver with one config per launch:
     ``launch`` hands the launcher what triton's autotuner (or JIT) hands it, through the
     autotuner, the JIT with the chosen config and the cached binary alike (descriptors
@@ -265,7 +266,7 @@ def test_the_gemm_launches_hand_the_launcher_what_the_autotuner_would(tmp_path):
     steps aside while launches are intercepted or the binaries swapped out. In a
     process of its own, as above."""
     # One config each: nothing to time.
-    assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 56
+    assert _compared_apart("_compare_gemm_launches", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 64
 
 
 def _stand_in_driver():
@@ -363,18 +364,26 @@ def _compare_gemm_launches():
         lambda: triton_gemm(a.t(), b, compute_dtype=half, out_dtype=half, rowsum_a=True),
         lambda: triton_gemm(rows, b.t(), compute_dtype=half, out_dtype=half, rowsum_a=True),
         # Batches of products: the TMA kernel with B broadcast (batch stride 0), the
-        # pointer kernel on FP32 batches from a (2, 3) batch that merges into one,
-        # and a batch that does not merge (a launch per outer index: not replayed).
+        # pointer kernel on FP32 batches from a (2, 3) batch that merges into one, over
+        # a (3, 2) batch that does not (one launch, OUTER), and over three dimensions
+        # that do not merge (a launch per outer index: not replayed).
         lambda: triton_gemm(batch, b.expand(3, 64, 32), compute_dtype=half, out_dtype=half),
         lambda: triton_gemm(grid32, b.expand(2, 3, 64, 32), compute_dtype=half, out_dtype=half),
         lambda: triton_gemm(
             grid32.transpose(0, 1), b.expand(3, 2, 64, 32), compute_dtype=half, out_dtype=half
         ),
+        lambda: triton_gemm(
+            cube.permute(2, 1, 0, 3, 4),
+            b.expand(2, 2, 3, 64, 32),
+            compute_dtype=half,
+            out_dtype=half,
+        ),
     ]
     batch = torch.randn(4, 64, 64, generator=g).to(half)[1:]  # its storage from an offset
     grid32 = torch.randn(2, 3, 64, 64, generator=g)
+    cube = torch.randn(3, 2, 2, 64, 64, generator=g)
     inputs = {t.data_ptr() for t in (a, b, weight, bias, *tall, a32, head, features, rows)}
-    inputs |= {batch.data_ptr(), grid32.data_ptr()}
+    inputs |= {batch.data_ptr(), grid32.data_ptr(), cube.data_ptr()}
     compared = 0
     driver.set_active(_stand_in_driver())
     for product in products:

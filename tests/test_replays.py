@@ -43,12 +43,16 @@ def _launch(kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
         q = torch.randn(2, 4, 80, 64, device=device).to(HALF)
         k = torch.randn(2, 4, 72, 64, device=device).to(HALF)
         return q, k.transpose(-1, -2), {}
+    if kind == "pointer outer batch":  # the same on (batch, heads) views of projections
+        q = torch.randn(2, 80, 4, 64, device=device).to(HALF).transpose(1, 2)
+        k = torch.randn(2, 72, 4, 64, device=device).to(HALF).transpose(1, 2)
+        return q, k.transpose(-1, -2), {}
     # split-K: partials, then their reduction, both replayed
     return operand(16, 8192), operand(8192, 16), {}
 
 
 KINDS = ["tma bias gelu", "tma row sums", "pointer fp32", "pointer transposed", "tma batch"]
-KINDS += ["split-k"]
+KINDS += ["pointer outer batch", "split-k"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
