@@ -84,6 +84,44 @@ def test_batched_gemm(run_case, device, shape, impl):
     run_case(fn, case="x".join(map(str, shape)), impl=impl, flops=2 * batch * m * n * k)
 
 
+# (sequences, tokens, heads, head dim): attention's scores q @ k^T on (batch, heads)
+# views of (batch, tokens, heads, dim) projections, whose batch dimensions do not
+# merge. mpgemm: one launch of the pointer kernel over both (OUTER);
+# ``mpgemm_per_index``: the TMA kernel, a launch per sequence (``use_kernel("tma")``,
+# the way before OUTER); torch: a copy to contiguous heads, then one batched GEMM.
+HEADS_SHAPES = [(4, 1024, 16, 64), (32, 128, 16, 64)] if GPU_SCALE else [(2, 32, 3, 16)]
+
+
+@pytest.mark.benchmark(group="gemm_batched")
+@pytest.mark.parametrize("impl", ["mpgemm", "mpgemm_per_index", "torch_fp16"])
+@pytest.mark.parametrize("shape", HEADS_SHAPES, ids=lambda s: "heads_" + "x".join(map(str, s)))
+def test_scores_of_transposed_heads(run_case, device, shape, impl):
+    batch, tokens, heads, dim = shape
+    q, k = (
+        torch.randn(batch, tokens, heads * dim, device=device)
+        .half()
+        .view(batch, tokens, heads, dim)
+        .transpose(1, 2)
+        for _ in range(2)
+    )
+
+    def per_index():
+        with use_kernel("tma"):
+            return mpgemm.matmul(q, k.transpose(-1, -2))
+
+    fn = {
+        "mpgemm": lambda: mpgemm.matmul(q, k.transpose(-1, -2)),
+        "mpgemm_per_index": per_index,
+        "torch_fp16": lambda: torch.matmul(q, k.transpose(-1, -2)),
+    }[impl]
+    run_case(
+        fn,
+        case="heads " + "x".join(map(str, shape)),
+        impl=impl,
+        flops=2 * batch * heads * tokens * tokens * dim,
+    )
+
+
 # (batch, M, K, N): a (M, K) broadcast over b's batch, and a's gradient, dC @ B^T summed
 # over the batch (mpgemm: in the TMA kernel's K loop, SUM_BATCH): a 4096^2 weight over
 # 8 products (1,024 tiles: into the gradient) and a 256^2 one over 64 (4 tiles: the

@@ -778,10 +778,10 @@ def _launch_batched(
     flags = _flags(compute_dtype, None, None, False)
     operands = (a, b, c)
     *outer, (inner, *inner_strides) = _merged_batch(operands)
-    if len(outer) == 1 and outer[0][0] * inner <= _MAX_BATCH:
+    if len(outer) == 1 and outer[0][0] * inner <= _MAX_BATCH and _kernel != "tma":
         # Two dimensions that do not merge (attention's (batch, heads) of a transposed
         # view): one launch of the pointer kernel over both (OUTER), not one per
-        # outer index.
+        # outer index (which use_kernel("tma") keeps, for comparison).
         starts = [t.storage_offset() for t in operands]
         a3, b3, c3 = _batch_views(operands, inner, inner_strides, starts)
         replay = _launch_pointer(
@@ -866,7 +866,8 @@ def _sum_batched(
         return torch.zeros(shape, device=a.device, dtype=out_dtype)
     kept = _merged_batch((a, b), 0, kept_dims)
     summed = _merged_batch((a, b), kept_dims)
-    if len(kept) == 1 and len(summed) == 1:
+    # (use_kernel("tma") makes kept indices' sums the TMA kernel's products, below.)
+    if len(kept) == 1 and len(summed) == 1 and (kept[0][0] == 1 or _kernel != "tma"):
         ((parts, a_kept, b_kept),) = kept
         ((count, *strides),) = summed
         a3, b3 = _batch_views((a, b), count, strides, (a.storage_offset(), b.storage_offset()))
@@ -892,7 +893,7 @@ def _sum_batched(
             c = torch.empty((M, N), device=a.device, dtype=out_dtype)
         else:
             c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
-        layout = _tma_eligible(a3, b3, compute_dtype, 1)
+        layout = _tma_layout(a3, b3, compute_dtype, 1)
         if layout is not None:
             gemm_tma.launch_tma_gemm(
                 a3,

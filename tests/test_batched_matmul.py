@@ -122,6 +122,32 @@ def test_strided_batches_run_without_copies(device):
         assert_product_within_torch_error(out, left, b)
 
 
+def test_use_kernel_tma_keeps_the_tma_kernels_launch_per_outer_index(device):
+    """Under ``use_kernel("tma")`` (the benchmarks' comparison) the one-launch pointer
+    paths step aside: a batch over two dimensions that do not merge is a TMA launch per
+    outer index, and a gradient kept over one dimension the TMA kernel's products,
+    then their sum; the results meet the same bar."""
+    q, k = (
+        torch.randn(2, 40, 3 * 48, device=device).half().view(2, 40, 3, 48).transpose(1, 2)
+        for _ in range(2)
+    )
+    with gemm.use_kernel("tma"):
+        names, out = launched_kernels(lambda: mpgemm.matmul(q, k.mT, out_dtype=torch.float32))
+    assert names == ["_gemm_tma_kernel"] * 2
+    assert_product_within_torch_error(out, q, k.mT)
+
+    a = torch.randn(2, 3, 40, 48, device=device).half()
+    b = torch.randn(3, 48, 24, device=device).half().requires_grad_()
+    grad_out = torch.randn(2, 3, 40, 24, device=device).half()
+    with gemm.use_kernel("tma"):
+        out = mpgemm.matmul(a, b)
+        names, _ = launched_kernels(lambda: out.backward(grad_out, inputs=[b]))
+    assert set(names) == {"_gemm_tma_kernel"}
+    a.requires_grad_()
+    mpgemm.matmul(a, b.detach()).backward(grad_out)
+    assert_gradients_within_torch_error(a, b, grad_out, torch.float16, "use_kernel tma")
+
+
 def test_a_batch_beyond_the_grid_limit_is_split_across_launches(device, monkeypatch):
     monkeypatch.setattr(gemm, "_MAX_BATCH", 2)
     a = torch.randn(5, 17, 33, device=device)
