@@ -24,7 +24,6 @@ small shapes, so that it cannot rot; those numbers say nothing about GPUs.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
@@ -37,6 +36,7 @@ from harness import (
     DeviceClock,
     flush_time,
     kernel_time,
+    median,
     peak_memory_mb,
     synchronize,
 )
@@ -118,7 +118,7 @@ def run_case(benchmark):
         elif ON_GPU:
             # A step's time to enqueue, from a synchronised GPU (the rounds', less the
             # warm-up's): against its wall clock, how host-bound it is.
-            benchmark.extra_info["host_ms"] = statistics.median(enqueue[-ROUNDS:]) * 1e3
+            benchmark.extra_info["host_ms"] = median(enqueue[-ROUNDS:]) * 1e3
         if benchmark.stats is not None:  # a line per case in the log as the suite runs
             kernel = benchmark.extra_info.get("kernel_ms")
             host = benchmark.extra_info.get("host_ms")

@@ -138,7 +138,7 @@ def kernel_time(fn, setup=None, rounds: int = ROUNDS) -> KernelTime | None:
             continue
         times.append(start.elapsed_time(end) / 1e3)
         hosts.append(host)
-    return KernelTime(_median(times), _median(hosts))
+    return KernelTime(median(times), median(hosts))
 
 
 def flush_time(rounds: int = 10) -> float:
@@ -154,8 +154,9 @@ def flush_time(rounds: int = 10) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return _median(times)
+    return median(times)
 
 
-def _median(values: list[float]) -> float:
+def median(values: list[float]) -> float:
+    """The bench's median: the upper one of an even count (a time that was measured)."""
     return sorted(values)[len(values) // 2]

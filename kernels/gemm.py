@@ -700,7 +700,7 @@ def _relaunch(replay: _Replay, a, b, c, bias, g, r) -> None:
     """``triton_gemm``'s launches as ``replay`` made them, on these tensors."""
     if replay.batch is not None:
         count, strides = replay.batch
-        a, b, c = _batch_views((a, b, c), count, strides, [t.storage_offset() for t in (a, b, c)])
+        a, b, c = _batch_views((a, b, c), count, strides)
     first, *reduction = replay.launches
     if replay.layout is not None:
         if r is not None:
@@ -782,8 +782,7 @@ def _launch_batched(
         # Two dimensions that do not merge (attention's (batch, heads) of a transposed
         # view): one launch of the pointer kernel over both (OUTER), not one per
         # outer index (which use_kernel("tma") keeps, for comparison).
-        starts = [t.storage_offset() for t in operands]
-        a3, b3, c3 = _batch_views(operands, inner, inner_strides, starts)
+        a3, b3, c3 = _batch_views(operands, inner, inner_strides)
         replay = _launch_pointer(
             a3, b3, c3, r=None, k_sums=None, splits=1, flags=flags, outer=outer[0]
         )
@@ -810,10 +809,16 @@ def _launch_batched(
 
 
 def _batch_views(
-    operands: tuple[torch.Tensor, ...], count: int, strides: Sequence[int], starts: Sequence[int]
+    operands: tuple[torch.Tensor, ...],
+    count: int,
+    strides: Sequence[int],
+    starts: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(count, ., .) views of (*batch, ., .) ``operands``: each one's matrices from
-    element ``starts[i]`` of its storage on, ``strides[i]`` apart."""
+    element ``starts[i]`` of its storage on (default: where the operand starts),
+    ``strides[i]`` apart."""
+    if starts is None:
+        starts = [t.storage_offset() for t in operands]
     return tuple(
         t.as_strided((count, *t.shape[-2:]), (s, *t.stride()[-2:]), start)
         for t, s, start in zip(operands, strides, starts, strict=True)
@@ -870,30 +875,20 @@ def _sum_batched(
     if len(kept) == 1 and len(summed) == 1 and (kept[0][0] == 1 or _kernel != "tma"):
         ((parts, a_kept, b_kept),) = kept
         ((count, *strides),) = summed
-        a3, b3 = _batch_views((a, b), count, strides, (a.storage_offset(), b.storage_offset()))
+        a3, b3 = _batch_views((a, b), count, strides)
         flags = _flags(compute_dtype, None, None, False)
-        if parts > 1:
-            c = torch.empty((parts, M, N), device=a.device, dtype=out_dtype)
-            _launch_pointer(
-                a3,
-                b3,
-                c,
-                r=None,
-                k_sums=None,
-                splits=1,
-                flags=flags,
-                per_split=count,
-                outer=(parts, a_kept, b_kept, 0),
-            )
-            return c.view(shape)
         sms = multiprocessors(a.device)
-        splits = sum_splits(M, N, count, sms)
-        per_split = cdiv(count, splits)
-        if splits == 1:
-            c = torch.empty((M, N), device=a.device, dtype=out_dtype)
+        if parts > 1:  # a part per kept index, each sum rounded once: the pointer kernel
+            splits, per_split, layout = 1, count, None
+            c = torch.empty((parts, M, N), device=a.device, dtype=out_dtype)
         else:
-            c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
-        layout = _tma_layout(a3, b3, compute_dtype, 1)
+            splits = sum_splits(M, N, count, sms)
+            per_split = cdiv(count, splits)
+            if splits == 1:
+                c = torch.empty((M, N), device=a.device, dtype=out_dtype)
+            else:
+                c = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
+            layout = _tma_layout(a3, b3, compute_dtype, 1)
         if layout is not None:
             gemm_tma.launch_tma_gemm(
                 a3,
@@ -908,7 +903,15 @@ def _sum_batched(
             )
         else:
             _launch_pointer(
-                a3, b3, c, r=None, k_sums=None, splits=1, flags=flags, per_split=per_split
+                a3,
+                b3,
+                c,
+                r=None,
+                k_sums=None,
+                splits=1,
+                flags=flags,
+                per_split=per_split,
+                outer=(parts, a_kept, b_kept, 0),
             )
         return (c if splits == 1 else c.sum(dim=0).to(out_dtype)).view(shape)
     products = torch.empty((*a.shape[:-1], N), device=a.device, dtype=torch.float32)
