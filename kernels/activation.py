@@ -1,18 +1,19 @@
-"""A fused activation's backward in one pass over dZ, for ``ActivationFunction``
-(``mpgemm.functional``): the derivative and the bias gradient's partial sums.
+"""A fused activation's backward in one launch over dZ, for ``ActivationFunction``
+(``mpgemm.functional``): the derivative and the bias gradient.
 
     ReLU (S = y):           dZ = 0 where y <= 0, else dY        (threshold_backward's rule:
                                                                  a NaN y passes dY on)
     GELU, SiLU (S = act'(z), FP32): dZ = round(dY * S)           (the product in FP32,
                                                                  rounded once to dZ's dtype)
     P[c, n] = sum over the rows of chunk c of dZ[:, n], before its rounding (FP32)
+    db[n]   = (...(P[0, n] + P[1, n]) + ...) + P[C-1, n]          (FP32, in chunk order)
 
-and the bias gradient is the sum of P over the chunks, in chunk order
-(``torch.sum(P, 0)``), so it is the same run to run. torch's ops take two passes over
-dZ, the derivative and then a reduction that reads dZ again: 60 + 42 us for an 8192 x
-4096 FP16 layer on the H100 (``bench/results/h100-2026-11-22/run5-at-4d25c67/prof``);
-here dZ is written once and summed from registers. Each program walks a chunk of rows
-for one block of columns.
+so the bias gradient is the same run to run. torch's ops take two passes over dZ, the
+derivative and then a reduction that reads dZ again: 60 + 42 us for an 8192 x 4096
+FP16 layer on the H100 (``bench/results/h100-2026-11-22/run5-at-4d25c67/prof``); here
+dZ is written once and summed from registers. Each program walks a chunk of rows for
+one block of columns; the last chunk of a column block to finish adds the chunks'
+partials (``mpgemm.kernels.arrivals``), so no second launch sums them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels.arrivals import arrive, counters, leave
 from mpgemm.kernels.gemm_common import INTERPRET, cdiv, multiprocessors
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
@@ -39,6 +41,8 @@ def _activation_backward_kernel(
     s_ptr,
     dz_ptr,
     partial_ptr,
+    bias_grad_ptr,
+    counter_ptr,
     M,
     N,
     rows_per_program,
@@ -80,6 +84,14 @@ def _activation_backward_kernel(
             sums += tl.sum(exact, axis=0)
     if BIAS_GRAD:
         tl.store(partial_ptr + chunk * N + cols, sums, mask=mask_n)
+        chunks = tl.num_programs(1)
+        if arrive(counter_ptr + tl.program_id(0), chunks):
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for c in range(0, chunks):
+                # Past L1, which another SM's stores do not update.
+                total += tl.load(partial_ptr + c * N + cols, mask=mask_n, cache_modifier=".cg")
+            tl.store(bias_grad_ptr + cols, total, mask=mask_n)
+            leave(counter_ptr + tl.program_id(0))
 
 
 def triton_activation_backward(
@@ -106,9 +118,12 @@ def triton_activation_backward(
     wanted = cdiv(_PROGRAMS_PER_SM * multiprocessors(grad_y.device), column_blocks)
     rows_per_program = cdiv(cdiv(M, wanted), BLOCK_M) * BLOCK_M
     chunks = cdiv(M, rows_per_program)
-    partial = (
-        torch.empty((chunks, N), device=grad_y.device, dtype=torch.float32) if bias_grad else dz
-    )
+    if bias_grad:
+        partial = torch.empty((chunks, N), device=grad_y.device, dtype=torch.float32)
+        grad_b = torch.empty(N, device=grad_y.device, dtype=torch.float32)
+        counter = counters(grad_y.device, column_blocks)
+    else:
+        partial = grad_b = counter = dz  # placeholders, not read
     launch(
         _activation_backward_kernel,
         (column_blocks, chunks),
@@ -116,6 +131,8 @@ def triton_activation_backward(
         saved,
         dz,
         partial,
+        grad_b,
+        counter,
         M,
         N,
         rows_per_program,
@@ -130,6 +147,4 @@ def triton_activation_backward(
         BLOCK_N=BLOCK_N,
         num_warps=4,
     )
-    if not bias_grad:
-        return dz, None
-    return dz, torch.sum(partial, dim=0)
+    return (dz, grad_b) if bias_grad else (dz, None)

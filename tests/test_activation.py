@@ -2,10 +2,12 @@
 against its reference, ``activation_backward_ref`` (torch's threshold_backward, or the
 FP32 product, and torch.sum): dZ bit for bit, NaN and inf included, with operands read
 through strides out of NaN-padded buffers; the bias gradient against FP64 with the
-reference's error as the bar, over several chunks of rows, the same run to run."""
+reference's error as the bar, over several chunks of rows, the same run to run, summed
+in the kernel's one launch."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from mpgemm.reference import activation_backward_ref
 from tests.accuracy import assert_same_bits, assert_within_torch_error, launched_kernels, nan_padded
@@ -13,7 +15,9 @@ from tests.accuracy import assert_same_bits, assert_within_torch_error, launched
 pytest.importorskip("triton")
 
 from mpgemm.kernels import activation as kernel_module  # noqa: E402
+from mpgemm.kernels import arrivals  # noqa: E402
 from mpgemm.kernels.activation import triton_activation_backward  # noqa: E402
+from mpgemm.kernels.launches import intercept  # noqa: E402
 
 # Ragged against the kernel's 32-row steps and 128-column blocks.
 M, N = 75, 200
@@ -81,3 +85,83 @@ def test_a_broadcast_gradient_and_empty_shapes(device):
         empty = torch.empty(m, n, device=device, dtype=torch.float16)
         dz, db = triton_activation_backward(empty, empty, "relu", torch.float16, bias_grad=True)
         assert dz.shape == (m, n) and torch.equal(db, torch.zeros(n, device=device))
+
+
+class _TorchOps(TorchDispatchMode):
+    """The names of the aten ops that run outside kernel launches."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _launched_unseen(kernel, grid, args, kwargs, configs):
+    with _disable_current_modes():  # the interpreter's own torch ops
+        kernel[grid](*args, **kwargs)
+
+
+@pytest.mark.unpoisoned  # the poison's fill would show as an op
+def test_the_bias_gradient_is_summed_in_the_one_launch(device, monkeypatch):
+    # 2 column blocks of 4 chunks: the last chunk of each to finish adds the partials.
+    # Nothing runs after the kernel (no torch.sum), and the counters are left at zero,
+    # so the stream's next launch counts from zero.
+    monkeypatch.setattr(kernel_module, "multiprocessors", lambda device: 2)
+    torch.manual_seed(0)
+    grad_y, saved = _operands("silu", torch.float16, device, transposed=False)
+    with intercept(_launched_unseen), _TorchOps() as ops:
+        dz, db = triton_activation_backward(grad_y, saved, "silu", torch.float16, bias_grad=True)
+    assert set(ops.names) <= {"empty.memory_format", "zeros"}, ops.names
+    assert all(not buffer.any() for buffer in arrivals._buffers.values())
+    ref_dz, ref_db = activation_backward_ref(grad_y, saved, "silu", torch.float16, bias_grad=True)
+    exact = grad_y.double() * saved.double()
+    assert_within_torch_error(db, exact.sum(0), ref_db, "bias gradient")
+
+
+def test_many_chunks_sum_to_the_same_bits_every_launch(device, monkeypatch):
+    # On a GPU, chunks finish in any order and the last reads the others' partials from
+    # memory (poisoned with NaN where one is read before it is written): the sum must
+    # not depend on which finishes last. Under the interpreter, 24 chunks of 32 rows.
+    rows, cols = (16384, 1024) if device.type == "cuda" else (760, 300)
+    if device.type != "cuda":
+        monkeypatch.setattr(kernel_module, "multiprocessors", lambda device: 18)
+    torch.manual_seed(1)
+    grad_y = torch.randn(rows, cols, device=device).half()
+    y = torch.randn(rows, cols, device=device).relu().half()
+    first = triton_activation_backward(grad_y, y, "relu", torch.float16, bias_grad=True)[1]
+    exact = (grad_y.double() * (y > 0)).sum(0)
+    _, ref_db = activation_backward_ref(grad_y, y, "relu", torch.float16, bias_grad=True)
+    assert_within_torch_error(first, exact, ref_db, "bias gradient")
+    for _ in range(20 if device.type == "cuda" else 2):
+        again = triton_activation_backward(grad_y, y, "relu", torch.float16, bias_grad=True)[1]
+        assert torch.equal(again, first)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and graph capture")
+def test_each_stream_has_its_counters_and_a_capture_fresh_ones():
+    device = torch.device("cuda")
+    mine = arrivals.counters(device, 4)
+    assert arrivals.counters(device, 4) is mine
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert arrivals.counters(device, 4) is not mine
+    # A graph's launches count on zeros of their own, filled at each replay: a replay
+    # on another stream than the capture's cannot meet that stream's eager launches.
+    torch.manual_seed(2)
+    grad_y = torch.randn(4096, 512, device=device).half()
+    y = torch.randn(4096, 512, device=device).relu().half()
+    eager = triton_activation_backward(grad_y, y, "relu", torch.float16, bias_grad=True)
+    buffers = {key: id(buffer) for key, buffer in arrivals._buffers.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_activation_backward(grad_y, y, "relu", torch.float16, bias_grad=True)
+    assert {key: id(buffer) for key, buffer in arrivals._buffers.items()} == buffers
+    for _ in range(3):
+        captured[1].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    assert all(not buffer.any() for buffer in arrivals._buffers.values())
