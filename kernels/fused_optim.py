@@ -15,6 +15,12 @@ same pass, so the next forward needs no cast. A parameter without one is listed 
 own copy, which each program tells by address, so that a layer's weight (with a copy)
 and bias (without) take one launch; ``HAS_COPY`` is off when no parameter has one.
 
+The step counts (Adam's; SGD's with dampening, which mark a buffer's first step) are
+advanced in the same launch where the step is taken: each program reads its
+parameter's count of the steps before this one, and the last of the parameter's
+programs to finish stores the count plus one (``mpgemm.kernels.arrivals``). That takes
+the place of two torch launches a step (an ``eq`` of the flag, then ``_foreach_add_``).
+
 Hyperparameters arrive in an FP64 table (``scalar_table``), as torch computes its
 Python-side scalars (bias corrections, ``1 - lr * weight_decay``) in double before
 rounding them to FP32. A learning rate or Adam beta given as a tensor (as torch's
@@ -33,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels.arrivals import arrive, counters, leave
 from mpgemm.kernels.gemm_common import INTERPRET
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
@@ -42,6 +49,7 @@ from mpgemm.kernels.tensor_table import (
     scalar_table,
     table_address,
     table_block,
+    table_blocks,
     table_pointer,
     tensor_table,
 )
@@ -94,6 +102,24 @@ def _takes_step(found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
     if HAS_FOUND_INF:
         take_step = tl.load(found_inf_ptr) == 0.0
     return take_step
+
+
+@triton.jit
+def _count_step(
+    table_ptr,
+    num_tensors,
+    tensor,
+    step_ptr,
+    step,
+    counter_ptr,
+    NUM_LISTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Store ``step``, the parameter's count with this step, once all the parameter's
+    programs have read the count before it: the last of them to arrive does."""
+    if arrive(counter_ptr + tensor, table_blocks(table_ptr, num_tensors, tensor, NUM_LISTS, BLOCK)):
+        tl.store(step_ptr, step)
+        leave(counter_ptr + tensor)
 
 
 @triton.jit
@@ -222,6 +248,9 @@ def _sgd_kernel(
     # TENSOR_LR)
     hyper_ptr,
     lr_ptr,
+    # int32 arrival counters, one per tensor (``mpgemm.kernels.arrivals``; unused
+    # unless DAMPENING)
+    counter_ptr,
     # element types
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
@@ -256,9 +285,12 @@ def _sgd_kernel(
     dampening = tl.load(hyper_ptr + 3)
     # The parameter's count of steps taken, this one included: 1 when its buffer is new.
     first_step = False
+    step_ptr = table_ptr  # (no counts without dampening)
+    step = 0.0
     if DAMPENING:
         step_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, 3, tl.float32, False)
-        first_step = tl.load(step_ptr) == 1.0
+        step = tl.load(step_ptr) + 1.0
+        first_step = step == 1.0
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
@@ -311,6 +343,10 @@ def _sgd_kernel(
                 HAS_GRAD_SCALE,
                 INTERPRETED,
             )
+        if DAMPENING:
+            _count_step(
+                table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, 4 + DAMPENING, BLOCK
+            )
 
 
 @triton.jit
@@ -349,8 +385,8 @@ def _adam_block(
     v = widen(load_block(v_ptr, mask), INTERPRETED)
     if AMSGRAD:
         v_max = widen(load_block(v_max_ptr, mask), INTERPRETED)
-    # The step count, already advanced for this step, gives the bias corrections, in
-    # double as torch takes them.
+    # The step count, this step included, gives the bias corrections, in double as
+    # torch takes them.
     t = step.to(tl.float64)
     step_size = (lr / (1.0 - tl.exp(t * tl.log(beta1)))).to(tl.float32)
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(tl.float32)
@@ -398,6 +434,8 @@ def _adam_kernel(
     lr_ptr,
     beta1_ptr,
     beta2_ptr,
+    # int32 arrival counters, one per tensor (``mpgemm.kernels.arrivals``)
+    counter_ptr,
     # element types
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
@@ -436,7 +474,9 @@ def _adam_kernel(
     beta2 = _hyperparameter(hyper_ptr, 2, beta2_ptr, TENSOR_BETA2)
     eps = tl.load(hyper_ptr + 3)
     weight_decay = tl.load(hyper_ptr + 4)
-    step = tl.load(table_pointer(table_ptr, num_tensors, tensor, 0, 4 + AMSGRAD, tl.float32, False))
+    # The parameter's count of steps taken before this one, and with it.
+    step_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, 4 + AMSGRAD, tl.float32, False)
+    step = tl.load(step_ptr) + 1.0
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
@@ -493,6 +533,7 @@ def _adam_kernel(
                 HAS_GRAD_SCALE,
                 INTERPRETED,
             )
+        _count_step(table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, 6 + AMSGRAD, BLOCK)
 
 
 def _launch(
@@ -505,6 +546,7 @@ def _launch(
     *,
     strided,
     tensor_flags: Sequence[str],
+    counts_steps: bool,
     block: int = OPTIMIZER_BLOCK,
     num_warps: int = 8,
     **flags,
@@ -514,7 +556,10 @@ def _launch(
     ``hyper``: the hyperparameters, of which the first ``len(tensor_flags)`` may be
     one-element tensors on the lists' device (torch's optimizers take a tensor lr and
     betas), each passed after the table and read from there when its flag is set.
-    ``block``: the elements per program. ``bench/sweep_optim.py`` times other values of
+    ``counts_steps``: the last of ``lists`` holds step counts that the kernel advances
+    where the step is taken (every tensor gets a program then, a zero-size one too,
+    and the programs of a tensor arrive on a counter of their own: the last stores
+    the count). ``block``: the elements per program. ``bench/sweep_optim.py`` times other values of
     it and ``num_warps`` on a GPU."""
     params = lists[0]
     if copies is None:
@@ -522,7 +567,9 @@ def _launch(
     # The first compute copy that is a tensor of its own, whose dtype all such share.
     first_copy = next(itertools.compress(copies, map(operator.is_not, copies, params)), None)
     has_copy = first_copy is not None
-    table, num_tensors, num_blocks, aligned = tensor_table([*lists, copies], block)
+    table, num_tensors, num_blocks, aligned = tensor_table(
+        [*lists, copies], block, every_tensor=counts_steps
+    )
     if num_blocks == 0:
         return
     # The lists walked element by element: the strided ones, and the copies if written.
@@ -542,6 +589,7 @@ def _launch(
         grad_scale if grad_scale is not None else table,
         hyper_table,
         *(hyper[i] if tensor else hyper_table for i, tensor in enumerate(from_tensors)),
+        counters(table.device, num_tensors) if counts_steps else table,
         PARAM_DTYPE=TRITON_DTYPES[params[0].dtype],
         GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
         COPY_DTYPE=TRITON_DTYPES[(first_copy if has_copy else params[0]).dtype],
@@ -576,7 +624,8 @@ def triton_sgd_step_(
     """``sgd_step_ref_`` in one launch. ``params`` (and buffers) share a dtype, ``grads``
     share a dtype, ``compute_copies`` that are not their parameter share a dtype (a
     parameter's own tensor: none); all flat, one device, parallel tensors with equal
-    strides. ``steps`` (FP32 one-element tensors) only with momentum and dampening. A
+    strides. ``steps`` (FP32 one-element tensors, each parameter's count of steps taken
+    before this one, advanced where it is taken) only with momentum and dampening. A
     tensor ``lr`` (one element, on that device) is read by the kernel."""
     if not params:
         return
@@ -592,6 +641,7 @@ def triton_sgd_step_(
         (lr, momentum, weight_decay, dampening),
         strided=3,
         tensor_flags=("TENSOR_LR",),
+        counts_steps=damped,
         HAS_MOMENTUM=momentum != 0,
         DAMPENING=damped,
         NESTEROV=nesterov,
@@ -621,7 +671,8 @@ def triton_adam_step_(
     """``adam_step_ref_`` in one launch. ``params`` and moments (and AMSGrad's
     ``max_exp_avg_sqs``) share a dtype, ``grads`` share a dtype, ``compute_copies`` that
     are not their parameter share a dtype (a parameter's own tensor: none), ``steps``
-    are FP32 one-element tensors; all on one device. A tensor ``lr``, ``beta1`` or
+    are FP32 one-element tensors (each parameter's count of steps taken before this
+    one, advanced where it is taken); all on one device. A tensor ``lr``, ``beta1`` or
     ``beta2`` (one element, on that device) is read by the kernel."""
     if not params:
         return
@@ -635,6 +686,7 @@ def triton_adam_step_(
         (lr, beta1, beta2, eps, weight_decay),
         strided=4 + len(maxima),
         tensor_flags=("TENSOR_LR", "TENSOR_BETA1", "TENSOR_BETA2"),
+        counts_steps=True,
         DECOUPLED_WEIGHT_DECAY=decoupled_weight_decay,
         AMSGRAD=bool(maxima),
         MAXIMIZE=maximize,

@@ -42,7 +42,7 @@ _cache: OrderedDict[tuple, object] = OrderedDict()
 
 
 def tensor_table(
-    lists: Sequence[Sequence[torch.Tensor]], block: int = BLOCK
+    lists: Sequence[Sequence[torch.Tensor]], block: int = BLOCK, *, every_tensor: bool = False
 ) -> tuple[torch.Tensor, int, int, tuple[bool, ...]]:
     """The launch table for parallel ``lists`` of tensors, in blocks of ``block``
     elements: ``(table, T, P, aligned)``, ``aligned[l]`` whether every tensor of list
@@ -50,7 +50,9 @@ def tensor_table(
     offset may not): what the kernels' ``ALIGNED`` flag may promise.
 
     ``lists[l][t]`` is tensor ``t`` of list ``l``; the numels come from list 0.
-    Zero-size tensors get no blocks. The table lives on the tensors' device."""
+    Zero-size tensors get no blocks, or, ``every_tensor``, one with no element in it
+    (for kernels that also do something once per tensor: ``table_blocks``). The table
+    lives on the tensors' device."""
     tensors = lists[0]
     device = tensors[0].device
     # map over a method runs in C: read of every tensor of every step.
@@ -66,7 +68,8 @@ def tensor_table(
         # Read here, once per table (the key holds the addresses): one launch reads one
         # device's memory, and a pointer into another's would fault on the GPU.
         _check_one_device(distinct.values())
-        blocks = [cdiv(numel, block) for numel in numels]
+        least = 1 if every_tensor else 0
+        blocks = [max(cdiv(numel, block), least) for numel in numels]
         first_blocks = list(itertools.accumulate(blocks, initial=0))
         rows = array("q", [ptr for i in which for ptr in addresses[i]] + numels)
         rows += array("q", first_blocks[:-1])
@@ -87,7 +90,7 @@ def tensor_table(
     for listed in addresses:
         known += listed
     known += numels
-    key = (device, block, which, array("Q", known).tobytes())
+    key = (device, block, every_tensor, which, array("Q", known).tobytes())
     return _cached(key, build)
 
 
@@ -160,6 +163,13 @@ def table_block(table_ptr, num_tensors, NUM_LISTS: tl.constexpr, BLOCK: tl.const
     offsets = tl.arange(0, BLOCK)
     remaining = tl.minimum(numel - start, BLOCK).to(tl.int32)
     return tensor, start, offsets, offsets < remaining, remaining == BLOCK
+
+
+@triton.jit
+def table_blocks(table_ptr, num_tensors, tensor, NUM_LISTS: tl.constexpr, BLOCK: tl.constexpr):
+    """How many programs tensor ``tensor`` has, in a table made with ``every_tensor``."""
+    numel = tl.load(table_ptr + NUM_LISTS * num_tensors + tensor)
+    return tl.maximum(tl.cdiv(numel, BLOCK), 1)
 
 
 @triton.jit

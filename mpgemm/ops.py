@@ -303,7 +303,8 @@ def update_scale_(
 
 
 @torch.library.custom_op(
-    "mpgemm::sgd_step_", mutates_args=("params", "grads", "momentum_buffers", "compute_copies")
+    "mpgemm::sgd_step_",
+    mutates_args=("params", "grads", "momentum_buffers", "compute_copies", "steps"),
 )
 def sgd_step_(
     params: list[torch.Tensor],
@@ -352,6 +353,7 @@ def sgd_step_(
         "grads",
         "exp_avgs",
         "exp_avg_sqs",
+        "steps",
         "compute_copies",
         "max_exp_avg_sqs",
     ),

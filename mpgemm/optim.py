@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from mpgemm.compute_copy import copy_of
-from mpgemm.scaling import KERNEL_DTYPES, adam_step_, advance_steps_, by_device, sgd_step_
+from mpgemm.scaling import KERNEL_DTYPES, adam_step_, by_device, sgd_step_
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -246,8 +246,6 @@ class SGD(_ScaledStep, torch.optim.SGD):
                 if steps is not None:
                     steps.append(_sgd_step_count(state, p, new))
                 buffers.append(state["momentum_buffer"])
-        if steps:
-            advance_steps_(steps, found_inf)
         sgd_step_(
             params,
             [p.grad for p in params],
@@ -324,7 +322,6 @@ class _FusedAdamStep(_ScaledStep):
                         p, memory_format=torch.preserve_format
                     )
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-        advance_steps_(steps, found_inf)
         beta1, beta2 = group["betas"]
         adam_step_(
             params,

@@ -418,21 +418,6 @@ def update_scale_(
     )
 
 
-def advance_steps_(steps: Sequence[torch.Tensor], found_inf: torch.Tensor | None) -> None:
-    """Add one to each step count, or nothing where ``found_inf`` is set: on the device."""
-    if not steps:
-        return
-    if found_inf is None:
-        torch._foreach_add_(list(steps), 1.0)
-        return
-    # One launch for the increment: eq writes its FP32 output directly (empty launches
-    # nothing).
-    increment = torch.eq(found_inf, 0, out=torch.empty_like(steps[0]))
-    # A list of tensors: given one 0-dim tensor, _foreach_add_ takes it as a Scalar,
-    # read on the host (a sync that waited 2 ms a step on an H100).
-    torch._foreach_add_(list(steps), [increment] * len(steps))
-
-
 # The hyperparameters a step takes as a float or a one-element tensor, as torch's
 # optimizers take them (``lr``; Adam's ``beta1``, ``beta2``).
 _TENSOR_HYPERPARAMETERS = ("lr", "beta1", "beta2")
@@ -482,8 +467,9 @@ def sgd_step_(
     """One SGD step of ``mpgemm.scaling_ref.sgd_step_ref_``'s math, fused per dtype.
     ``compute_copies``: per parameter, its compute copy (``mpgemm.compute_copy``) to
     write from the updated value, or the parameter itself for none. ``steps``: with
-    momentum and ``dampening``, each parameter's count of steps taken, this one
-    included (``advance_steps_``), which tells a buffer's first step. ``lr`` may be a
+    momentum and ``dampening``, each parameter's count of steps taken before this one
+    (FP32, one element, on its device), which tells a buffer's first step; the step
+    advances it where it is taken. ``lr`` may be a
     one-element tensor, read on the device at each step (``_hyperparameters_on``).
 
     Raises ValueError for momentum with dampening and no ``steps``."""
@@ -533,7 +519,8 @@ def adam_step_(
     **hyper,
 ) -> None:
     """One Adam/AdamW step of ``mpgemm.scaling_ref.adam_step_ref_``'s math, fused per
-    dtype; ``steps`` must already count this step (``advance_steps_``).
+    dtype. ``steps``: each parameter's count of steps taken before this one (FP32, one
+    element, on its device), advanced by the step where it is taken.
     ``compute_copies`` as for ``sgd_step_``; ``max_exp_avg_sqs``: AMSGrad's maxima of
     the second moments (None: plain Adam); ``lr``, ``beta1`` and ``beta2`` may be
     one-element tensors, as ``sgd_step_``'s ``lr``."""

@@ -74,6 +74,13 @@ def _unscaled_fp32(
     return unscaled.float()
 
 
+def _count_step(steps: Sequence[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+    """Add one to each step count, or nothing where ``found_inf`` is set: on the device
+    (an FP32 increment of 0 or 1 per count, as the kernels add it)."""
+    for step in steps:
+        step.add_(1.0 if found_inf is None else (found_inf == 0).to(step.dtype))
+
+
 def _widened(value: float | torch.Tensor) -> float | torch.Tensor:
     """A hyperparameter as the kernels take it: a tensor's value widened to FP64 (on its
     device: nothing waits for the host), a float as it is."""
@@ -123,13 +130,16 @@ def sgd_step_ref_(
         d = g + momentum * buf if nesterov else buf;  p = p - lr * d
 
     Buffers start as zeros, which gives torch's first step (buf = g) without
-    dampening; with it, ``steps`` count each parameter's steps taken, this one included
-    (``mpgemm.scaling.advance_steps_``), and a count of 1 marks the first. A tensor
+    dampening; with it, ``steps`` count each parameter's steps taken before this one,
+    each advanced by this step, and a count of 1 (with it) marks the first. A tensor
     ``lr`` (one element) is read in FP64, as a float would be. Each ``compute_copies``
     tensor gets its parameter's new value in its own dtype. Nothing changes where
-    ``found_inf`` is nonzero."""
+    ``found_inf`` is nonzero, the step counts included."""
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     lr = _widened(lr)
+    if momentum != 0 and dampening != 0:
+        assert steps is not None, "dampening needs the step counts"
+        _count_step(steps, found_inf)
     for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
         g = _unscaled_fp32(grad, grad_scale, found_inf)
         g = -g if maximize else g
@@ -141,7 +151,7 @@ def sgd_step_ref_(
             # (Without dampening, 1.0 * g is g, exactly.)
             buf = momentum_buffers[i].float() * momentum + (1 - dampening) * g
             if dampening != 0:
-                assert steps is not None, "dampening needs the step counts"
+                assert steps is not None  # (checked above)
                 buf = torch.where(steps[i] == 1, g, buf)
             g = g + momentum * buf if nesterov else buf
             _store_unless_skipped(momentum_buffers[i], buf, found_inf)
@@ -168,7 +178,8 @@ def adam_step_ref_(
     max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Adam (AdamW with ``decoupled_weight_decay``), torch.optim.Adam's math in FP32,
-    with ``steps`` already counting this step:
+    with t each parameter's count in ``steps`` of the steps taken before this one, plus
+    this one (stored back):
 
         g = grad / grad_scale (negated if maximize);  L2: g += wd * p;  AdamW: p *= 1 - lr wd
         m = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g^2
@@ -178,10 +189,12 @@ def adam_step_ref_(
     (``torch.maximum``: a NaN on either side is kept), and v_max replaces v in the
     denominator. A tensor ``lr``, ``beta1`` or ``beta2`` (one element) is read in FP64,
     as a float would be. Each ``compute_copies`` tensor gets its parameter's new value
-    in its own dtype. Nothing changes where ``found_inf`` is nonzero."""
+    in its own dtype. Nothing changes where ``found_inf`` is nonzero, the step counts
+    included."""
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     maxima: Sequence[torch.Tensor | None] = max_exp_avg_sqs or [None] * len(params)
     lr, beta1, beta2 = _widened(lr), _widened(beta1), _widened(beta2)
+    _count_step(steps, found_inf)
     for p, grad, m, v, step, copy, v_max in zip(
         params, grads, exp_avgs, exp_avg_sqs, steps, copies, maxima, strict=True
     ):

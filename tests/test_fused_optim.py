@@ -68,6 +68,7 @@ def test_adam_kernel_matches_reference(device, param_dtype, grad_dtype, decouple
     for what, i in (("param", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
         _assert_close_lists(ours[i], ref[i], what, rtol)
         assert any(not torch.equal(a, b) for a, b in zip(ours[i], lists[i], strict=True))
+    _assert_counted_in(ours[4], ref[4], lists[4])
 
 
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
@@ -91,6 +92,7 @@ def test_amsgrad_kernel_matches_reference(device, param_dtype):
     rtol = 1e-6 if param_dtype == torch.float32 else 1e-2
     for what, a, b in (("param", ours[0], ref[0]), ("max_exp_avg_sq", our_max, ref_max)):
         _assert_close_lists(a, b, what, rtol)
+    _assert_counted_in(ours[4], ref[4], lists[4])
     raised = [torch.ne(new, old) for new, old in zip(our_max, maxima, strict=True)]
     kept = sum(int((~r).sum()) for r in raised)
     assert 0 < kept < sum(r.numel() for r in raised), "both sides of the maximum taken"
@@ -149,14 +151,15 @@ def test_sgd_kernel_matches_reference(device, param_dtype, nesterov):
 
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
 def test_damped_sgd_kernel_matches_reference(device, param_dtype):
-    """With dampening, a buffer's first step (its parameter's step count is 1) takes
-    the gradient undamped, as torch's, and later ones damp it: both in one launch."""
+    """With dampening, a buffer's first step (its parameter's count of steps before it
+    is 0) takes the gradient undamped, as torch's, and later ones damp it: both in one
+    launch, which counts each step in."""
     scale = torch.tensor(3.0, device=device)
     lists = [
         _tensors(param_dtype, device),
         _tensors(torch.float16, device),
         _tensors(param_dtype, device),
-        [torch.tensor(float(t), device=device) for t in (1, 2, 1, 9)],
+        [torch.tensor(float(t), device=device) for t in (0, 1, 0, 8)],
     ]
     ours, ref = _clones(lists), _clones(lists)
     hyper = dict(
@@ -177,6 +180,15 @@ def test_damped_sgd_kernel_matches_reference(device, param_dtype):
     # The first steps' buffers are the unscaled gradients themselves.
     for i in (0, 2):
         assert_same_bits(ours[2][i], ours[1][i].to(param_dtype), f"first step's buffer {i}")
+    _assert_counted_in(ours[3], ref[3], lists[3])
+
+
+def _assert_counted_in(steps, ref_steps, before):
+    """Each count is one more than before the step (the zero-size parameter's too)."""
+    for i, (ours, ref, old) in enumerate(zip(steps, ref_steps, before, strict=True)):
+        assert ours.dtype == torch.float32
+        assert_same_bits(ours, old + 1, f"step count {i}")
+        assert_same_bits(ref, old + 1, f"reference step count {i}")
 
 
 # A step's lists (params, grads, buffers or moments, steps) and hyperparameters.
@@ -312,7 +324,6 @@ def test_found_inf_leaves_every_bit_in_place(device, param_dtype):
     ]
     lists.append(_tensors(param_dtype, device, positive=True))  # AMSGrad's maxima
     before = _clones(lists)
-    scaling.advance_steps_(lists[4], found)
     scaling.adam_step_(*lists[:5], max_exp_avg_sqs=lists[5], **_adam_hyper(True, None, found))
     for dampening in (0.0, 0.5):
         scaling.sgd_step_(
