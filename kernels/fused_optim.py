@@ -105,7 +105,7 @@ def _takes_step(found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
 
 
 @triton.jit
-def _count_step(
+def _store_count(
     table_ptr,
     num_tensors,
     tensor,
@@ -344,7 +344,7 @@ def _sgd_kernel(
                 INTERPRETED,
             )
         if DAMPENING:
-            _count_step(
+            _store_count(
                 table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, 4 + DAMPENING, BLOCK
             )
 
@@ -533,7 +533,9 @@ def _adam_kernel(
                 HAS_GRAD_SCALE,
                 INTERPRETED,
             )
-        _count_step(table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, 6 + AMSGRAD, BLOCK)
+        _store_count(
+            table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, 6 + AMSGRAD, BLOCK
+        )
 
 
 def _launch(

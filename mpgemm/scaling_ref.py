@@ -74,7 +74,7 @@ def _unscaled_fp32(
     return unscaled.float()
 
 
-def _count_step(steps: Sequence[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+def _advance_counts(steps: Sequence[torch.Tensor], found_inf: torch.Tensor | None) -> None:
     """Add one to each step count, or nothing where ``found_inf`` is set: on the device
     (an FP32 increment of 0 or 1 per count, as the kernels add it)."""
     for step in steps:
@@ -139,7 +139,7 @@ def sgd_step_ref_(
     lr = _widened(lr)
     if momentum != 0 and dampening != 0:
         assert steps is not None, "dampening needs the step counts"
-        _count_step(steps, found_inf)
+        _advance_counts(steps, found_inf)
     for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
         g = _unscaled_fp32(grad, grad_scale, found_inf)
         g = -g if maximize else g
@@ -194,7 +194,7 @@ def adam_step_ref_(
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     maxima: Sequence[torch.Tensor | None] = max_exp_avg_sqs or [None] * len(params)
     lr, beta1, beta2 = _widened(lr), _widened(beta1), _widened(beta2)
-    _count_step(steps, found_inf)
+    _advance_counts(steps, found_inf)
     for p, grad, m, v, step, copy, v_max in zip(
         params, grads, exp_avgs, exp_avg_sqs, steps, copies, maxima, strict=True
     ):
