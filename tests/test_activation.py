@@ -140,6 +140,15 @@ def test_many_chunks_sum_to_the_same_bits_every_launch(device, monkeypatch):
         assert torch.equal(again, first)
 
 
+def test_counters_are_kept_zero_and_grow_on_demand(device):
+    small = arrivals.counters(device, 3)
+    assert small.dtype == torch.int32 and small.numel() >= 3 and not small.any()
+    assert arrivals.counters(device, small.numel()) is small  # one buffer a stream
+    larger = arrivals.counters(device, small.numel() + 1)
+    assert larger.numel() > small.numel() and not larger.any()
+    assert arrivals.counters(device, 3) is larger
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and graph capture")
 def test_each_stream_has_its_counters_and_a_capture_fresh_ones():
     device = torch.device("cuda")
