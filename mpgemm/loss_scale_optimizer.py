@@ -19,7 +19,7 @@ With one of mpgemm's fused optimizers inside, a step never synchronises with the
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -150,8 +150,33 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     # -- loss scaling ----------------------------------------------------------------
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale``: call ``backward()`` on this."""
+        """``loss * loss_scale``: call ``backward()`` on this (or use ``backward``)."""
         return self.scaler.scale(loss)
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """``scale_loss(loss).backward()``, with the same gradients bit for bit and three
+        launches fewer: autograd starts from the loss scale as the loss's gradient
+        (``loss.backward(scale)``) where it would start from ones and multiply them by
+        the scale (the product's backward), after the product itself. ``loss``: one
+        element; the keywords are ``Tensor.backward``'s. The scale tensor itself is
+        the seed: a tensor hook on ``loss`` must not change its gradient in place (as
+        torch asks of every hook)."""
+        if loss.numel() != 1:
+            # (what scale_loss(loss).backward() raises)
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+        if self.scaler._scale is None:
+            self.scaler._lazy_init_scale_growth_tracker(loss.device)
+        scale, _ = self.scaler._check_scale_growth_tracker("backward")
+        # (No copy where the device and dtype are the scale's: an FP32 loss.)
+        seed = scale.to(loss.device, loss.dtype, non_blocking=True).expand_as(loss)
+        loss.backward(seed, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
     @property
     def loss_scale(self) -> float:

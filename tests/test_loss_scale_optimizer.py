@@ -377,3 +377,62 @@ def test_a_step_never_waits_for_the_gpu(recipe):
         step(*batches[3][1:])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.unpoisoned  # the poison's fills would count as launches
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_gives_scale_loss_backwards_gradients_in_three_launches_fewer(device, dtype):
+    # Side by side over steps that back off and grow the scale, inf and NaN included:
+    # the same gradients, bit for bit, before each step (an FP16 model's too, read by
+    # the masters), the same scales and parameters.
+    pytest.importorskip("triton")
+    from mpgemm.kernels.launches import count_launches
+
+    models = _mlp(device, dtype), _mlp(device, dtype)
+    optimizers = [
+        mpgemm.LossScaleOptimizer(torch.optim.Adam(m.parameters(), lr=1e-3), **SCALER_ARGS)
+        for m in models
+    ]
+    launches = []
+    for step, x, y in _batches(12, device, dtype):
+        grads = []
+        for model, optimizer, seeded in zip(models, optimizers, (True, False), strict=True):
+            optimizer.zero_grad()
+            loss = _loss(model, x, y)
+            with count_launches() as count:
+                if seeded:
+                    optimizer.backward(loss)
+                else:
+                    optimizer.scale_loss(loss).backward()
+            launches.append(count.total)
+            params = list(model.parameters())
+            _inject(params, step)
+            grads.append([p.grad.clone() for p in params])
+            optimizer.step()
+        for ours, theirs in zip(*grads, strict=True):
+            assert_same_bits(ours, theirs, f"gradient at step {step}")
+        assert optimizers[0].loss_scale == optimizers[1].loss_scale
+    assert optimizers[0].skipped_steps == optimizers[1].skipped_steps >= 2  # (FP16: 3)
+    assert all(
+        seeded == plain - 3 for seeded, plain in zip(launches[::2], launches[1::2], strict=True)
+    )
+    for p, q in zip(*(m.parameters() for m in models), strict=True):
+        assert_same_bits(p.detach(), q.detach(), "param")
+
+
+def test_backward_takes_tensor_backwards_keywords_and_refuses_what_it_would(device):
+    model = _mlp(device)
+    optimizer = mpgemm.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device)
+    first = list(model.parameters())[0]
+    loss = _loss(model, x, y)
+    optimizer.backward(loss, inputs=[first], retain_graph=True)
+    assert all(p.grad is None for p in list(model.parameters())[1:])
+    optimizer.zero_grad()
+    optimizer.backward(loss)  # the graph was kept
+    expected = torch.autograd.grad(_loss(model, x, y) * optimizer.loss_scale, first)[0]
+    assert_same_bits(first.grad, expected, "gradient from a retained graph")
+    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+    for call in (lambda: optimizer.backward(losses), optimizer.scale_loss(losses).backward):
+        with pytest.raises(RuntimeError, match="only for scalar outputs"):
+            call()

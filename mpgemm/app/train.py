@@ -213,7 +213,7 @@ class Recipe:
         self.optimizer.zero_grad(set_to_none=not isinstance(self._step, GraphedStep))
         loss = self.loss(x, y)
         if self.uses_mpgemm:
-            self.optimizer.scale_loss(loss).backward()
+            self.optimizer.backward(loss)  # scale_loss(loss).backward(), 3 launches fewer
             self.optimizer.step()
         elif self.scaler is not None:
             self.scaler.scale(loss).backward()
