@@ -469,8 +469,8 @@ def sgd_step_(
     write from the updated value, or the parameter itself for none. ``steps``: with
     momentum and ``dampening``, each parameter's count of steps taken before this one
     (FP32, one element, on its device), which tells a buffer's first step; the step
-    advances it where it is taken. ``lr`` may be a
-    one-element tensor, read on the device at each step (``_hyperparameters_on``).
+    advances it where it is taken. ``lr`` may be a one-element tensor, read on the
+    device at each step (``_hyperparameters_on``).
 
     Raises ValueError for momentum with dampening and no ``steps``."""
     if hyper.get("momentum", 0.0) != 0 and hyper.get("dampening", 0.0) != 0 and steps is None:
