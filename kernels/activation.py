@@ -6,7 +6,7 @@
     GELU, SiLU (S = act'(z), FP32): dZ = round(dY * S)           (the product in FP32,
                                                                  rounded once to dZ's dtype)
     P[c, n] = sum over the rows of chunk c of dZ[:, n], before its rounding (FP32)
-    db[n]   = (...(P[0, n] + P[1, n]) + ...) + P[C-1, n]          (FP32, in chunk order)
+    db[n]   = sum over the chunks c of P[c, n]                   (FP32, in a fixed order)
 
 so the bias gradient is the same run to run. torch's ops take two passes over dZ, the
 derivative and then a reduction that reads dZ again: 60 + 42 us for an 8192 x 4096
@@ -86,11 +86,18 @@ def _activation_backward_kernel(
         tl.store(partial_ptr + chunk * N + cols, sums, mask=mask_n)
         chunks = tl.num_programs(1)
         if arrive(counter_ptr + tl.program_id(0), chunks):
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for c in range(0, chunks):
-                # Past L1, which another SM's stores do not update.
-                total += tl.load(partial_ptr + c * N + cols, mask=mask_n, cache_modifier=".cg")
-            tl.store(bias_grad_ptr + cols, total, mask=mask_n)
+            # BLOCK_M chunks' partials at a time (one step for up to BLOCK_M chunks),
+            # past L1, which another SM's stores do not update.
+            totals = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for c0 in range(0, chunks, BLOCK_M):
+                cs = (c0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+                totals += tl.load(
+                    partial_ptr + cs[:, None] * N + cols64[None, :],
+                    mask=(cs < chunks)[:, None] & mask_n[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+            tl.store(bias_grad_ptr + cols, tl.sum(totals, axis=0), mask=mask_n)
             leave(counter_ptr + tl.program_id(0))
 
 
