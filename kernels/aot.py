@@ -16,8 +16,9 @@ spills. No GPU or driver is needed.
 
 A defect: a GEMM without wgmma, with register spills or with more shared memory than
 an H100 block may have (it would fail to launch); a streaming kernel (loss scaling, an
-activation's backward) with spills, approximate FP32 math (torch divides and takes
-square roots exactly and keeps denormals) or, when aligned, no 16-byte vector loads.
+activation's backward, the cross-entropy) with spills, approximate FP32 math (torch
+divides and takes square roots exactly and keeps denormals) or, when aligned, no
+16-byte vector loads.
 The report also says, per binary, how many wgmma groups stay in flight
 (``wgmma_pending``: the largest N of ``wgmma.wait_group N``; 0 means every MMA is waited
 for at once, no overlap), and whether ``cp.async`` or TMA (``cp.async.bulk.tensor``)
@@ -243,6 +244,21 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
             f"adam {name}, amsgrad",
             functools.partial(_adam_step, param, grad, copy, aligned, False, amsgrad=True),
         )
+    # The loss (mpgemm.cross_entropy), forward and backward: 1024 classes aligned, the
+    # guide's 10 unaligned (rows of 40 bytes: no 16-byte loads).
+    for dtype in (f32, f16, bf16):
+        for reduction in ("mean", "none"):
+            yield (
+                f"cross_entropy {dtype} {reduction}",
+                functools.partial(_cross_entropy, dtype, reduction, aligned),
+            )
+
+
+def _cross_entropy(dtype: torch.dtype, reduction: str, aligned: bool) -> torch.Tensor:
+    from mpgemm.losses import cross_entropy
+
+    logits = _tensor((256, 1024 if aligned else 10), dtype, aligned).requires_grad_()
+    return cross_entropy(logits, torch.zeros(256, dtype=torch.int64), reduction=reduction)
 
 
 def _step_lists(param, grad, copy, aligned: bool, states: int) -> tuple[list, list | None]:

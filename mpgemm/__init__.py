@@ -12,6 +12,7 @@ from mpgemm import optim
 from mpgemm.functional import backend, linear, matmul
 from mpgemm.grad_scaler import GradScaler
 from mpgemm.loss_scale_optimizer import LossScaleOptimizer
+from mpgemm.losses import cross_entropy
 from mpgemm.modules import Linear, convert
 from mpgemm.reference import linear_ref, matmul_ref
 
@@ -26,6 +27,7 @@ __all__ = [
     "LossScaleOptimizer",
     "backend",
     "convert",
+    "cross_entropy",
     "linear",
     "linear_ref",
     "matmul",

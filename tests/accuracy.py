@@ -1,9 +1,13 @@
 """Shared test helpers: the accuracy bar, operands that expose missing masks, the
-kernels a call launches."""
+kernels a call launches and the torch ops it runs besides."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
 def assert_within_torch_error(
@@ -68,3 +72,28 @@ def launched_kernels(run):
     with intercept(run_and_keep):
         out = run()
     return names, out
+
+
+class _TorchOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _launched_unseen(kernel, grid, args, kwargs, configs):
+    with _disable_current_modes():  # the interpreter's own torch ops
+        kernel[grid](*args, **kwargs)
+
+
+@contextmanager
+def torch_ops_besides_launches() -> Iterator[list[str]]:
+    """The names of the aten ops that run in the block outside kernel launches (each
+    launch runs, unseen), appended as they run."""
+    from mpgemm.kernels.launches import intercept
+
+    with intercept(_launched_unseen), _TorchOps() as ops:
+        yield ops.names

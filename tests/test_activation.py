@@ -7,17 +7,21 @@ in the kernel's one launch."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from mpgemm.reference import activation_backward_ref
-from tests.accuracy import assert_same_bits, assert_within_torch_error, launched_kernels, nan_padded
+from tests.accuracy import (
+    assert_same_bits,
+    assert_within_torch_error,
+    launched_kernels,
+    nan_padded,
+    torch_ops_besides_launches,
+)
 
 pytest.importorskip("triton")
 
 from mpgemm.kernels import activation as kernel_module  # noqa: E402
 from mpgemm.kernels import arrivals  # noqa: E402
 from mpgemm.kernels.activation import triton_activation_backward  # noqa: E402
-from mpgemm.kernels.launches import intercept  # noqa: E402
 
 # Ragged against the kernel's 32-row steps and 128-column blocks.
 M, N = 75, 200
@@ -87,23 +91,6 @@ def test_a_broadcast_gradient_and_empty_shapes(device):
         assert dz.shape == (m, n) and torch.equal(db, torch.zeros(n, device=device))
 
 
-class _TorchOps(TorchDispatchMode):
-    """The names of the aten ops that run outside kernel launches."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def _launched_unseen(kernel, grid, args, kwargs, configs):
-    with _disable_current_modes():  # the interpreter's own torch ops
-        kernel[grid](*args, **kwargs)
-
-
 @pytest.mark.unpoisoned  # the poison's fill would show as an op
 def test_the_bias_gradient_is_summed_in_the_one_launch(device, monkeypatch):
     # 2 column blocks of 4 chunks: the last chunk of each to finish adds the partials.
@@ -112,9 +99,9 @@ def test_the_bias_gradient_is_summed_in_the_one_launch(device, monkeypatch):
     monkeypatch.setattr(kernel_module, "multiprocessors", lambda device: 2)
     torch.manual_seed(0)
     grad_y, saved = _operands("silu", torch.float16, device, transposed=False)
-    with intercept(_launched_unseen), _TorchOps() as ops:
+    with torch_ops_besides_launches() as ops:
         dz, db = triton_activation_backward(grad_y, saved, "silu", torch.float16, bias_grad=True)
-    assert set(ops.names) <= {"empty.memory_format", "zeros"}, ops.names
+    assert set(ops) <= {"empty.memory_format", "zeros"}, ops
     assert all(not buffer.any() for buffer in arrivals._buffers.values())
     ref_dz, ref_db = activation_backward_ref(grad_y, saved, "silu", torch.float16, bias_grad=True)
     exact = grad_y.double() * saved.double()

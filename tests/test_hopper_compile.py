@@ -130,6 +130,8 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
 
     assert {r["kernel"] for r in streaming} == {
         "_activation_backward_kernel",
+        "_cross_entropy_forward_kernel",
+        "_cross_entropy_backward_kernel",
         "_unscale_kernel",
         "_update_scale_kernel",
         "_sgd_kernel",

@@ -1,0 +1,260 @@
+"""Cross-entropy of logits against class indices in FP32, forward and backward in one
+launch each, for ``mpgemm.cross_entropy``:
+
+    lse[i]  = m[i] + log(sum_c exp(x[i, c] - m[i])),  m[i] = max_c x[i, c]
+    loss[i] = lse[i] - (1 - eps) x[i, t[i]] - (eps / C) sum_c x[i, c]
+              (0 where t[i] == ignore_index; NaN where t[i] is out of range)
+    out     = loss (reduction "none"), sum_i loss[i] ("sum"), or that sum over the
+              count of rows not ignored ("mean")
+    dx[i, c] = g[i] (exp(x[i, c] - lse[i]) - (1 - eps) [c == t[i]] - eps / C)
+              (0 in an ignored row, NaN where t[i] is out of range), g[i] the
+              output's gradient (over the count: "mean")
+
+torch.nn.functional.cross_entropy's math with class-index targets (label smoothing
+included), each logit widened to FP32, the sums in FP32. torch takes two launches
+forward (log-softmax, NLL) and three backward (NLL's zeros and scatter, log-softmax's
+backward); here one each. The forward's sum over the rows is finished by the last
+program to arrive (``mpgemm.kernels.arrivals``), adding the programs' partial sums in
+a fixed order (BLOCK_P at a time), so it is the same run to run. Each program takes
+BLOCK_M rows and walks their logits BLOCK_C at a time: twice forward (the maximum,
+then the sums), once backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mpgemm.kernels.arrivals import arrive, counters, leave
+from mpgemm.kernels.gemm_common import INTERPRET, cdiv
+from mpgemm.kernels.launches import launch
+from mpgemm.kernels.rounding import cast_rne, widen
+
+BLOCK_M = 16
+BLOCK_C = 128
+# Programs' partial sums the forward's last program adds at a time.
+BLOCK_P = 256
+REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+
+
+@triton.jit
+def _cross_entropy_forward_kernel(
+    x_ptr,
+    t_ptr,
+    out_ptr,
+    lse_ptr,
+    partial_ptr,
+    count_ptr,
+    counter_ptr,
+    N,
+    C,
+    stride_xn,
+    stride_xc,
+    ignore_index,
+    smoothing,
+    smoothing_per_class,
+    REDUCTION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < N
+    rows64 = rows.to(tl.int64)
+    t = tl.load(t_ptr + rows64, mask=in_rows, other=0)
+    ignored = t == ignore_index
+    x_rows = x_ptr + rows64[:, None] * stride_xn
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = in_rows[:, None] & (cols < C)[None, :]
+        x = widen(tl.load(x_rows + cols[None, :] * stride_xc, mask=mask, other=0.0), INTERPRETED)
+        x = tl.where(mask, x, float("-inf"))
+        # torch.maximum's: a NaN logit makes the row's maximum NaN (max.f32 drops it).
+        m = tl.maximum(m, tl.max(x, axis=1), propagate_nan=tl.PropagateNan.ALL)
+    exp_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    x_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = in_rows[:, None] & (cols < C)[None, :]
+        x = widen(tl.load(x_rows + cols[None, :] * stride_xc, mask=mask, other=0.0), INTERPRETED)
+        exp_sum += tl.sum(tl.where(mask, tl.exp(x - m[:, None]), 0.0), axis=1)
+        x_sum += tl.sum(tl.where(mask, x, 0.0), axis=1)
+        x_t += tl.sum(tl.where(mask & (cols[None, :] == t[:, None]), x, 0.0), axis=1)
+    lse = m + tl.log(tl.where(in_rows, exp_sum, 1.0))  # (rows past N: not stored)
+    loss = lse - (1.0 - smoothing) * x_t
+    if smoothing != 0.0:  # (without, a -inf logit's 0 x -inf would make the loss NaN)
+        loss -= smoothing_per_class * x_sum
+    loss = tl.where((t < 0) | (t >= C), float("nan"), loss)
+    loss = tl.where(ignored, 0.0, loss)
+    tl.store(lse_ptr + rows64, lse, mask=in_rows)
+    if REDUCTION == 0:
+        tl.store(
+            out_ptr + rows64, cast_rne(loss, out_ptr.dtype.element_ty, INTERPRETED), mask=in_rows
+        )
+    else:
+        # This program's sum and count (the partials: sums, then counts), then the
+        # last program's over all of them, BLOCK_P at a time: a fixed order.
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        tl.store(partial_ptr + pid, tl.sum(tl.where(in_rows, loss, 0.0), axis=0))
+        kept = (in_rows & ~ignored).to(tl.float32)
+        tl.store(partial_ptr + programs + pid, tl.sum(kept, axis=0))
+        if arrive(counter_ptr, programs):
+            totals = tl.zeros((BLOCK_P,), dtype=tl.float32)
+            counts = tl.zeros((BLOCK_P,), dtype=tl.float32)
+            for p0 in range(0, programs, BLOCK_P):
+                # Past L1, which another SM's stores do not update.
+                ps = p0 + tl.arange(0, BLOCK_P)
+                totals += tl.load(
+                    partial_ptr + ps, mask=ps < programs, other=0.0, cache_modifier=".cg"
+                )
+                counts += tl.load(
+                    partial_ptr + programs + ps, mask=ps < programs, other=0.0, cache_modifier=".cg"
+                )
+            total = tl.sum(totals, axis=0)
+            count = tl.sum(counts, axis=0)
+            if REDUCTION == 2:
+                total = tl.div_rn(total, count)  # (IEEE division, as torch's)
+            tl.store(out_ptr, cast_rne(total, out_ptr.dtype.element_ty, INTERPRETED))
+            tl.store(count_ptr, count)
+            leave(counter_ptr)
+
+
+@triton.jit
+def _cross_entropy_backward_kernel(
+    x_ptr,
+    t_ptr,
+    lse_ptr,
+    grad_ptr,
+    count_ptr,
+    dx_ptr,
+    stride_g,
+    N,
+    C,
+    stride_xn,
+    stride_xc,
+    ignore_index,
+    smoothing,
+    smoothing_per_class,
+    REDUCTION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_rows = rows < N
+    rows64 = rows.to(tl.int64)
+    mask = in_rows[:, None] & (cols < C)[None, :]
+    t = tl.load(t_ptr + rows64, mask=in_rows, other=0)
+    lse = tl.load(lse_ptr + rows64, mask=in_rows, other=0.0)
+    if REDUCTION == 0:
+        g = widen(tl.load(grad_ptr + rows64 * stride_g, mask=in_rows, other=0.0), INTERPRETED)
+    else:
+        g = widen(tl.load(grad_ptr), INTERPRETED)
+        if REDUCTION == 2:
+            g = tl.div_rn(g, tl.load(count_ptr))
+        g = tl.zeros((BLOCK_M,), dtype=tl.float32) + g
+    x = widen(
+        tl.load(x_ptr + rows64[:, None] * stride_xn + cols[None, :] * stride_xc, mask=mask),
+        INTERPRETED,
+    )
+    target = tl.where(cols[None, :] == t[:, None], 1.0 - smoothing, 0.0)
+    dx = (tl.exp(x - lse[:, None]) - target - smoothing_per_class) * g[:, None]
+    # NaN where the forward's loss is NaN for the target's range, 0 where ignored.
+    dx = tl.where(((t < 0) | (t >= C))[:, None], float("nan"), dx)
+    dx = tl.where((t == ignore_index)[:, None], 0.0, dx)
+    dx_ptrs = dx_ptr + rows64[:, None] * C + cols[None, :]
+    tl.store(dx_ptrs, cast_rne(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+def _shared_arguments(
+    x: torch.Tensor, ignore_index: int, reduction: str, smoothing: float
+) -> tuple[tuple, dict]:
+    """Both kernels' last positional arguments and their keyword arguments."""
+    N, C = x.shape
+    # smoothing / C in double, as torch takes it
+    tail = (N, C, x.stride(0), x.stride(1), ignore_index, smoothing, smoothing / C)
+    options = dict(
+        REDUCTION=REDUCTIONS[reduction],
+        INTERPRETED=INTERPRET,
+        BLOCK_M=BLOCK_M,
+        BLOCK_C=BLOCK_C,
+        num_warps=4,
+    )
+    return tail, options
+
+
+def triton_cross_entropy(
+    x: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, count): the forward of the module docstring. x: (N, C) float32,
+    float16 or bfloat16, any strides; target: (N,) int64. loss: x's dtype, (N,) for
+    "none", else (); lse: (N,) FP32; count: () FP32, the rows not ignored (for "sum" and
+    "mean"; unset for "none")."""
+    N, C = x.shape
+    reduced = reduction != "none"
+    out = torch.empty(() if reduced else (N,), device=x.device, dtype=x.dtype)
+    lse = torch.empty(N, device=x.device, dtype=torch.float32)
+    count = torch.empty((), device=x.device, dtype=torch.float32)
+    programs = cdiv(N, BLOCK_M)
+    if programs == 0:  # no rows: torch's sum is 0, its mean 0 / 0
+        if reduced:
+            out.fill_(0.0 if reduction == "sum" else float("nan"))
+            count.fill_(0.0)
+        return out, lse, count
+    partial = torch.empty(2 * programs, device=x.device, dtype=torch.float32) if reduced else lse
+    tail, options = _shared_arguments(x, ignore_index, reduction, smoothing)
+    launch(
+        _cross_entropy_forward_kernel,
+        (programs,),
+        x,
+        target,
+        out,
+        lse,
+        partial,
+        count,
+        counters(x.device, 1) if reduced else lse,
+        *tail,
+        BLOCK_P=BLOCK_P,
+        **options,
+    )
+    return out, lse, count
+
+
+def triton_cross_entropy_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    count: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    smoothing: float,
+) -> torch.Tensor:
+    """dx, (N, C) contiguous in x's dtype: the backward of the module docstring, from
+    the loss's gradient ``grad`` ((N,) for "none", else ()) and the forward's ``lse``
+    and ``count``."""
+    N, C = x.shape
+    dx = torch.empty((N, C), device=x.device, dtype=x.dtype)
+    if N == 0 or C == 0:
+        return dx
+    tail, options = _shared_arguments(x, ignore_index, reduction, smoothing)
+    launch(
+        _cross_entropy_backward_kernel,
+        (cdiv(N, BLOCK_M), cdiv(C, BLOCK_C)),
+        x,
+        target,
+        lse,
+        grad,
+        count,
+        dx,
+        grad.stride(0) if grad.dim() else 0,
+        *tail,
+        **options,
+    )
+    return dx

@@ -1,0 +1,105 @@
+"""``mpgemm.cross_entropy``: ``torch.nn.functional.cross_entropy`` with the logits'
+softmax and the loss in FP32 in one launch forward and one backward
+(``mpgemm.kernels.cross_entropy``), where torch takes two and three.
+
+The kernels take the common case: (N, C) logits (float32, float16 or bfloat16) against
+(N,) int64 class indices, without class weights, any ``ignore_index``,
+``label_smoothing`` and ``reduction``, on a device the kernels run on (``backend``).
+Everything else (class weights, probability targets, K-dimensional inputs, the old
+``size_average``/``reduce`` arguments, tensor subclasses, ``torch.compile``'s and
+``torch.func``'s tracing, the reference backend) is torch's own ``cross_entropy``,
+which also raises torch's errors for what it refuses. One difference: a class index out
+of range, which torch refuses (an ``IndexError`` on the CPU, a device-side assert on a
+GPU), gives a NaN loss and NaN gradients for its row here: checking it would make the
+host wait for the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from mpgemm.functional import INPUT_DTYPES, backend, is_plain
+
+__all__ = ["cross_entropy"]
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """The kernels' cross-entropy (``mpgemm.kernels.cross_entropy``): forward saves the
+    logits, the targets, each row's log-sum-exp and the count of rows not ignored."""
+
+    @staticmethod
+    def forward(ctx, x, target, ignore_index, reduction, smoothing):
+        from mpgemm.kernels.cross_entropy import triton_cross_entropy
+
+        loss, lse, count = triton_cross_entropy(x, target, ignore_index, reduction, smoothing)
+        ctx.save_for_backward(x, target, lse, count)
+        ctx.options = ignore_index, reduction, smoothing
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        from mpgemm.kernels.cross_entropy import triton_cross_entropy_backward
+
+        x, target, lse, count = ctx.saved_tensors
+        dx = triton_cross_entropy_backward(grad, x, target, lse, count, *ctx.options)
+        return dx, None, None, None, None
+
+
+def _kernels_take(input, target, weight, size_average, reduce, reduction, smoothing) -> bool:
+    return (
+        # (first: traced by torch.compile, nothing below is evaluated)
+        not torch.compiler.is_compiling()
+        and weight is None
+        and size_average is None
+        and reduce is None
+        and reduction in ("none", "sum", "mean")
+        and isinstance(smoothing, float | int)
+        and 0.0 <= smoothing <= 1.0
+        and is_plain(input)
+        and is_plain(target)
+        and input.dim() == 2
+        and input.shape[1] > 0
+        and input.dtype in INPUT_DTYPES
+        and target.dim() == 1
+        and target.dtype == torch.int64
+        and target.shape[0] == input.shape[0]
+        and target.device == input.device
+        and not torch._C._are_functorch_transforms_active()
+        and backend(input.device) == "triton"
+    )
+
+
+def cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """``torch.nn.functional.cross_entropy``, same arguments and results, with the
+    softmax and the loss taken in FP32 whatever the logits' dtype (the module
+    docstring says which calls the kernels take).
+
+    input: (N, C) logits; target: (N,) class indices (int64); the loss: input's dtype,
+    () for "mean" and "sum" (the mean over the rows not ignored), (N,) for "none" (0
+    where ignored). Differentiable in ``input``; its gradient has input's dtype."""
+    if not _kernels_take(input, target, weight, size_average, reduce, reduction, label_smoothing):
+        return F.cross_entropy(
+            input,
+            target,
+            weight=weight,
+            size_average=size_average,
+            ignore_index=ignore_index,
+            reduce=reduce,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+        )
+    return CrossEntropyFunction.apply(
+        input, target, int(ignore_index), reduction, float(label_smoothing)
+    )

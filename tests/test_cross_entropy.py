@@ -1,0 +1,168 @@
+"""``mpgemm.cross_entropy`` against ``torch.nn.functional.cross_entropy``: through the
+interpreter (or compiled on a GPU), loss and gradient against torch's in FP64 with
+torch's own error in the logits' dtype as the bar, logits read through strides out of
+NaN-padded buffers, gradients in poisoned memory; NaN and inf as torch's; one launch
+forward and one backward; every other call torch's own."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpgemm
+from tests.accuracy import (
+    assert_within_torch_error,
+    launched_kernels,
+    nan_padded,
+    torch_ops_besides_launches,
+)
+
+pytest.importorskip("triton")
+
+N = 37  # ragged against the kernels' 16 rows a program
+
+
+def _case(classes, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(N, classes, generator=g) * 3).to(device, dtype)
+    target = torch.randint(0, classes, (N,), generator=g).to(device)
+    target[[5, 9]] = -100  # ignored
+    return nan_padded(logits, transposed=classes > 100), target
+
+
+def _torch(x, target, grad, **options):
+    """torch's loss and gradient for logits ``x`` (in x's dtype)."""
+    x = x.detach().clone().requires_grad_()
+    loss = F.cross_entropy(x, target, **options)
+    loss.backward(grad.to(loss.dtype))
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("classes", [10, 300])
+def test_matches_torch(classes, dtype, reduction, smoothing, device):
+    x, target = _case(classes, dtype, device)
+    options = dict(reduction=reduction, label_smoothing=smoothing)
+    shape = (N,) if reduction == "none" else ()
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
+    leaf = x.detach().requires_grad_()
+    names, loss = launched_kernels(lambda: mpgemm.cross_entropy(leaf, target, **options))
+    assert names == ["_cross_entropy_forward_kernel"]
+    names, _ = launched_kernels(lambda: loss.backward(grad.to(loss.dtype)))
+    assert names == ["_cross_entropy_backward_kernel"]
+    assert loss.dtype == dtype and loss.shape == shape and leaf.grad.dtype == dtype
+    exact, exact_grad = _torch(x.double(), target, grad.double(), **options)
+    theirs, their_grad = _torch(x, target, grad, **options)
+    assert_within_torch_error(loss, exact, theirs, "loss", rtol=1e-6)
+    assert_within_torch_error(leaf.grad, exact_grad, their_grad, "gradient", rtol=1e-6)
+    if reduction == "none":
+        assert torch.equal(loss[[5, 9]], torch.zeros(2, dtype=dtype, device=device))
+    assert torch.equal(leaf.grad[[5, 9]], torch.zeros(2, classes, dtype=dtype, device=device))
+
+
+def test_nan_and_inf_as_torchs(device):
+    # A row with +inf (NaN loss), a target at -inf (inf loss), a NaN logit (NaN loss),
+    # a row all -inf (NaN): torch's losses and gradients, NaN where torch's are.
+    x = torch.randn(6, 5)
+    x[0, 1] = float("inf")
+    x[1, 2] = float("-inf")
+    x[2, 3] = float("nan")
+    x[3] = float("-inf")
+    target = torch.tensor([0, 2, 1, 4, 3, 0])
+    for reduction in ("none", "sum"):
+        leaf = x.to(device, copy=True).requires_grad_()
+        loss = mpgemm.cross_entropy(leaf, target.to(device), reduction=reduction)
+        loss.backward(torch.ones_like(loss))
+        theirs, their_grad = _torch(x, target, torch.ones(loss.shape), reduction=reduction)
+        for ours, want in ((loss, theirs), (leaf.grad, their_grad)):
+            ours = ours.cpu()
+            assert torch.equal(ours.isnan(), want.isnan()), (ours, want)
+            torch.testing.assert_close(ours.nan_to_num(), want.nan_to_num(), rtol=1e-6, atol=1e-6)
+
+
+def test_empty_and_all_ignored_as_torchs(device):
+    for rows, target in ((0, torch.empty(0, dtype=torch.int64)), (3, torch.full((3,), -100))):
+        x = torch.randn(rows, 4)
+        for reduction in ("mean", "sum", "none"):
+            leaf = x.to(device, copy=True).requires_grad_()
+            loss = mpgemm.cross_entropy(leaf, target.to(device), reduction=reduction)
+            loss.backward(torch.ones_like(loss))
+            theirs, their_grad = _torch(x, target, torch.ones(loss.shape), reduction=reduction)
+            assert torch.equal(loss.cpu().isnan(), theirs.isnan()), (reduction, loss, theirs)
+            assert torch.equal(loss.cpu().nan_to_num(), theirs.nan_to_num())
+            assert torch.equal(leaf.grad.cpu(), their_grad)
+
+
+def test_a_class_out_of_range_gives_nan_where_torch_refuses(device):
+    x = torch.randn(4, 3, device=device, requires_grad=True)
+    target = torch.tensor([0, 3, -1, 2], device=device)
+    loss = mpgemm.cross_entropy(x, target, reduction="none")
+    loss.sum().backward()
+    assert loss.isnan().tolist() == [False, True, True, False]
+    assert x.grad.isnan().all(dim=1).tolist() == [False, True, True, False]
+    with pytest.raises(IndexError):  # torch's, on the CPU
+        F.cross_entropy(x.detach().cpu(), target.cpu(), reduction="none")
+
+
+@pytest.mark.unpoisoned  # the poison's fill would show as an op
+def test_the_mean_is_summed_in_the_forwards_launch_the_same_bits_every_run(device, monkeypatch):
+    # 7 programs' partial sums, added by the last to arrive (4 at a time here): no torch
+    # op but the allocations, the counter left at zero, and the same bits run after run.
+    from mpgemm.kernels import arrivals
+    from mpgemm.kernels import cross_entropy as kernel_module
+
+    monkeypatch.setattr(kernel_module, "BLOCK_P", 4)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(100, 10, generator=g).to(device)
+    target = torch.randint(0, 10, (100,), generator=g).to(device)
+    with torch_ops_besides_launches() as ops:
+        first = mpgemm.cross_entropy(x, target)
+    assert set(ops) <= {"empty.memory_format", "zeros"}, ops
+    assert all(not buffer.any() for buffer in arrivals._buffers.values())
+    exact = F.cross_entropy(x.double(), target)
+    assert_within_torch_error(first, exact, F.cross_entropy(x, target), "mean")
+    for _ in range(3):
+        assert torch.equal(mpgemm.cross_entropy(x, target), first)
+
+
+def test_every_other_call_is_torchs(device):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 5, generator=g).to(device)
+    target = torch.randint(0, 5, (6,), generator=g).to(device)
+    calls = [
+        ((x, target), dict(weight=torch.rand(5, generator=g).to(device))),
+        ((x.view(3, 5, 2), target.view(3, 2)), {}),  # K-dimensional
+        ((x, x.softmax(1)), {}),  # class probabilities
+        ((x, target.int()), {}),  # an int32 target: torch's error
+        ((x, target[:4]), {}),  # a batch mismatch: torch's error
+    ]
+    for args, options in calls:
+        names, ours = launched_kernels(
+            lambda a=args, o=options: _or_error(mpgemm.cross_entropy, a, o)
+        )
+        assert names == []
+        theirs = _or_error(F.cross_entropy, args, options)
+        if isinstance(theirs, Exception):
+            assert type(ours) is type(theirs) and str(ours) == str(theirs)
+        else:
+            assert torch.equal(ours, theirs)
+
+
+def _or_error(fn, args, options):
+    try:
+        return fn(*args, **options)
+    except Exception as error:  # noqa: BLE001 (compared with torch's own)
+        return error
+
+
+def test_compiled_or_transformed_it_is_torchs(device):
+    # torch.compile traces torch's op (inductor fuses its own); torch.func transforms
+    # see torch's too.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 5, generator=g).to(device)
+    target = torch.randint(0, 5, (8,), generator=g).to(device)
+    compiled = torch.compile(mpgemm.cross_entropy, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, target), F.cross_entropy(x, target))
+    ours = torch.func.grad(lambda z: mpgemm.cross_entropy(z, target))(x)
+    assert torch.equal(ours, torch.func.grad(lambda z: F.cross_entropy(z, target))(x))
