@@ -98,10 +98,8 @@ class GradScaler:
 
         def scaled(value):
             if isinstance(value, torch.Tensor):
-                if self._scale is None:
-                    self._lazy_init_scale_growth_tracker(value.device)
                 if value.device not in per_device:
-                    per_device[value.device] = self._scale.to(value.device, non_blocking=True)
+                    per_device[value.device] = self._scale_on(value.device)
                 return value * per_device[value.device]
             if isinstance(value, Iterable) and not isinstance(value, str | bytes):
                 items = map(scaled, value)
@@ -111,6 +109,13 @@ class GradScaler:
             )
 
         return scaled(outputs)
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        """The scale as a tensor on ``device``, made there first if there is none yet."""
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        scale, _ = self._check_scale_growth_tracker("scale")
+        return scale.to(device, non_blocking=True)
 
     # Torch's names and signatures, which scripts call: to make the scale before a CUDA
     # graph's capture, to read it after update().

@@ -171,11 +171,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if loss.numel() != 1:
             # (what scale_loss(loss).backward() raises)
             raise RuntimeError("grad can be implicitly created only for scalar outputs")
-        if self.scaler._scale is None:
-            self.scaler._lazy_init_scale_growth_tracker(loss.device)
-        scale, _ = self.scaler._check_scale_growth_tracker("backward")
         # (No copy where the device and dtype are the scale's: an FP32 loss.)
-        seed = scale.to(loss.device, loss.dtype, non_blocking=True).expand_as(loss)
+        seed = self.scaler._scale_on(loss.device).to(loss.dtype).expand_as(loss)
         loss.backward(seed, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
     @property

@@ -77,8 +77,11 @@ def _unscaled_fp32(
 def _advance_counts(steps: Sequence[torch.Tensor], found_inf: torch.Tensor | None) -> None:
     """Add one to each step count, or nothing where ``found_inf`` is set: on the device
     (an FP32 increment of 0 or 1 per count, as the kernels add it)."""
+    if not steps:
+        return
+    increment = 1.0 if found_inf is None else (found_inf == 0).to(steps[0].dtype)
     for step in steps:
-        step.add_(1.0 if found_inf is None else (found_inf == 0).to(step.dtype))
+        step.add_(increment)
 
 
 def _widened(value: float | torch.Tensor) -> float | torch.Tensor:
