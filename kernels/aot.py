@@ -204,6 +204,20 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
                 torch.ones(()), torch.zeros((), dtype=torch.int32), torch.zeros(()), 2.0, 0.5, 2000
             ),
         )
+        # LossScaleOptimizer's: its skipped steps counted, its flag zeroed for reuse.
+        yield (
+            "scale update, skips counted, flag zeroed",
+            lambda: triton_update_scale_(
+                torch.ones(()),
+                torch.zeros((), dtype=torch.int32),
+                torch.zeros(()),
+                2.0,
+                0.5,
+                2000,
+                skipped_steps=torch.zeros((), dtype=torch.int64),
+                clear_found_inf=True,
+            ),
+        )
     # (parameter, gradient, compute copy): FP32 masters of mpgemm.Linear layers get
     # their 16-bit copy written in the step, in the launch that steps their biases,
     # which have none (listed as their own copy); None: no copy.

@@ -6,8 +6,9 @@
 
 ``scale`` is an FP32 tensor and ``tracker`` an int32 tensor of one element; products are
 taken in FP64 and rounded to FP32, as torch does. A skipped-step counter (an int64
-tensor: ``mpgemm.LossScaleOptimizer``'s) may be counted up in the same launch. One
-program, no host synchronisation.
+tensor: ``mpgemm.LossScaleOptimizer``'s) may be counted up in the same launch, and the
+flag zeroed once read, so that the next iteration's checks raise it afresh without a
+launch to zero it. One program, no host synchronisation.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def _update_scale_kernel(
     growth_interval,
     skipped_ptr,  # int64 count of skipped steps (unused unless HAS_SKIPPED)
     HAS_SKIPPED: tl.constexpr,
+    # zero found_inf once read
+    CLEAR_FOUND_INF: tl.constexpr,
 ):
     growth_factor = tl.load(factors_ptr)
     backoff_factor = tl.load(factors_ptr + 1)
@@ -45,6 +48,8 @@ def _update_scale_kernel(
     tl.store(tracker_ptr, new_tracker)
     if HAS_SKIPPED:
         tl.store(skipped_ptr, tl.load(skipped_ptr) + found_inf.to(tl.int64))
+    if CLEAR_FOUND_INF:
+        tl.store(found_inf_ptr, 0.0)
 
 
 def triton_update_scale_(
@@ -56,10 +61,11 @@ def triton_update_scale_(
     growth_interval: int,
     *,
     skipped_steps: torch.Tensor | None = None,
+    clear_found_inf: bool = False,
 ) -> None:
     """Update ``scale`` (FP32) and ``growth_tracker`` (int32) in place from ``found_inf``
-    (FP32), and add one to ``skipped_steps`` (int64) if it is set: all one-element
-    tensors on one device."""
+    (FP32), add one to ``skipped_steps`` (int64) if it is set, and then, with
+    ``clear_found_inf``, zero ``found_inf``: all one-element tensors on one device."""
     launch(
         _update_scale_kernel,
         (1,),
@@ -70,5 +76,6 @@ def triton_update_scale_(
         int(growth_interval),
         skipped_steps if skipped_steps is not None else scale,
         HAS_SKIPPED=skipped_steps is not None,
+        CLEAR_FOUND_INF=clear_found_inf,
         num_warps=1,
     )

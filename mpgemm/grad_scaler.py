@@ -217,9 +217,18 @@ class GradScaler:
         """Called on each device's flag once this step's gradients have set it: nothing
         here; LossScaleOptimizer reduces it across ranks."""
 
-    @staticmethod
-    def _fresh_flag(scale: torch.Tensor) -> torch.Tensor:
+    def _fresh_flag(self, scale: torch.Tensor) -> torch.Tensor:
+        """A zero FP32 flag on ``scale``'s device for this iteration's checks to raise:
+        a new one each iteration, as torch's scaler makes (LossScaleOptimizer reuses
+        its own)."""
         return torch.zeros((), dtype=torch.float32, device=scale.device)
+
+    def _zeroed_by_update(self, found_inf: torch.Tensor) -> bool:
+        """Whether the scale update zeroes ``found_inf`` (this iteration's flags
+        combined) once it has read it: no here, where every iteration's flags are new
+        and remain readable after ``update()``; LossScaleOptimizer's own flag is zeroed
+        so, for its next iteration."""
+        return False
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale, in place, and record whether any
@@ -383,6 +392,7 @@ class GradScaler:
                 self._backoff_factor,
                 self._growth_interval,
                 skipped_steps=self._skip_counter(scale),
+                clear_found_inf=self._zeroed_by_update(combined),
             )
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 

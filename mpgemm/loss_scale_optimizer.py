@@ -272,9 +272,37 @@ class _MasterScaler(GradScaler):
         self.skipped = skipped
         self._all_reduce_found_inf = all_reduce_found_inf
         self._process_group = process_group
+        # The flag that eager iterations' checks raise, reused: the scale update zeroes
+        # it once read, where a new flag would take a launch (a zeros) every step. None
+        # until the first check; ``_flag_zeroed``: whether the last to write it was
+        # such an update (in stream order), else it is zeroed before it is handed out.
+        self._flag: torch.Tensor | None = None
+        self._flag_zeroed = False
 
     def _grad_sources(self, optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
         return self._sources
+
+    def _fresh_flag(self, scale: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or (
+            scale.is_cuda and torch.cuda.is_current_stream_capturing()
+        ):
+            # A graph's iterations take flags of their own: its replays run apart from
+            # the eager steps, which know nothing of what a replay left in this one.
+            return super()._fresh_flag(scale)
+        flag = self._flag
+        if flag is None or flag.device != scale.device:
+            flag = self._flag = super()._fresh_flag(scale)
+        elif not self._flag_zeroed:
+            flag.zero_()
+        self._flag_zeroed = False
+        return flag
+
+    def _zeroed_by_update(self, found_inf: torch.Tensor) -> bool:
+        # Only where the update reads this flag itself (one device; not a sum of flags).
+        if found_inf is not self._flag:
+            return False
+        self._flag_zeroed = True
+        return True
 
     def _skip_counter(self, scale: torch.Tensor) -> torch.Tensor:
         if self.skipped.device != scale.device:  # the loss, and so the scale, elsewhere

@@ -277,7 +277,8 @@ def unscale_(
 
 
 @torch.library.custom_op(
-    "mpgemm::update_scale_", mutates_args=("scale", "growth_tracker", "skipped_steps")
+    "mpgemm::update_scale_",
+    mutates_args=("scale", "growth_tracker", "found_inf", "skipped_steps"),
 )
 def update_scale_(
     scale: torch.Tensor,
@@ -287,8 +288,10 @@ def update_scale_(
     backoff_factor: float,
     growth_interval: int,
     skipped_steps: torch.Tensor | None,
+    clear_found_inf: bool = False,
 ) -> None:
-    """``mpgemm.scaling.update_scale_``."""
+    """``mpgemm.scaling.update_scale_`` (``found_inf`` is written only where
+    ``clear_found_inf``)."""
     from mpgemm import scaling
 
     scaling.update_scale_(
@@ -299,6 +302,7 @@ def update_scale_(
         backoff_factor,
         growth_interval,
         skipped_steps=skipped_steps,
+        clear_found_inf=clear_found_inf,
     )
 
 

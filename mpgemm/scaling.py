@@ -385,11 +385,13 @@ def update_scale_(
     growth_interval: int,
     *,
     skipped_steps: torch.Tensor | None = None,
+    clear_found_inf: bool = False,
 ) -> None:
     """Back the ``scale`` off when ``found_inf`` is nonzero, grow it after
-    ``growth_interval`` clean steps (``torch._amp_update_scale_``), and count a skipped
-    step in ``skipped_steps`` (a one-element int64 tensor) if given: on the device, in
-    one launch."""
+    ``growth_interval`` clean steps (``torch._amp_update_scale_``), count a skipped
+    step in ``skipped_steps`` (a one-element int64 tensor) if given, and with
+    ``clear_found_inf`` zero ``found_inf`` once read (so that it can serve as the next
+    iteration's flag): on the device, in one launch."""
     if skipped_steps is not None and (
         skipped_steps.dtype != torch.int64
         or skipped_steps.numel() != 1
@@ -415,6 +417,7 @@ def update_scale_(
         backoff_factor,
         growth_interval,
         skipped_steps=skipped_steps,
+        clear_found_inf=clear_found_inf,
     )
 
 

@@ -49,14 +49,17 @@ def update_scale_ref_(
     growth_interval: int,
     *,
     skipped_steps: torch.Tensor | None = None,
+    clear_found_inf: bool = False,
 ) -> None:
     """Torch's dynamic loss scale update, in place; one more ``skipped_steps`` where
-    ``found_inf`` is set."""
+    ``found_inf`` is set; then ``found_inf`` zeroed if ``clear_found_inf``."""
     if skipped_steps is not None:
         skipped_steps.add_((found_inf != 0).to(skipped_steps.dtype))
     torch._amp_update_scale_(
         scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
     )
+    if clear_found_inf:
+        found_inf.zero_()
 
 
 def _unscaled_fp32(

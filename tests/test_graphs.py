@@ -95,3 +95,37 @@ def test_replays_read_a_tensor_lr_changed_between_them():
     assert step.graph is not None  # captured at the 4th step, replayed after
     for p, q in zip(replayed, eager, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
+def test_eager_steps_beside_replays_keep_a_flag_of_their_own():
+    """LossScaleOptimizer reuses one inf flag across eager steps (the scale update zeroes
+    it), but a captured step takes its own: a replay that skips for an inf leaves no
+    raised flag for the eager step after it, and the eager flag is still the one the
+    warm-up made."""
+    import mpgemm
+
+    torch.manual_seed(0)
+    model = mpgemm.convert(build_mlp(784, (128,), 10)).cuda()
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters()))
+
+    def train_step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    step = GraphedStep(train_step)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(128, 784, generator=g), torch.randint(0, 10, (128,))) for _ in range(8)]
+    batches[5][0][3, 5] = float("inf")  # a replayed step (capture on the 4th call)
+    for x, y in batches[:7]:
+        step(x.cuda(), y.cuda())
+    eager_flag = optimizer.scaler._flag
+    assert step.graph is not None and optimizer.skipped_steps == 1
+    before = [p.detach().clone() for p in model.parameters()]
+    train_step(batches[7][0].cuda(), batches[7][1].cuda())  # eager, after the replays
+    assert optimizer.skipped_steps == 1, "the eager step inherited the replay's flag"
+    assert optimizer.scaler._flag is eager_flag and eager_flag.item() == 0.0
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))

@@ -249,6 +249,57 @@ def test_skipped_step_leaves_params_and_state_bit_identical(device):
             assert_same_bits(state[index][key], old[index][key], f"{key} of {index}")
 
 
+@pytest.mark.unpoisoned  # the poison's fills would count as launches
+def test_one_flag_serves_every_iteration_zeroed_by_the_update_that_read_it(device):
+    """The inf flag is made once: each scale update zeroes it as it reads it, so a later
+    step launches nothing to zero it; back-to-back skips (steps 2 and 3) and the clean
+    steps after them decide as torch's scaler does."""
+    pytest.importorskip("triton")
+    from mpgemm.kernels.launches import count_launches
+
+    model, reference = _mlp(device), _mlp(device)
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters()), **SCALER_ARGS)
+    flags, scales = [], []
+    for step, x, y in _batches(6, device):
+        optimizer.zero_grad()
+        optimizer.backward(_loss(model, x, y))
+        _inject(list(model.parameters()), step)
+        optimizer.step()
+        flags.append(optimizer.scaler._flag)
+        scales.append(optimizer.loss_scale)
+        assert flags[-1].item() == 0.0, f"the flag is left zero after step {step}"
+    assert all(flag is flags[0] for flag in flags)
+    scaler = torch.amp.GradScaler(device, **SCALER_ARGS)
+    torch_optimizer = torch.optim.Adam(reference.parameters())
+    assert scales == _run_torch(reference, torch_optimizer, scaler, 6, device)
+    assert optimizer.skipped_steps == 2
+    # (Counted, the kernels do not run: this step's results are not looked at.)
+    with count_launches() as count:
+        optimizer.zero_grad()
+        optimizer.backward(_loss(model, x, y))
+        optimizer.step()
+    assert "aten.zeros" not in count.torch and "aten.zero_" not in count.torch, count.torch
+
+
+def test_a_flag_left_raised_is_zeroed_before_the_next_iteration(device):
+    # update(new_scale) sets the scale without reading the flags: the flag the check
+    # raised stays raised, and the next iteration must not inherit it.
+    model = _mlp(device)
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.SGD(model.parameters(), lr=0.1))
+    [(_, x, y)] = _batches(1, device)
+    optimizer.backward(_loss(model, x, y))
+    model[0].weight.grad[0, 0] = float("inf")
+    optimizer.unscale_()
+    optimizer.scaler.update(new_scale=1024.0)
+    assert optimizer.scaler._flag.item() == 1.0
+    optimizer.zero_grad()
+    optimizer.backward(_loss(model, x, y))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert optimizer.skipped_steps == 0 and optimizer.loss_scale == 1024.0
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
 def test_behaves_as_an_optimizer_for_lr_schedulers(device):
     model = _mlp(device)
     wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

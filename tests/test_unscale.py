@@ -148,6 +148,27 @@ def test_scale_update_counts_skipped_steps_in_the_same_launch(device):
     assert torch.equal(tracker, ref[1])
 
 
+@pytest.mark.parametrize("impl", [update_scale_, scaling_ref.update_scale_ref_])
+def test_scale_update_zeroes_the_flag_it_read_when_asked(device, impl):
+    """LossScaleOptimizer's reused flag: zeroed by the update that read it (the kernel,
+    in the same launch), after the scale, tracker and skip count were updated from its
+    value as without zeroing."""
+    for found_inf in (0.0, 1.0, 2.0, 1.0, 0.0, 0.0):
+        state = [
+            torch.tensor(1024.0, device=device),
+            torch.tensor(1, dtype=torch.int32, device=device),
+            torch.tensor(7, dtype=torch.int64, device=device),
+        ]
+        ref = [t.clone() for t in state]
+        flag = torch.tensor(found_inf, device=device)
+        impl(*state[:2], flag, 2.0, 0.5, 2, skipped_steps=state[2], clear_found_inf=True)
+        ref_flag = torch.tensor(found_inf, device=device)
+        scaling_ref.update_scale_ref_(*ref[:2], ref_flag, 2.0, 0.5, 2, skipped_steps=ref[2])
+        assert flag.item() == 0.0 and ref_flag.item() == found_inf
+        for ours, theirs, name in zip(state, ref, ("scale", "tracker", "skipped"), strict=True):
+            assert_same_bits(ours, theirs, f"{name} after a flag of {found_inf}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_views_off_a_16_byte_boundary(device, dtype):
     # A view one element into its storage: the kernel must not assume aligned, vector-
