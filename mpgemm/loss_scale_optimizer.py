@@ -254,9 +254,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 class _MasterScaler(GradScaler):
     """LossScaleOptimizer's scaler: FP32 masters take their 16-bit model parameters'
     gradients (``_grad_sources``), under ``torch.distributed`` each device's flag is
-    MAX-reduced across ``process_group`` (``_reduce_found_inf``), and the scale update
-    counts skipped steps in ``skipped`` (``_skip_counter``). Being methods, these
-    survive pickling (a ProcessGroup itself does not pickle)."""
+    MAX-reduced across ``process_group`` (``_reduce_found_inf``), the scale update
+    counts skipped steps in ``skipped`` (``_skip_counter``) and zeroes the flag it
+    reads, which the next eager iteration reuses (``_fresh_flag``,
+    ``_zeroed_by_update``). Being methods, these survive pickling (a ProcessGroup
+    itself does not pickle)."""
 
     def __init__(
         self,
