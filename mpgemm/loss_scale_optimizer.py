@@ -300,8 +300,9 @@ class _MasterScaler(GradScaler):
         return flag
 
     def _zeroed_by_update(self, found_inf: torch.Tensor) -> bool:
-        # Only where the update reads this flag itself (one device; not a sum of flags).
-        if found_inf is not self._flag:
+        # Only where the update reads this flag itself (one device; not a sum of flags),
+        # never a compiled step's (asked first: dynamo would guard on the attribute).
+        if torch.compiler.is_compiling() or found_inf is not self._flag:
             return False
         self._flag_zeroed = True
         return True

@@ -241,6 +241,26 @@ def test_compiled_optimizer_steps_are_counted_without_recompiling(make):
     assert torch.equal(param.detach(), torch.full((8,), -2.0))
 
 
+def test_eager_and_compiled_loss_scale_optimizer_steps_mix_without_recompiling():
+    """Eager steps reuse the scaler's inf flag (zeroed by the scale update), compiled
+    steps take their own: neither the flag nor whether it is zeroed may become a guard
+    of the compiled step, and each step is taken (none skipped for a stale flag)."""
+    torch._dynamo.reset()
+    param = nn.Parameter(torch.zeros(8))
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.SGD([param], lr=0.5))
+    step = torch.compile(optimizer.step)
+    for i, compiled in enumerate([True, True, False, True, False, True]):
+        optimizer.zero_grad()
+        optimizer.backward(param.sum())  # every gradient 1
+        if compiled:
+            with torch.compiler.set_stance("fail_on_recompile" if i >= 2 else "default"):
+                step()
+        else:
+            optimizer.step()
+    assert optimizer.skipped_steps == 0
+    assert torch.equal(param.detach(), torch.full((8,), -3.0))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_reduce_overhead_optimizer_step_matches_eager_bit_for_bit():
     _assert_compiled_step_matches_eager(
