@@ -154,10 +154,11 @@ def targets(benchmarks: list[dict]) -> list[str]:
 
 def markdown(data: dict) -> str:
     env = data["machine_info"].get("mpgemm", {})
+    flush_ms = data["machine_info"].get("l2_flush_ms")
     lines = [
         "Device: " + ", ".join(f"{k} {v}" for k, v in env.items()),
         f"Run: {data.get('datetime', '?')}",
-        *_flush_line(data["machine_info"].get("l2_flush_ms")),
+        *_flush_line(flush_ms),
         "",
         *targets(data["benchmarks"]),
     ]
@@ -167,12 +168,17 @@ def markdown(data: dict) -> str:
         # measured them.
         kernel = any("kernel_ms" in r["extra_info"] for r in rows)
         host = any("host_ms" in r["extra_info"] for r in rows)
+        # What an idle round's time leaves unexplained (device-timed rows, with the
+        # flush measured): neither the kernel nor the host's enqueue beyond the flush.
+        rest = kernel and host and flush_ms is not None
         rate = "TFLOP/s" if any("tflops" in r["extra_info"] for r in rows) else "GB/s"
         headers = ["case", "impl", "ms", rate, "peak MiB", *(f"x {b}" for b in baselines)]
         if kernel:
             headers.append("kernel ms")
         if host:
             headers.append("host ms")
+        if rest:
+            headers.append("unexplained ms")
         if kernel:
             headers += [f"x {b} (kernel)" for b in baselines]
         lines += [f"### {group}", "", f"| {' | '.join(headers)} |", "|---" * len(headers) + "|"]
@@ -191,6 +197,8 @@ def markdown(data: dict) -> str:
                 cells.append(_cell(info.get("kernel_ms"), ".3f"))
             if host:
                 cells.append(_cell(info.get("host_ms"), ".3f"))
+            if rest:
+                cells.append(_cell(_unexplained_ms(row, flush_ms), ".3f"))
             if kernel:
                 cells += [_cell(info.get("kernel_ratio_to", {}).get(b), ".2f") for b in baselines]
             lines.append("| " + " | ".join(cells) + " |")
@@ -207,8 +215,20 @@ def _flush_line(flush_ms: float | None) -> list[str]:
     return [
         f"L2 flush before each round: {flush_ms:.3f} ms of GPU time. A round from an idle "
         "GPU (ms) adds the host's enqueue (host ms) beyond it to the kernel's time "
-        "(kernel ms)."
+        "(kernel ms); unexplained ms is what neither accounts for."
     ]
+
+
+def _unexplained_ms(row: dict, flush_ms: float) -> float | None:
+    """An idle round's median less what should make it up: the kernel's time and the
+    host's enqueue beyond the flush (``_flush_line``). Near zero where host time
+    explains the gap between the two clocks; more points at the device (or at an
+    enqueue slower from an idle GPU than from a busy one)."""
+    info = row["extra_info"]
+    kernel, host = info.get("kernel_ms"), info.get("host_ms")
+    if kernel is None or host is None:
+        return None
+    return row["stats"]["median"] * 1e3 - kernel - max(0.0, host - flush_ms)
 
 
 def _cell(value: float | None, spec: str) -> str:
