@@ -7,7 +7,8 @@ weight gradient three ways (``head dW``, ``head dW unswapped``, ``head dW torch`
 a 4096-wide layer's ReLU backward with its bias gradient two ways (``dZ relu``, ``dZ
 relu torch``): the host time to enqueue one call, the wall time of a synchronised call,
 torch.profiler's kernel table, and cProfile's top host functions. ``phases``: the
-host time of each phase of the guide and small steps in each mode.
+host time of each phase of the guide and small steps in each mode. ``idle``: why a GEMM
+from an idle GPU trails its kernel (``idle_rounds``).
 
     python3 bench/profile_gpu.py [OUT_DIR]
 """
@@ -19,6 +20,7 @@ import io
 import json
 import pstats
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 import triton
-from harness import SYNC_WARNING
+from harness import L2_FLUSH_BYTES, SYNC_WARNING, median
 from host_time import PHASE_COLUMNS, phase_times, replays_off
 from torch.profiler import ProfilerActivity, profile
 
@@ -270,6 +272,96 @@ def sync_sites(out: Path) -> None:
         f.write(body + "\n\n")
 
 
+def idle_rounds(out: Path, rounds: int = 10) -> None:
+    """Why a GEMM from an idle GPU trails its kernel time (the bench report's
+    unexplained ms): FP16 squares of 2048, 4096 and 8192 by mpgemm's TMA kernel, its
+    pointer kernel and cuBLAS, ``rounds`` rounds as the bench times them from an idle
+    GPU (the L2 flush, then the call, then a wait), then ``rounds`` calls back to back,
+    under torch.profiler. Medians of the host's enqueue, the GPU's wait from the flush's
+    end to the call's first kernel, and the call's kernel time idle and busy: a wait
+    near the enqueue less the flush is host time; an idle kernel slower than a busy one
+    is the device's."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=DEVICE)
+    lines = [
+        f"## GEMMs from an idle GPU (us, medians of {rounds})",
+        "| case | impl | host enqueue | flush | wait after the flush | kernels idle | busy |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for size in (2048, 4096, 8192):
+        a, b = (torch.randn(size, size, device=DEVICE).half() for _ in range(2))
+
+        def pointer(a=a, b=b):
+            with use_kernel("pointer"):
+                return mpgemm.matmul(a, b)
+
+        calls = {
+            "mpgemm": lambda a=a, b=b: mpgemm.matmul(a, b),
+            "mpgemm_pointer": pointer,
+            "torch_fp16": lambda a=a, b=b: torch.matmul(a, b),
+        }
+        for impl, fn in calls.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            hosts = []
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(rounds):
+                    flush.zero_()
+                    start = time.perf_counter()
+                    fn()
+                    hosts.append((time.perf_counter() - start) * 1e6)
+                    torch.cuda.synchronize()
+                for _ in range(rounds):
+                    fn()
+                torch.cuda.synchronize()
+            with tempfile.TemporaryDirectory() as tmp:
+                trace = Path(tmp) / "idle.json"
+                prof.export_chrome_trace(str(trace))
+                events = json.loads(trace.read_text())["traceEvents"]
+            kernels = sorted(
+                ((e["name"], e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel"),
+                key=lambda kernel: kernel[1],
+            )
+            flushes, waits, idle, busy = idle_waits(kernels, rounds)
+            cells = [median(hosts), median(flushes), median(waits), median(idle), median(busy)]
+            lines.append(f"| {size}^3 | {impl} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    body = "\n".join(lines)
+    print(body, flush=True)
+    with open(out / "profile.md", "a") as f:
+        f.write(body + "\n\n")
+
+
+def idle_waits(
+    kernels: list[tuple[str, float, float]], rounds: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """From the kernels of ``idle_rounds``' profile in start order, (name, start us,
+    duration us): ``rounds`` flushes (torch's fill kernel), each followed by a call's
+    kernels, then ``rounds`` calls' kernels back to back, every call making as many.
+    Returns the flushes' durations, each idle round's wait from its flush's end to its
+    call's first kernel, each idle call's span (first kernel's start to last's end),
+    and each busy call's span."""
+    starts = [i for i, (name, _, _) in enumerate(kernels) if "FillFunctor" in name]
+    if len(starts) != rounds:
+        raise ValueError(f"expected {rounds} flushes in the profile, found {len(starts)}")
+    per_call = (len(kernels) - rounds) // (2 * rounds)
+    if per_call < 1 or len(kernels) != rounds + 2 * rounds * per_call:
+        raise ValueError(f"{len(kernels)} kernels do not make {rounds} idle and busy calls")
+
+    def span(call: list[tuple[str, float, float]]) -> float:
+        return call[-1][1] + call[-1][2] - call[0][1]
+
+    flushes, waits, idle = [], [], []
+    for i in starts:
+        _, start, duration = kernels[i]
+        call = kernels[i + 1 : i + 1 + per_call]
+        flushes.append(duration)
+        waits.append(call[0][1] - (start + duration))
+        idle.append(span(call))
+    tail = kernels[starts[-1] + 1 + per_call :]
+    busy = [span(tail[j : j + per_call]) for j in range(0, len(tail), per_call)]
+    return flushes, waits, idle, busy
+
+
 def phases(out: Path) -> None:
     """``phase_times`` of the guide and small steps in each mode (autocast with fused
     Adam, FP32 with torch's default foreach Adam), as one table."""
@@ -332,6 +424,8 @@ def main() -> None:
         sync_sites(out)
     if only is None or "phases" in only:
         phases(out)
+    if only is None or "idle" in only:
+        idle_rounds(out)
     for name, build in cases.items():
         if only is None or name in only:
             report(name, build(), out)
