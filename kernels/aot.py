@@ -197,25 +197,21 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
         )
     for dtype in (f32, f16, bf16):
         yield f"check {dtype}", lambda d=dtype: triton_unscale_(tensors(d), torch.zeros(()), None)
-    if aligned:
+    # GradScaler's, and LossScaleOptimizer's (its skipped steps counted, its flag
+    # zeroed for reuse).
+    updates = (("scale update", False), ("scale update, skips counted, flag zeroed", True))
+    for name, lso in updates if aligned else ():
         yield (
-            "scale update",
-            lambda: triton_update_scale_(
-                torch.ones(()), torch.zeros((), dtype=torch.int32), torch.zeros(()), 2.0, 0.5, 2000
-            ),
-        )
-        # LossScaleOptimizer's: its skipped steps counted, its flag zeroed for reuse.
-        yield (
-            "scale update, skips counted, flag zeroed",
-            lambda: triton_update_scale_(
+            name,
+            lambda lso=lso: triton_update_scale_(
                 torch.ones(()),
                 torch.zeros((), dtype=torch.int32),
                 torch.zeros(()),
                 2.0,
                 0.5,
                 2000,
-                skipped_steps=torch.zeros((), dtype=torch.int64),
-                clear_found_inf=True,
+                skipped_steps=torch.zeros((), dtype=torch.int64) if lso else None,
+                clear_found_inf=lso,
             ),
         )
     # (parameter, gradient, compute copy): FP32 masters of mpgemm.Linear layers get

@@ -39,6 +39,16 @@ REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 
 
 @triton.jit
+def _logits(x_rows, in_rows, c0, C, stride_xc, INTERPRETED: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(cols, mask, x): the BLOCK_C columns from ``c0`` on of the rows ``x_rows`` points
+    at (those of ``in_rows``), and their logits widened to FP32 (0 outside ``mask``)."""
+    cols = c0 + tl.arange(0, BLOCK_C)
+    mask = in_rows[:, None] & (cols < C)[None, :]
+    x = widen(tl.load(x_rows + cols[None, :] * stride_xc, mask=mask, other=0.0), INTERPRETED)
+    return cols, mask, x
+
+
+@triton.jit
 def _cross_entropy_forward_kernel(
     x_ptr,
     t_ptr,
@@ -68,9 +78,7 @@ def _cross_entropy_forward_kernel(
     x_rows = x_ptr + rows64[:, None] * stride_xn
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = in_rows[:, None] & (cols < C)[None, :]
-        x = widen(tl.load(x_rows + cols[None, :] * stride_xc, mask=mask, other=0.0), INTERPRETED)
+        cols, mask, x = _logits(x_rows, in_rows, c0, C, stride_xc, INTERPRETED, BLOCK_C)
         x = tl.where(mask, x, float("-inf"))
         # torch.maximum's: a NaN logit makes the row's maximum NaN (max.f32 drops it).
         m = tl.maximum(m, tl.max(x, axis=1), propagate_nan=tl.PropagateNan.ALL)
@@ -78,9 +86,7 @@ def _cross_entropy_forward_kernel(
     x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     x_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = in_rows[:, None] & (cols < C)[None, :]
-        x = widen(tl.load(x_rows + cols[None, :] * stride_xc, mask=mask, other=0.0), INTERPRETED)
+        cols, mask, x = _logits(x_rows, in_rows, c0, C, stride_xc, INTERPRETED, BLOCK_C)
         exp_sum += tl.sum(tl.where(mask, tl.exp(x - m[:, None]), 0.0), axis=1)
         x_sum += tl.sum(tl.where(mask, x, 0.0), axis=1)
         x_t += tl.sum(tl.where(mask & (cols[None, :] == t[:, None]), x, 0.0), axis=1)

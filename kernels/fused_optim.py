@@ -561,8 +561,8 @@ def _launch(
     ``counts_steps``: the last of ``lists`` holds step counts that the kernel advances
     where the step is taken (every tensor gets a program then, a zero-size one too,
     and the programs of a tensor arrive on a counter of their own: the last stores
-    the count). ``block``: the elements per program. ``bench/sweep_optim.py`` times other values of
-    it and ``num_warps`` on a GPU."""
+    the count). ``block``: the elements per program. ``bench/sweep_optim.py`` times
+    other values of it and ``num_warps`` on a GPU."""
     params = lists[0]
     if copies is None:
         copies = params  # each parameter its own copy: nothing more is written
