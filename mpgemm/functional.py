@@ -19,6 +19,7 @@ import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from mpgemm.reference import activation_backward_ref, gemm_ref
 
@@ -148,6 +149,19 @@ def _check_activation(op: str, activation: str | None) -> None:
     if activation not in VALID_ACTIVATIONS:
         raise ValueError(
             f"{op}: unknown activation {activation!r}; valid ones are {VALID_ACTIVATIONS}"
+        )
+
+
+def _check_not_jit_traced(op: str) -> None:
+    """RuntimeError under ``torch.jit.trace``, which would record the kernels' launches
+    as constants of one call (and the layer's cached compute copy of its weight as a
+    constant tensor), where ``torch.export`` and ``torch.compile`` record mpgemm's
+    custom ops."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"{op}: torch.jit.trace cannot record mpgemm's kernels; export the model with "
+            "torch.export.export (or compile it with torch.compile), which record mpgemm's "
+            "custom ops"
         )
 
 
@@ -616,6 +630,19 @@ def linear(
     Differentiable in input, weight and bias; each gradient has its tensor's dtype, so
     FP32 master weights get FP32 gradients.
     """
+    if has_torch_function_variadic(input, weight, bias):
+        # As torch.nn.functional's functions do: a tensor subclass or mode with a
+        # __torch_function__ (torch.fx's tracing proxies among them) gets the call.
+        return handle_torch_function(
+            linear,
+            (input, weight, bias),
+            input,
+            weight,
+            bias,
+            activation=activation,
+            compute_dtype=compute_dtype,
+            out_dtype=out_dtype,
+        )
     return _linear(
         input, weight, bias, activation=activation, compute_dtype=compute_dtype, out_dtype=out_dtype
     )
@@ -634,6 +661,7 @@ def _linear(
     """``linear``, with the GEMMs reading ``weight_copy`` (``weight`` in the compute
     dtype, from ``mpgemm.Linear``) in ``weight``'s place when given."""
     op = "mpgemm.linear"
+    _check_not_jit_traced(op)
     _check_tensors(op, input=input, weight=weight, bias=bias)
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)
@@ -695,7 +723,12 @@ def matmul(
     is rounded to ``out_dtype`` (default ``compute_dtype``). Differentiable in both;
     each gradient has its operand's dtype.
     """
+    if has_torch_function_variadic(a, b):  # as in ``linear``
+        return handle_torch_function(
+            matmul, (a, b), a, b, compute_dtype=compute_dtype, out_dtype=out_dtype
+        )
     op = "mpgemm.matmul"
+    _check_not_jit_traced(op)
     _check_tensors(op, a=a, b=b)
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)

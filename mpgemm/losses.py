@@ -6,19 +6,24 @@ The kernels take the common case: (N, C) logits (float32, float16 or bfloat16) a
 (N,) int64 class indices, without class weights, any ``ignore_index``,
 ``label_smoothing`` and ``reduction``, on a device the kernels run on (``backend``).
 Everything else (class weights, probability targets, K-dimensional inputs, the old
-``size_average``/``reduce`` arguments, tensor subclasses, ``torch.compile``'s and
-``torch.func``'s tracing, the reference backend) is torch's own ``cross_entropy``,
-which also raises torch's errors for what it refuses. One difference: a class index out
-of range, which torch refuses (an ``IndexError`` on the CPU, a device-side assert on a
-GPU), gives a NaN loss and NaN gradients for its row here: checking it would make the
-host wait for the GPU.
+``size_average``/``reduce`` arguments, tensor subclasses, ``torch.compile``'s,
+``torch.func``'s and ``torch.jit.trace``'s tracing, the reference backend) is torch's
+own ``cross_entropy``, which also raises torch's errors for what it refuses. A tensor
+subclass or mode with a ``__torch_function__`` (torch.fx's tracing proxies among them)
+sees the call as ``mpgemm.cross_entropy``, as it sees torch's functions. One
+difference: a class index out of range, which torch refuses (an ``IndexError`` on the
+CPU, a device-side assert on a GPU), gives a NaN loss and NaN gradients for its row
+here: checking it would make the host wait for the GPU.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from mpgemm.functional import INPUT_DTYPES, backend, is_plain
 
@@ -52,6 +57,7 @@ def _kernels_take(input, target, weight, size_average, reduce, reduction, smooth
     return (
         # (first: traced by torch.compile, nothing below is evaluated)
         not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
         and weight is None
         and size_average is None
         and reduce is None
@@ -89,8 +95,18 @@ def cross_entropy(
     input: (N, C) logits; target: (N,) class indices (int64); the loss: input's dtype,
     () for "mean" and "sum" (the mean over the rows not ignored), (N,) for "none" (0
     where ignored). Differentiable in ``input``; its gradient has input's dtype."""
-    if not _kernels_take(input, target, weight, size_average, reduce, reduction, label_smoothing):
-        return F.cross_entropy(
+    handled = has_torch_function_variadic(input, target, weight)
+    if handled or not _kernels_take(
+        input, target, weight, size_average, reduce, reduction, label_smoothing
+    ):
+        # Torch's own; or, as torch's own does, the call handed to a tensor subclass or
+        # mode with a __torch_function__ (torch.fx's tracing proxies among them).
+        call = (
+            functools.partial(handle_torch_function, cross_entropy, (input, target, weight))
+            if handled
+            else F.cross_entropy
+        )
+        return call(
             input,
             target,
             weight=weight,

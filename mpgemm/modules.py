@@ -7,6 +7,7 @@ from typing import cast
 
 import torch
 from torch import nn
+from torch.fx import Proxy
 
 from mpgemm.compute_copy import ComputeCopy
 from mpgemm.functional import (
@@ -61,23 +62,31 @@ class Linear(nn.Linear):
         self._weight_copy = ComputeCopy(compute_dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, Proxy):
+            # torch.fx's symbolic tracing, whose proxies cannot answer the dtype test
+            # below: the layer as a leaf of the graph, a call of this module, as torch.fx
+            # records nn.Linear (so the traced graph runs this forward, compute copy and
+            # hooks included).
+            tracer = input.tracer
+            return tracer.create_proxy("call_module", tracer.path_of_module(self), (input,), {})
+        weight, bias = self.weight, self.bias
         if self._weight_copy.dtype != self.compute_dtype:  # compute_dtype was reassigned
             self._weight_copy = ComputeCopy(self.compute_dtype)
         copy = None
-        if self.weight.dtype == torch.float32:
+        if weight.dtype == torch.float32:
             # The copy is a cache keyed by the weight's storage and version, for eager
             # code; a compiled graph casts in the graph, which is the same rounding, as
             # does a torch.func transform (its weight may be wrapped, with no storage to
             # key by, and what it makes is wrapped: kept, it would outlive the levels).
             copy = (
-                self.weight.to(self.compute_dtype)
+                weight.to(self.compute_dtype)
                 if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-                else self._weight_copy.of(self.weight)
+                else self._weight_copy.of(weight)
             )
         return _linear(
             input,
-            self.weight,
-            self.bias,
+            weight,
+            bias,
             activation=self.activation,
             compute_dtype=self.compute_dtype,
             out_dtype=self.out_dtype,
