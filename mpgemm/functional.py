@@ -13,6 +13,7 @@ import importlib
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -165,12 +166,12 @@ def _check_not_jit_traced(op: str) -> None:
         )
 
 
-_OPTIONAL = ("bias",)
+_OPTIONAL = ("bias", "out")
 
 
 def _check_tensors(op: str, **tensors: torch.Tensor | None) -> None:
     """Each tensor must be a dense float32/float16/bfloat16 tensor, all on one device;
-    only a bias may be None."""
+    only a bias and an out may be None."""
     given: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if t is None and name in _OPTIONAL:
@@ -711,6 +712,7 @@ def matmul(
     *,
     compute_dtype: torch.dtype = torch.float16,
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ b`` with 16-bit Tensor Core operands and FP32 accumulation.
 
@@ -722,14 +724,19 @@ def matmul(
     ``compute_dtype`` (float16 or bfloat16), products accumulate in FP32, and the result
     is rounded to ``out_dtype`` (default ``compute_dtype``). Differentiable in both;
     each gradient has its operand's dtype.
+
+    ``out``: as ``torch.matmul``'s, a tensor the result is written into and returned:
+    of the result's dtype (``out_dtype``), on the operands' device, any strides;
+    resized as torch resizes it (silently from zero elements, else with torch's
+    warning); refused, as by torch, where autograd would record the product.
     """
-    if has_torch_function_variadic(a, b):  # as in ``linear``
+    if has_torch_function_variadic(a, b, out):  # as in ``linear``
         return handle_torch_function(
-            matmul, (a, b), a, b, compute_dtype=compute_dtype, out_dtype=out_dtype
+            matmul, (a, b, out), a, b, compute_dtype=compute_dtype, out_dtype=out_dtype, out=out
         )
     op = "mpgemm.matmul"
     _check_not_jit_traced(op)
-    _check_tensors(op, a=a, b=b)
+    _check_tensors(op, a=a, b=b, out=out)
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)
     out_dtype = out_dtype or compute_dtype
@@ -739,6 +746,8 @@ def matmul(
             "multiplied: both must be at least 1-D, with a's last dimension equal to b's "
             "first (1-D) or second-to-last"
         )
+    if out is not None:
+        return _matmul_into(a, b, out, compute_dtype, out_dtype)
     if b.dim() <= 2:
         weight = b.unsqueeze(1).t() if b.dim() == 1 else b.t()
         out, _ = _linear_function(a, weight, None, None, compute_dtype, out_dtype)
@@ -756,3 +765,71 @@ def matmul(
     else:
         out = BatchedMatmulFunction.apply(rows, b, compute_dtype, out_dtype)
     return out.squeeze(-2) if a.dim() == 1 else out
+
+
+def _matmul_into(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``matmul(a, b)`` written into ``out`` (checked operands). A product with a 1-D or
+    2-D ``b``, one GEMM over a's rows, writes into ``out`` where it is a view of them
+    (any strides) that shares no memory with an operand; any other (a batch of
+    products, an ``out`` whose dimensions do not merge into rows, or that overlaps an
+    operand) is computed first, then copied in."""
+    op = "mpgemm.matmul"
+    if out.dtype != out_dtype:
+        raise TypeError(
+            f"{op}: out has dtype {out.dtype}, the result {out_dtype} (out_dtype, or "
+            "compute_dtype when out_dtype is None); pass out_dtype to match out"
+        )
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or out.requires_grad):
+        raise RuntimeError(
+            f"{op}: functions with out=... arguments don't support automatic "
+            "differentiation, but one of the arguments requires grad (as torch.matmul)"
+        )
+    rows = a.unsqueeze(0) if a.dim() == 1 else a
+    columns = b.unsqueeze(1) if b.dim() == 1 else b
+    # torch.matmul's result shape: a vector's dimension dropped (a.shape[-2:-1] and
+    # b.shape[1:] are empty for 1-D operands).
+    if b.dim() > 2:
+        batch = _broadcast_batch(rows.shape[:-2], b.shape[:-2])
+        shape = (*batch, *a.shape[-2:-1], b.shape[-1])
+    else:
+        shape = (*a.shape[:-1], *b.shape[1:])
+    if tuple(out.shape) != shape:
+        if out.numel():
+            warnings.warn(
+                f"{op}: out of shape {tuple(out.shape)} was resized to the result's "
+                f"{shape}, as torch resizes an out= tensor; torch deprecates resizing "
+                "one with elements (resize it to zero elements first: out.resize_(0))",
+                UserWarning,
+                stacklevel=3,
+            )
+        out.resize_(shape)
+    if any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.stride(), strict=True)):
+        # As torch refuses it: a result element would overwrite another.
+        raise RuntimeError(
+            f"{op}: out of strides {out.stride()} has elements that share memory (an "
+            "expanded tensor); give out memory of its own (out.clone())"
+        )
+    written = None
+    if b.dim() <= 2 and not torch.compiler.is_compiling() and not _shares_memory(out, a, b):
+        try:
+            written = out.view(math.prod(rows.shape[:-1]), columns.shape[1])
+        except RuntimeError:  # dimensions that do not merge: computed, then copied
+            pass
+    if written is None:
+        return out.copy_(matmul(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype))
+    gemm = _gemm(a.device, a, b, out)
+    gemm(_as_rows(rows), columns, compute_dtype=compute_dtype, out_dtype=out_dtype, out=written)
+    return out
+
+
+def _shares_memory(out: torch.Tensor, *operands: torch.Tensor) -> bool:
+    """Whether ``out`` lies in the storage of any of ``operands`` (written as they are
+    read, a product would read its own results)."""
+    base = out.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == base for t in operands)

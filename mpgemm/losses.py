@@ -19,6 +19,7 @@ here: checking it would make the host wait for the GPU.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,11 +102,9 @@ def cross_entropy(
     ):
         # Torch's own; or, as torch's own does, the call handed to a tensor subclass or
         # mode with a __torch_function__ (torch.fx's tracing proxies among them).
-        call = (
-            functools.partial(handle_torch_function, cross_entropy, (input, target, weight))
-            if handled
-            else F.cross_entropy
-        )
+        call: Callable[..., torch.Tensor] = F.cross_entropy
+        if handled:
+            call = functools.partial(handle_torch_function, cross_entropy, (input, target, weight))  # type: ignore[call-arg]  # (typeshed reads the partial's arguments as all)
         return call(
             input,
             target,
