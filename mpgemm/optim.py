@@ -16,10 +16,10 @@ not advance them either.
 torch's constructor keywords are accepted; the ones that choose torch's implementation
 take the values the fused kernels honour (``foreach`` None or False, ``fused`` None or
 True, ``differentiable`` False; ``capturable`` either way: the step never reads the
-device on the host). FP64 and complex parameters (or gradients) are stepped by torch's
-own implementation, as the torch optimizer would step them (under a scaler: skipped on
-inf/NaN, which reads the flag on the host, else on gradients unscaled in place). Sparse
-gradients are not supported (``ValueError``).
+device on the host). FP64 and complex parameters (or gradients), and sparse gradients,
+are stepped by torch's own implementation, as the torch optimizer would step them (under
+a scaler: skipped on inf/NaN, which reads the flag on the host, else on gradients
+unscaled in place), or refused as it refuses them (Adam's sparse gradients).
 
 A learning rate (and Adam's betas) may be a one-element tensor, as in torch: the kernels
 read it on the device at every step, widened to FP64 as torch's fused kernels widen it
@@ -114,16 +114,18 @@ class _ScaledStep(torch.optim.Optimizer):
 
     @staticmethod
     def _params_with_grad(group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(what the kernels step: FP32/FP16/BF16 parameters and gradients; the rest,
-        FP64 or complex, which torch's own implementation steps)."""
+        """(what the kernels step: FP32/FP16/BF16 parameters with dense gradients of
+        those dtypes; the rest, FP64, complex or with a sparse gradient, which torch's
+        own implementation steps, or refuses as torch does)."""
         fused: list[torch.Tensor] = []
         rest: list[torch.Tensor] = []
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise ValueError(f"sparse gradients are not supported (shape {tuple(p.shape)})")
-            kernel_ok = p.dtype in KERNEL_DTYPES and p.grad.dtype in KERNEL_DTYPES
+            kernel_ok = (
+                p.dtype in KERNEL_DTYPES and grad.dtype in KERNEL_DTYPES and not grad.is_sparse
+            )
             (fused if kernel_ok else rest).append(p)
         return fused, rest
 

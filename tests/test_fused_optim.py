@@ -556,17 +556,89 @@ def test_lr_scheduler_drives_the_fused_optimizer(device):
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
-def test_sparse_gradients_raise_value_error(name):
-    p = torch.nn.Parameter(torch.randn(3))
-    optimizer = {"sgd": mpgemm.optim.SGD, "adamw": mpgemm.optim.AdamW}[name]([p])
-    p.grad = torch.ones(3).to_sparse()
-    with pytest.raises(ValueError, match="sparse gradients"):
-        optimizer.step()
-
-
 CLASSES = {"sgd": mpgemm.optim.SGD, "adam": mpgemm.optim.Adam, "adamw": mpgemm.optim.AdamW}
 TORCH_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+SPARSE_SGD = [
+    dict(),
+    dict(momentum=0.9),
+    dict(momentum=0.9, nesterov=True),
+    dict(momentum=0.9, dampening=0.5, maximize=True),
+    dict(weight_decay=0.1),
+]
+
+
+def _sparse_run(device, make_optimizer, make_scaler, hyper, inf_at=None):
+    """A sparse embedding's weights and the scales after 4 steps on index batches that
+    repeat an index (uncoalesced gradients); the loss squares the rows, so that each
+    step's gradient depends on the last step's weights."""
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(12, 5, sparse=True, device=device)
+    optimizer = make_optimizer(embedding.parameters(), lr=0.1, **hyper)
+    wrapped = make_scaler is mpgemm.LossScaleOptimizer
+    if wrapped:
+        optimizer = mpgemm.LossScaleOptimizer(optimizer, init_scale=2.0**8)
+    scaler = make_scaler(device.type, init_scale=2.0**8) if make_scaler and not wrapped else None
+    scales = []
+    for step in range(4):
+        optimizer.zero_grad()
+        loss = embedding(torch.tensor([[1, 4, 4], [7, 1, step]], device=device)).pow(2).sum()
+        if step == inf_at:
+            loss = loss * float("inf")
+        if wrapped:
+            optimizer.backward(loss)
+            optimizer.step()
+            scales.append(optimizer.loss_scale)
+        elif scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    return embedding.weight.detach(), scales
+
+
+@pytest.mark.parametrize("hyper", SPARSE_SGD, ids=str)
+def test_sparse_gradients_are_stepped_as_torchs_sgd_steps_them(hyper, device):
+    # torch's own implementation steps them (torch's SGD takes sparse gradients), or
+    # raises what it raises (weight decay adds a dense tensor to the sparse gradient).
+    results = []
+    for make in (mpgemm.optim.SGD, torch.optim.SGD):
+        try:
+            results.append(_sparse_run(device, make, None, hyper)[0])
+        except RuntimeError as error:
+            results.append(str(error))
+    ours, theirs = results
+    if isinstance(theirs, str):
+        assert ours == theirs and "sparse" in theirs
+    else:
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("scaler", [mpgemm.GradScaler, mpgemm.LossScaleOptimizer])
+def test_sparse_gradients_under_a_scaler_skip_and_step_as_torchs(scaler, device):
+    # mpgemm's scaler (or LossScaleOptimizer) and SGD against torch's, an inf at the
+    # second step: the same skips, scales and bits.
+    hyper = dict(momentum=0.9)
+    ours = _sparse_run(device, mpgemm.optim.SGD, scaler, hyper, inf_at=1)
+    theirs = _sparse_run(device, torch.optim.SGD, torch.amp.GradScaler, hyper, inf_at=1)
+    assert ours[1] == theirs[1] == [256.0, 128.0, 128.0, 128.0]
+    assert torch.equal(ours[0], theirs[0])
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_refuses_sparse_gradients_as_torchs_does(name):
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.ones(3).to_sparse()
+    messages = []
+    for cls in (CLASSES[name], TORCH_CLASSES[name]):
+        with pytest.raises(RuntimeError, match="does not support sparse gradients") as raised:
+            cls([p]).step()
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1]
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
