@@ -49,7 +49,7 @@ GRACE_SECONDS = 20
 MAX_FILES = 8
 
 # The costs the estimates are made of (bench/NOTES.md says where each comes from).
-SETUP_S = 30  # pip install, imports, CUDA start
+SETUP_S = 50  # pip install, imports, CUDA start, mpgemm.native's build (some 20 s)
 COMPILE_S = 0.8  # one GEMM binary, compiled on one core (triton 3.6/3.9, sm_90a)
 PRECOMPILE_THREADS = 8  # speed-up of compiling on a thread per core, on 16 cores
 TUNE_S = 0.15  # timing one autotune config (25 ms warm-up + 100 ms of repeats)
@@ -339,6 +339,12 @@ _VERSIONS = (
     "triton.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() "
     "and torch.cuda.get_device_name())"
 )
+# mpgemm.native's C++ list helper, built here once (torch's extension cache keeps it
+# for the stage's processes), and whether it built.
+_NATIVE = (
+    "from mpgemm import native; print('mpgemm C++ list helper:', 'built' if "
+    "native.native_list_facts() else 'not built: Python passes')"
+)
 
 
 # Wheels carried to the device (the device tool's ``carry``; bench/NOTES.md says how):
@@ -395,6 +401,7 @@ def _set_up(out: Path, dry: bool, env: dict[str, str]) -> bool:
         ]
     )
     steps.append(Command([PYTHON, "-c", _VERSIONS], "env.txt"))
+    steps.append(Command([PYTHON, "-c", _NATIVE], "env.txt"))
     deadline = time.monotonic() + STAGE_SECONDS
     for step in steps:
         if _run(step, out, deadline, env) != 0:

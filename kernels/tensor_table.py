@@ -15,7 +15,8 @@ storage, so parallel tensors must have equal strides and be dense
 (``mpgemm.scaling.is_flat``).
 
 Building a table costs a host-to-device copy; tables are cached by address, and the
-caching allocator hands a model's gradients the same addresses step after step.
+caching allocator hands a model's gradients the same addresses step after step. Each
+list's numels and addresses are read in one pass (``mpgemm.native.list_facts``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.functional import PLAIN_TYPES
 from mpgemm.kernels.gemm_common import cdiv
+from mpgemm.native import list_facts
 
 # torch dtype -> element type of the table's pointers
 TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -55,23 +58,30 @@ def tensor_table(
     lives on the tensors' device."""
     tensors = lists[0]
     device = tensors[0].device
-    # map over a method runs in C: read of every tensor of every step.
-    numels = list(map(torch.Tensor.numel, tensors))
-    # An in-place op passes one list twice: each distinct list's addresses are read
-    # once, and ``which`` says which of them each of ``lists`` is.
+    # An in-place op passes one list twice: each distinct list is read once (its
+    # numels and addresses, in one pass: mpgemm.native), and ``which`` says which of
+    # them each of ``lists`` is.
     distinct = {id(lst): lst for lst in lists}
     order = list(distinct)
     which = tuple(order.index(id(lst)) for lst in lists)
-    addresses = [list(map(torch.Tensor.data_ptr, lst)) for lst in distinct.values()]
+    facts = [list_facts(lst, PLAIN_TYPES) for lst in distinct.values()]
+    if not all(f.plain for f in facts):
+        raise TypeError("tensor_table: the kernels take plain tensors only (no subclasses)")
 
     def build():
         # Read here, once per table (the key holds the addresses): one launch reads one
         # device's memory, and a pointer into another's would fault on the GPU.
-        _check_one_device(distinct.values())
+        if len(set().union(*(f.devices for f in facts))) > 1:
+            _raise_devices(distinct.values())
+        numels = array("q", facts[0].numels)
+        addresses = [array("q", f.addresses) for f in facts]
         least = 1 if every_tensor else 0
         blocks = [max(cdiv(numel, block), least) for numel in numels]
         first_blocks = list(itertools.accumulate(blocks, initial=0))
-        rows = array("q", [ptr for i in which for ptr in addresses[i]] + numels)
+        rows = array("q")
+        for i in which:
+            rows += addresses[i]
+        rows += numels
         rows += array("q", first_blocks[:-1])
         # The per-block column, one entry per block (5,000 for the guide MLP's 20M
         # parameters), repeated in C: a Python list of them took 290 us a table.
@@ -83,30 +93,20 @@ def tensor_table(
         table = _to_device(torch.frombuffer(rows, dtype=torch.int64), device)
         return table, len(tensors), first_blocks[-1], aligned
 
-    # What determines the table, as bytes: a tuple of the Python ints took 20 us per
-    # lookup of 600 (hashed twice, compared one by one, then freed); bytes hash and
-    # compare as one block of memory.
-    known: list[int] = []
-    for listed in addresses:
-        known += listed
-    known += numels
-    key = (device, block, every_tensor, which, array("Q", known).tobytes())
+    # What determines the table, as bytes (they hash and compare as one block of
+    # memory, where a tuple of 600 Python ints took 20 us a lookup).
+    known = b"".join(f.addresses for f in facts) + facts[0].numels
+    key = (device, block, every_tensor, which, known)
     return _cached(key, build)
 
 
-# A tensor's device as an int (-1 for the CPU), read without making a torch.device.
-_device_index = torch.Tensor.get_device
-
-
-def _check_one_device(lists: Iterable[Sequence[torch.Tensor]]) -> None:
-    """ValueError, naming the devices, unless every tensor is on one device."""
-    indices = {index for lst in lists for index in map(_device_index, lst)}
-    if len(indices) > 1:
-        devices = sorted({str(t.device) for lst in lists for t in lst})
-        raise ValueError(
-            f"mpgemm: one launch's tensors are on {', '.join(devices)}; a kernel reads one "
-            "device's memory (split the tensors by device)"
-        )
+def _raise_devices(lists: Iterable[Sequence[torch.Tensor]]) -> None:
+    """ValueError naming the devices of tensors that one launch would read."""
+    devices = sorted({str(t.device) for lst in lists for t in lst})
+    raise ValueError(
+        f"mpgemm: one launch's tensors are on {', '.join(devices)}; a kernel reads one "
+        "device's memory (split the tensors by device)"
+    )
 
 
 def scalar_table(values: Sequence[float], device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 
 from mpgemm import ops, scaling_ref
 from mpgemm.functional import PLAIN_TYPES, backend
+from mpgemm.native import ListFacts, list_facts
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -61,13 +62,18 @@ _device_index = torch.Tensor.get_device
 def by_device(first: Sequence[torch.Tensor], *others: Sequence[torch.Tensor]) -> list[tuple]:
     """The parallel lists split by the device of ``first``'s tensors, one tuple of lists
     per device, in order of first appearance: a launch reads one device's memory. One
-    device (the usual case), told by one pass in C that makes no ``torch.device``, keeps
-    the lists themselves."""
-    indices = list(map(_device_index, first))
-    if len(set(indices)) <= 1:
+    device (the usual case), told by ``list_facts`` (or, for a list of subclasses such
+    as DTensors and in a compiled step, whose tracer runs no C++ helper, by a pass that
+    makes no ``torch.device``), keeps the lists themselves."""
+    facts = None if torch.compiler.is_compiling() else list_facts(first, PLAIN_TYPES)
+    if facts is not None and facts.plain:
+        devices = facts.devices
+    else:
+        devices = set(map(_device_index, first))
+    if len(devices) <= 1:
         return [(first, *others)] if first else []
     parts: dict[int, tuple[list, ...]] = {}
-    for position, index in enumerate(indices):
+    for position, index in enumerate(map(_device_index, first)):
         part = parts.setdefault(index, tuple([] for _ in range(1 + len(others))))
         for lst, source in zip(part, (first, *others), strict=True):
             lst.append(source[position])
@@ -117,16 +123,21 @@ def _dispatch(
         return
     # An in-place op passes one list twice: each distinct list is converted once, and a
     # tensor in two lists (a parameter as its own copy) stays one tensor.
+    # Each distinct list's facts (by id: of the list the ops then take) are read once.
     shards: dict[int, torch.Tensor] = {}
-    distinct = {id(lst): lst for lst in lists}
-    local = {key: _local_list(lst, shards) for key, lst in distinct.items()}
-    # A list comes back as it is when it holds plain tensors only.
-    plain = all(local[id(lst)] is lst for lst in lists)
+    local: dict[int, Sequence[torch.Tensor]] = {}
+    facts: dict[int, ListFacts] = {}
+    for given, lst in {id(lst): lst for lst in lists}.items():
+        known = list_facts(lst, PLAIN_TYPES)
+        if not known.plain:  # DTensors as their local shards; other subclasses stay
+            lst = _local_list(lst, shards)
+            known = list_facts(lst, PLAIN_TYPES)
+        local[given], facts[id(lst)] = lst, known
     lists = [local[id(lst)] for lst in lists]
     device = lists[0][0].device
     use_kernels = backend(device) == "triton"
-    dtypes = _dtype_sets(lists, copies)
-    take_all = use_kernels and _kernels_take_all(lists[:strided], dtypes[:strided], plain)
+    dtypes = _dtype_sets(lists, copies, facts)
+    take_all = use_kernels and _kernels_take_all(lists[:strided], dtypes[:strided], facts)
     if take_all and all(len(held) <= 1 for held in dtypes):
         call(kernels()[name], lists)  # one group
         return
@@ -157,16 +168,20 @@ def _dtype_keys(lists: Sequence[Sequence[torch.Tensor]], copies: int | None) -> 
     return keys
 
 
-def _dtype_sets(lists: Sequence[Sequence[torch.Tensor]], copies: int | None) -> list[set]:
+def _dtype_sets(
+    lists: Sequence[Sequence[torch.Tensor]], copies: int | None, facts: dict[int, ListFacts]
+) -> list[set]:
     """Per list, the dtypes it holds (the compute copies: those of the copies that are
     not their parameter), each distinct list read once (an in-place op passes one
-    twice): every position is one group when each holds at most one."""
+    twice), from its ``facts`` (by id) where it holds plain tensors: every position is
+    one group when each holds at most one."""
     held: dict[tuple[int, bool], set] = {}
     out = []
     for index, (lst, keys) in enumerate(zip(lists, _dtype_keys(lists, copies), strict=True)):
         key = (id(lst), index == copies)
         if key not in held:
-            held[key] = set(keys) - {None}
+            known = facts[id(lst)]
+            held[key] = known.dtypes if known.plain and index != copies else set(keys) - {None}
         out.append(held[key])
     return out
 
@@ -212,27 +227,21 @@ def _shards(*lists: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
 _PLAIN_SET = frozenset(PLAIN_TYPES)
 _KERNEL_DTYPE_SET = frozenset(KERNEL_DTYPES)
 _dtype = operator.attrgetter("dtype")
-_shape = operator.attrgetter("shape")
 
 
 def _kernels_take_all(
-    strided: Sequence[Sequence[torch.Tensor]], dtypes: Sequence[set], plain: bool
+    strided: Sequence[Sequence[torch.Tensor]], dtypes: Sequence[set], facts: dict[int, ListFacts]
 ) -> bool:
     """Whether ``_kernel_takes`` every position of the parallel ``strided`` lists, in the
     usual case: contiguous plain tensors of the kernels' dtypes (``dtypes``: each list's,
     from ``_dtype_sets``), one shape per position (False leaves the other cases to
-    ``_kernel_takes``). ``plain``: the lists are known to hold plain tensors only (else
-    their types are checked). Each check maps over a whole list, in C."""
+    ``_kernel_takes``), read from each list's ``facts`` (by id)."""
     if not all(held <= _KERNEL_DTYPE_SET for held in dtypes):
         return False
-    first, *others = {id(lst): lst for lst in strided}.values()  # an in-place op's list once
-    for lst in (first, *others):
-        if not plain and not set(map(type, lst)) <= _PLAIN_SET:
-            return False
-        if not all(map(torch.Tensor.is_contiguous, lst)):
-            return False
-    shapes = list(map(_shape, first)) if others else None
-    return all(list(map(_shape, lst)) == shapes for lst in others)
+    known = [facts[id(lst)] for lst in strided]
+    if not all(f.plain and f.contiguous for f in known):
+        return False
+    return all(f.shapes == known[0].shapes for f in known)
 
 
 def _kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:

@@ -93,3 +93,26 @@ def poison_allocations(request, monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoned(real_empty))
     monkeypatch.setattr(torch, "empty_like", poisoned(real_empty_like))
+
+
+@pytest.fixture
+def fake_second_device(monkeypatch):
+    """``fake_second_device(ids, *modules)``: the tensors whose ``id`` is in ``ids`` read
+    as on device 1, the others on device 0 (every tensor is on one device here), to
+    ``modules``' reads of the lists' facts (``mpgemm.native.list_facts``, as each
+    imported it) and to ``mpgemm.scaling``'s split by device."""
+    from mpgemm import native, scaling
+
+    def fake(ids, *modules):
+        def index(t):
+            return int(id(t) in ids)
+
+        def facts(tensors, plain_types):
+            real = native.python_list_facts(tensors, plain_types)
+            return real._replace(devices=set(map(index, tensors))) if real.plain else real
+
+        for module in modules:
+            monkeypatch.setattr(module, "list_facts", facts)
+        monkeypatch.setattr(scaling, "_device_index", index)
+
+    return fake

@@ -760,7 +760,7 @@ def test_state_dicts_load_both_ways_and_step_on_as_torch(device, case):
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
-def test_a_param_group_on_two_devices_takes_a_launch_per_device(device, name, monkeypatch):
+def test_a_param_group_on_two_devices_takes_a_launch_per_device(device, name, fake_second_device):
     """A model split over two GPUs (as a device_map splits one) puts one param group on
     both: each device's parameters step in launches of their own, as torch's fused
     optimizers group them, and as torch's would. The second device is faked here (every
@@ -768,7 +768,7 @@ def test_a_param_group_on_two_devices_takes_a_launch_per_device(device, name, mo
     ours_make, torch_make = OPTIMIZERS[name]
     ours, theirs = _mlp(device), _mlp(device)
     second = {id(p) for p in list(ours.parameters())[2:]}  # the second layer's
-    monkeypatch.setattr(scaling, "_device_index", lambda t: int(id(t) in second))
+    fake_second_device(second, scaling)
     optimizer = ours_make(ours.parameters())
     names, _ = launched_kernels(lambda: _train(ours, optimizer, 3, device))
     _train(theirs, torch_make(theirs.parameters()), 3, device)
@@ -801,14 +801,13 @@ def test_parameters_on_the_cpu_and_the_gpu_step_as_torchs(name):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_one_launch_over_two_devices_raises_value_error(device, monkeypatch):
+def test_one_launch_over_two_devices_raises_value_error(device, monkeypatch, fake_second_device):
     """A kernel reads one device's memory: tensors on two reach no launch (the second
     device faked, as above; on a GPU a pointer into another's memory would fault)."""
     from mpgemm.kernels import tensor_table
 
     grads = [torch.ones(5, device=device), torch.ones(7, device=device)]
-    elsewhere = id(grads[1])
-    monkeypatch.setattr(tensor_table, "_device_index", lambda t: int(id(t) == elsewhere))
+    fake_second_device({id(grads[1])}, tensor_table)
     monkeypatch.setattr(tensor_table, "_cache", type(tensor_table._cache)())  # (built anew)
     with pytest.raises(ValueError, match="one launch's tensors are on"):
         with intercept(lambda *launch: None):  # (CPU tensors take the kernel path)

@@ -465,14 +465,13 @@ def test_a_pickled_loss_scale_optimizers_scaler_still_reduces_its_flag(device, m
     assert reduced == [0.0]  # the hook was lost in pickling before: no reduction
 
 
-def test_gradients_are_unscaled_per_device_in_their_order(monkeypatch):
+def test_gradients_are_unscaled_per_device_in_their_order(monkeypatch, fake_second_device):
     """``_unscale_grads_`` launches once per device: the (source, destination) pairs
     split by the source's device, in order; one device keeps the lists themselves. (A
     second device is faked: the split reads each tensor's device index.)"""
     first = [torch.zeros(2), torch.zeros(3), torch.zeros(4)]
     second = [torch.zeros(5), torch.zeros(6)]
-    on_second = {id(t) for t in second}
-    monkeypatch.setattr(scaling, "_device_index", lambda t: int(id(t) in on_second))
+    fake_second_device({id(t) for t in second}, scaling)
     srcs = [first[0], second[0], first[1], second[1], first[2]]
     dsts = [torch.empty_like(t) for t in srcs]
     pair = {id(s): d for s, d in zip(srcs, dsts, strict=True)}

@@ -1,0 +1,101 @@
+"""What the loss-scaling ops ask of every tensor of a list, in one pass: ``list_facts``.
+
+An unscale or optimizer step checks each of its lists (types, dtypes, contiguity,
+shapes, devices) and reads each tensor's numel and address for its launch table. Each
+attribute read from Python costs 60 to 80 ns through torch's bindings, even mapped in
+C: some 14 us per pass over 200 tensors, several passes per list, hundreds of
+microseconds of host time per step of a model with hundreds of parameters. So
+``list_facts.cpp`` reads a whole list in C++ (about 2 us for 200 tensors), built on first
+use by torch's extension builder (``torch.utils.cpp_extension.load``: a C++ compiler and
+ninja; cached per source, torch and Python in torch's extension directory, so a process
+builds it once per machine, in some 25 s, and later ones load it). Where it cannot be
+built (no compiler, no ninja; or ``MPGEMM_NATIVE=0``), the same facts come from passes
+in Python, with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import warnings
+from array import array
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["ListFacts", "list_facts", "native_list_facts"]
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "list_facts.cpp")
+
+
+class ListFacts(NamedTuple):
+    """What ``list_facts`` reads. ``plain``: every tensor's type is one of the plain types
+    asked for; when not, the other fields are empty (a subclass's metadata may run
+    Python, or it may have no memory of its own). ``dtypes`` and ``devices`` (device
+    indices, -1 for the CPU): the sets the tensors hold; ``contiguous``: all are;
+    ``shapes``: each tensor's ndim, then its sizes; ``numels`` and ``addresses``
+    (``data_ptr``): one each per tensor; all three int64s in native byte order."""
+
+    plain: bool
+    dtypes: set[torch.dtype]
+    devices: set[int]
+    contiguous: bool
+    shapes: bytes
+    numels: bytes
+    addresses: bytes
+
+
+def list_facts(tensors: Sequence[torch.Tensor], plain_types: tuple[type, ...]) -> ListFacts:
+    """The ``ListFacts`` of ``tensors`` (a list or tuple of tensors), read in C++ where the
+    helper is built, else in Python: the same facts either way."""
+    native = native_list_facts()
+    if native is not None:
+        return ListFacts(*native(tensors, plain_types))
+    return python_list_facts(tensors, plain_types)
+
+
+_dtype = operator.attrgetter("dtype")
+# A tensor's device as an int (-1 for the CPU), read without making a torch.device.
+_device_index = torch.Tensor.get_device
+
+
+def python_list_facts(tensors: Sequence[torch.Tensor], plain_types: tuple[type, ...]) -> ListFacts:
+    """``list_facts`` by passes in Python (where the C++ helper is not built)."""
+    if not set(map(type, tensors)) <= set(plain_types):
+        return ListFacts(False, set(), set(), False, b"", b"", b"")
+    shapes = array("q")
+    for t in tensors:
+        shapes.append(t.dim())
+        shapes.extend(t.shape)
+    return ListFacts(
+        True,
+        set(map(_dtype, tensors)),
+        set(map(_device_index, tensors)),
+        all(map(torch.Tensor.is_contiguous, tensors)),
+        shapes.tobytes(),
+        array("q", map(torch.Tensor.numel, tensors)).tobytes(),
+        array("q", map(torch.Tensor.data_ptr, tensors)).tobytes(),
+    )
+
+
+@functools.cache
+def native_list_facts():
+    """The C++ ``list_facts``, built (or loaded from torch's extension cache) on first
+    use; None where it cannot be (warned once) or ``MPGEMM_NATIVE=0``."""
+    if os.environ.get("MPGEMM_NATIVE", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(name="mpgemm_list_facts", sources=[_SOURCE], extra_cflags=["-O2"])
+    except Exception as error:  # no compiler or ninja, or headers it cannot build with
+        warnings.warn(
+            f"mpgemm: the C++ list helper did not build ({type(error).__name__}: {error}); "
+            "the loss-scaling ops read their tensors in Python (more host time per step)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return module.list_facts

@@ -1,0 +1,106 @@
+"""``mpgemm.native.list_facts``: the C++ pass over a list of tensors reads what the
+Python passes read, on every kind of list the loss-scaling ops meet; the ops give the
+same launches and bits either way; a helper that does not build is warned of once and
+leaves the Python passes."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from mpgemm import native, scaling
+from mpgemm.functional import PLAIN_TYPES
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("MPGEMM_NATIVE") == "0", reason="the C++ helper is turned off"
+)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _lists(device):
+    t = lambda *shape, dtype=torch.float32: torch.randn(*shape, device=device).to(dtype)  # noqa: E731
+    return {
+        "empty": [],
+        "one dtype": [t(5), t(3, 4), t(1)],
+        "three dtypes": [t(5), t(7, dtype=torch.float16), t(2, 3, dtype=torch.bfloat16)],
+        "fp64 and 0-dim": [t(3, dtype=torch.float64), torch.zeros((), device=device)],
+        "zero-size": [t(0), t(4, 0), t(2)],
+        "transposed": [t(3, 4).t(), t(6)],
+        "a column slice": [t(4, 6)[:, 1:3]],
+        "parameters": [torch.nn.Parameter(t(3)), t(2)],
+        "a tuple": (t(3), t(4, dtype=torch.float16)),
+        "a subclass": [t(3), t(2).as_subclass(_Sub)],
+        "not a tensor": [t(3), 1.5],
+    }
+
+
+def test_the_cpp_pass_reads_what_the_python_passes_read(device):
+    cpp = native.native_list_facts()
+    assert cpp is not None, "the C++ helper did not build (a compiler and ninja are needed)"
+    for name, tensors in _lists(device).items():
+        python = native.python_list_facts(tensors, PLAIN_TYPES)
+        assert native.ListFacts(*cpp(tensors, PLAIN_TYPES)) == python, name
+    # The plain types are the caller's: Parameter alone makes plain tensors not so.
+    tensors = _lists(device)["parameters"]
+    assert not native.ListFacts(*cpp(tensors, (torch.nn.Parameter,))).plain
+    with pytest.raises(TypeError, match="list or tuple"):
+        cpp(5, PLAIN_TYPES)
+
+
+def _ops(device):
+    """An unscale of three dtypes, a check alone, and two Adam steps over an FP32 and
+    an FP16 parameter with a transposed gradient (the reference's), the flag raised
+    by an inf: every output, in order."""
+    torch.manual_seed(0)
+    grads = [torch.randn(300, device=device), torch.randn(5, 7, device=device).half()]
+    grads.append(torch.randn(7, 5, device=device).bfloat16().t())
+    grads[1][2, 3] = float("inf")
+    found, inv = torch.zeros((), device=device), torch.full((), 0.25, device=device)
+    scaling.unscale_(grads, found, inv)
+    checked = torch.zeros((), device=device)
+    scaling.unscale_(grads[:1], checked, None)
+    params = [torch.randn(300, device=device), torch.randn(6, 4, device=device).half()]
+    grads_p = [torch.randn(300, device=device), torch.randn(4, 6, device=device).half().t()]
+    avgs = [torch.zeros_like(p) for p in params]
+    sqs = [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros((), device=device) for _ in params]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01)
+    hyper.update(decoupled_weight_decay=False, maximize=False, grad_scale=None, found_inf=None)
+    for _ in range(2):
+        scaling.adam_step_(params, grads_p, avgs, sqs, steps, **hyper)
+    return [*grads, found, checked, *params, *avgs, *sqs, *steps]
+
+
+def test_the_ops_give_the_same_bits_without_the_cpp_pass(device, monkeypatch):
+    with_cpp = _ops(device)
+    monkeypatch.setattr(native, "native_list_facts", lambda: None)
+    without = _ops(device)
+    assert with_cpp[3].item() == 1.0 and with_cpp[4].item() == 0.0  # the flags
+    for ours, theirs in zip(with_cpp, without, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_helper_that_does_not_build_is_warned_of_and_left_out(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    native.native_list_facts.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="did not build.*Ninja is required"):
+            assert native.native_list_facts() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once: the answer is kept
+            assert native.native_list_facts() is None
+        tensors = [torch.randn(3)]
+        assert native.list_facts(tensors, PLAIN_TYPES) == native.python_list_facts(
+            tensors, PLAIN_TYPES
+        )
+    finally:
+        native.native_list_facts.cache_clear()
