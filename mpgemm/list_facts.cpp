@@ -24,8 +24,8 @@ namespace {
 // metadata may call back into Python or have no storage. dtypes: the set of the
 // tensors' torch.dtype objects; devices: the set of their device indices (-1 for the
 // CPU, as Tensor.get_device); contiguous: all are contiguous; shapes: each tensor's
-// ndim then its sizes, as int64s; numels and addresses (data_ptr, 0 without storage):
-// an int64 per tensor, native byte order.
+// ndim then its sizes, as int64s; numels and addresses (data_ptr): an int64 per tensor,
+// native byte order.
 py::tuple list_facts(py::handle sequence, py::handle plain_types) {
   PyObject* fast = PySequence_Fast(sequence.ptr(), "list_facts: expected a list or tuple");
   if (fast == nullptr) {
@@ -68,7 +68,9 @@ py::tuple list_facts(py::handle sequence, py::handle plain_types) {
   for (Py_ssize_t i = 0; i < count; ++i) {
     const at::Tensor& t = THPVariable_Unpack(items[i]);
     numel[i] = t.numel();
-    address[i] = t.has_storage() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0;
+    // (A tensor without storage, such as one a torch.func transform wraps, raises here
+    // as its data_ptr() does in Python: no table may hold an address it lacks.)
+    address[i] = reinterpret_cast<int64_t>(t.data_ptr());
     contiguous = contiguous && t.is_contiguous();
     const int64_t ndim = t.dim();
     shapes.append(reinterpret_cast<const char*>(&ndim), sizeof(ndim));

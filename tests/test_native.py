@@ -51,6 +51,22 @@ def test_the_cpp_pass_reads_what_the_python_passes_read(device):
         cpp(5, PLAIN_TYPES)
 
 
+def test_a_tensor_without_storage_raises_as_its_data_ptr_does(device):
+    # A tensor torch.func wraps has no memory of its own: no table may hold an address.
+    cpp = native.native_list_facts()
+    raised = []
+
+    def loss(x):
+        for read in (cpp, native.python_list_facts):
+            with pytest.raises(RuntimeError, match="doesn't have storage") as error:
+                read([x], PLAIN_TYPES)
+            raised.append(str(error.value).splitlines()[0])
+        return x.sum()
+
+    torch.func.grad(loss)(torch.randn(3, device=device))
+    assert len(raised) == 2 and raised[0] == raised[1]
+
+
 def _ops(device):
     """An unscale of three dtypes, a check alone, and two Adam steps over an FP32 and
     an FP16 parameter with a transposed gradient (the reference's), the flag raised
