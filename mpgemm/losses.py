@@ -18,8 +18,7 @@ here: checking it would make the host wait for the GPU.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,24 +96,24 @@ def cross_entropy(
     () for "mean" and "sum" (the mean over the rows not ignored), (N,) for "none" (0
     where ignored). Differentiable in ``input``; its gradient has input's dtype."""
     handled = has_torch_function_variadic(input, target, weight)
-    if handled or not _kernels_take(
+    if not handled and _kernels_take(
         input, target, weight, size_average, reduce, reduction, label_smoothing
     ):
-        # Torch's own; or, as torch's own does, the call handed to a tensor subclass or
-        # mode with a __torch_function__ (torch.fx's tracing proxies among them).
-        call: Callable[..., torch.Tensor] = F.cross_entropy
-        if handled:
-            call = functools.partial(handle_torch_function, cross_entropy, (input, target, weight))  # type: ignore[call-arg]  # (typeshed reads the partial's arguments as all)
-        return call(
-            input,
-            target,
-            weight=weight,
-            size_average=size_average,
-            ignore_index=ignore_index,
-            reduce=reduce,
-            reduction=reduction,
-            label_smoothing=label_smoothing,
+        return CrossEntropyFunction.apply(
+            input, target, int(ignore_index), reduction, float(label_smoothing)
         )
-    return CrossEntropyFunction.apply(
-        input, target, int(ignore_index), reduction, float(label_smoothing)
+    options: dict[str, Any] = dict(
+        weight=weight,
+        size_average=size_average,
+        ignore_index=ignore_index,
+        reduce=reduce,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
     )
+    if handled:
+        # As torch's own does: the call handed to a tensor subclass or mode with a
+        # __torch_function__ (torch.fx's tracing proxies among them).
+        return handle_torch_function(
+            cross_entropy, (input, target, weight), input, target, **options
+        )
+    return F.cross_entropy(input, target, **options)

@@ -66,14 +66,13 @@ def by_device(first: Sequence[torch.Tensor], *others: Sequence[torch.Tensor]) ->
     as DTensors and in a compiled step, whose tracer runs no C++ helper, by a pass that
     makes no ``torch.device``), keeps the lists themselves."""
     facts = None if torch.compiler.is_compiling() else list_facts(first, PLAIN_TYPES)
-    if facts is not None and facts.plain:
-        devices = facts.devices
-    else:
-        devices = set(map(_device_index, first))
-    if len(devices) <= 1:
+    if facts is not None and facts.plain and len(facts.devices) <= 1:
+        return [(first, *others)] if first else []
+    indices = list(map(_device_index, first))
+    if len(set(indices)) <= 1:
         return [(first, *others)] if first else []
     parts: dict[int, tuple[list, ...]] = {}
-    for position, index in enumerate(map(_device_index, first)):
+    for position, index in enumerate(indices):
         part = parts.setdefault(index, tuple([] for _ in range(1 + len(others))))
         for lst, source in zip(part, (first, *others), strict=True):
             lst.append(source[position])
