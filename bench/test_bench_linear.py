@@ -3,14 +3,12 @@ under autocast and in FP32, all from FP32 master weights; the input is the previ
 layer's output (FP16 for the mixed-precision ones). Work: 2MNK flops forward, 4MNK
 backward, 6MNK both."""
 
-import functools
-
 import pytest
 import torch
-import torch.nn.functional as F
 from harness import GPU_SCALE
 
 import mpgemm
+from mpgemm.reference import TORCH_ACTIVATIONS
 
 pytestmark = pytest.mark.benchmark(group="linear")
 
@@ -80,12 +78,6 @@ def test_linear(run_case, device, shape, phase, impl):
 # mpgemm's in the GEMM's epilogue (its derivative stored, but for ReLU's, then one
 # pass for dZ and the bias gradient), autocast's nn.Linear followed by torch's op.
 ACTIVATION_SHAPE = (8192, 4096, 11008) if GPU_SCALE else (64, 48, 32)
-TORCH_ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "silu": F.silu,
-}
 
 
 @pytest.mark.parametrize("impl", ["mpgemm", "autocast"])

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.fx import Proxy
 
@@ -16,18 +17,32 @@ from mpgemm.functional import (
     _check_out_dtype,
     _linear,
 )
+from mpgemm.reference import torch_activation
+
+# The parameter dtypes whose layers compute in mixed precision: FP32 master weights, or
+# weights cast to the compute dtype itself (``.half()``, ``.bfloat16()``).
+_MIXED_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
+_SIXTEEN_BITS = (torch.float16, torch.bfloat16)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose product runs with 16-bit operands and FP32 accumulation.
 
-    Parameters stay FP32: they are the master weights, and their gradients arrive in
-    FP32. The GEMMs read a ``compute_dtype`` copy of the weight (``mpgemm.compute_copy``),
-    remade whenever the weight changes and written by mpgemm's fused optimizers in their
-    step, so 16-bit operands reach the Tensor Cores. ``forward`` takes (*, in_features)
-    inputs of dtype float32, float16 or bfloat16 and returns
-    ``act(input @ weight.T + bias)`` of ``out_dtype`` (default ``compute_dtype``).
+    Parameters are FP32 by default: they are the master weights, and their gradients
+    arrive in FP32. The GEMMs read a ``compute_dtype`` copy of the weight
+    (``mpgemm.compute_copy``), remade whenever the weight changes and written by
+    mpgemm's fused optimizers in their step, so 16-bit operands reach the Tensor Cores.
+    ``forward`` takes (*, in_features) inputs of dtype float32, float16 or bfloat16 and
+    returns ``act(input @ weight.T + bias)`` of ``out_dtype`` (default ``compute_dtype``).
     ``state_dict`` is ``nn.Linear``'s, so checkpoints load both ways.
+
+    ``dtype`` is the parameters', as for ``nn.Linear``. ``compute_dtype``: FP16 or BF16;
+    None (the default) takes ``dtype`` where it is 16-bit, else FP16. A layer whose
+    parameters are 16-bit (``dtype``, ``.half()``, ``.bfloat16()``) computes in their
+    dtype (``.half()`` and ``.bfloat16()`` make it the compute dtype); one outside mixed
+    precision (FP64, complex: ``dtype`` or ``.double()``) computes as ``nn.Linear`` of
+    that dtype does, then its activation by torch's function, as under
+    ``torch.autocast``, whose FP64 ops are not eligible and run in FP64.
 
     Mixed-precision rule: the layer whose output is the model's output (the logits)
     should use ``out_dtype=torch.float32`` so softmax and loss run in FP32;
@@ -42,16 +57,12 @@ class Linear(nn.Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        compute_dtype: torch.dtype = torch.float16,
+        compute_dtype: torch.dtype | None = None,
         activation: str | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> None:
-        if dtype not in (None, torch.float32):
-            raise TypeError(
-                f"mpgemm.Linear keeps FP32 master weights, so dtype must be None or "
-                f"torch.float32, got {dtype}; choose the product's precision with "
-                "compute_dtype"
-            )
+        if compute_dtype is None:
+            compute_dtype = dtype if dtype in _SIXTEEN_BITS else torch.float16
         _check_compute_dtype("mpgemm.Linear", compute_dtype)
         _check_out_dtype("mpgemm.Linear", out_dtype)
         _check_activation("mpgemm.Linear", activation)
@@ -70,6 +81,8 @@ class Linear(nn.Linear):
             tracer = input.tracer
             return tracer.create_proxy("call_module", tracer.path_of_module(self), (input,), {})
         weight, bias = self.weight, self.bias
+        if weight.dtype not in _MIXED_PRECISION:
+            return torch_activation(F.linear(input, weight, bias), self.activation)
         if self._weight_copy.dtype != self.compute_dtype:  # compute_dtype was reassigned
             self._weight_copy = ComputeCopy(self.compute_dtype)
         copy = None
@@ -104,7 +117,7 @@ class Linear(nn.Linear):
         # (a BF16 layer computing in FP16 would turn inputs above 65504 into inf).
         # Masters are then the optimizer's business (mpgemm.LossScaleOptimizer).
         out = super()._apply(fn, recurse)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
+        if self.weight.dtype in _SIXTEEN_BITS:
             self.compute_dtype = self.weight.dtype
         return out
 
@@ -120,7 +133,7 @@ class Linear(nn.Linear):
         cls,
         module: nn.Linear,
         *,
-        compute_dtype: torch.dtype = torch.float16,
+        compute_dtype: torch.dtype | None = None,
         out_dtype: torch.dtype | None = None,
         activation: str | None = None,
     ) -> Linear:
@@ -128,13 +141,17 @@ class Linear(nn.Linear):
         so an optimizer built over ``module`` keeps stepping them, and its hooks (forward,
         backward and state-dict hooks: the same registries, so a handle taken on
         ``module`` still removes its hook), as torch's own module swaps keep a module's
-        forward hooks (``torch.ao.quantization.swap_module``)."""
+        forward hooks (``torch.ao.quantization.swap_module``).
+
+        ``compute_dtype`` None: the weight's dtype if it is FP16 or BF16 (a BF16 layer
+        computing in FP16 would overflow where it did not), else FP16."""
         # Built on the meta device so no throw-away weights are allocated or initialised.
         new = cls(
             module.in_features,
             module.out_features,
             bias=module.bias is not None,
             device="meta",
+            dtype=module.weight.dtype,
             compute_dtype=compute_dtype,
             activation=activation,
             out_dtype=out_dtype,
@@ -206,7 +223,7 @@ def convert(
     module: nn.Module,
     *,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    compute_dtype: torch.dtype = torch.float16,
+    compute_dtype: torch.dtype | None = None,
     keep_output_fp32: bool | str = True,
     fuse_activations: bool = True,
 ) -> nn.Module:
@@ -218,7 +235,11 @@ def convert(
     (default: all). Only exact ``nn.Linear`` instances are converted: subclasses may
     have a ``forward`` of their own.
 
-    Converted layers write their output in ``compute_dtype``, except the model's output
+    ``compute_dtype``: FP16 or BF16 for every converted layer; None (the default) takes
+    each layer's weight dtype where it is FP16 or BF16 (a BF16 model keeps computing in
+    BF16, whose range FP16 lacks), else FP16 (FP32 weights become the master weights).
+
+    Converted layers write their output in their compute dtype, except the model's output
     layer, which writes FP32 so the logits, softmax and loss stay FP32 (the
     mixed-precision rule). ``keep_output_fp32`` says which layer that is: ``True`` (the
     default) means the last converted layer in ``named_modules()`` order, the output
@@ -232,7 +253,8 @@ def convert(
     its output or its output's gradient, or followed by an activation module with hooks,
     is not fused, so that every hook sees what it saw before.
     """
-    _check_compute_dtype("mpgemm.convert", compute_dtype)
+    if compute_dtype is not None:
+        _check_compute_dtype("mpgemm.convert", compute_dtype)
     chosen = [
         name
         for name, layer in module.named_modules()

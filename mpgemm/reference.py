@@ -47,6 +47,22 @@ def round_to(t: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     return t.to(compute_dtype).to(torch.float32)
 
 
+# torch's own function for each activation the layers fuse: what an mpgemm.Linear of a
+# dtype outside mixed precision (FP64) runs, and the tests' and benchmarks' baseline.
+TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def torch_activation(z: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """act(z) by torch's own function (``TORCH_ACTIVATIONS``), in z's dtype; z itself
+    for None."""
+    return z if activation is None else TORCH_ACTIVATIONS[activation](z)
+
+
 def activation_and_derivative(
     z: torch.Tensor, activation: str | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,7 +10,7 @@ default sends to it."""
 import pytest
 import torch
 
-from mpgemm.reference import gemm_ref
+from mpgemm.reference import gemm_ref, torch_activation
 from tests.accuracy import assert_within_torch_error, launched_kernels, nan_padded
 
 pytest.importorskip("triton")
@@ -83,13 +83,7 @@ def test_every_launch_kind_within_the_bar(kind, compute_dtype, epilogue, device,
     if "bias" in kwargs:
         z = z + kwargs["bias"].double()
     activation = kwargs.get("activation")
-    exact = {
-        None: z,
-        "relu": z.relu(),
-        "gelu": torch.nn.functional.gelu(z),
-        "gelu_tanh": torch.nn.functional.gelu(z, approximate="tanh"),
-        "silu": torch.nn.functional.silu(z),
-    }[activation]
+    exact = torch_activation(z, activation)
     assert_within_torch_error(c, exact, ref_c, kind)
     if activation == "gelu":
         cdf = 0.5 * (1 + torch.erf(z / 2**0.5))

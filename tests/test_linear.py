@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import mpgemm
 from mpgemm import functional
-from mpgemm.reference import linear_ref
+from mpgemm.reference import linear_ref, torch_activation
 from tests.accuracy import assert_within_torch_error, nan_padded
 
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
@@ -23,13 +23,7 @@ CASES = list(itertools.product(ACTIVATIONS, [True, False], COMPUTE_DTYPES))
 def fp64_linear(x, w, b, activation):
     # The bias added after: F.linear refuses a bias beside a 1-D weight for 2-D inputs.
     z = F.linear(x, w) if b is None else F.linear(x, w) + b
-    return {
-        None: z,
-        "relu": F.relu(z),
-        "gelu": F.gelu(z),
-        "gelu_tanh": F.gelu(z, approximate="tanh"),
-        "silu": F.silu(z),
-    }[activation]
+    return torch_activation(z, activation)
 
 
 def away_from_relu_kink(grad_out, x, w, b):

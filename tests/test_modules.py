@@ -46,9 +46,25 @@ def test_linear_output_tracks_fp32_nn_linear(device):
     torch.testing.assert_close(ours(x), expected, rtol=1e-2, atol=1e-2)
 
 
-def test_linear_refuses_non_fp32_master_weights_and_bad_options():
-    with pytest.raises(TypeError, match="float16"):
-        mpgemm.Linear(4, 4, dtype=torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_layer_built_in_a_dtype_is_the_layer_cast_to_it(device, dtype):
+    """nn.Linear's dtype argument: the parameters' dtype, as .to(dtype) makes it, the
+    compute dtype following a 16-bit one unless compute_dtype is given."""
+    torch.manual_seed(1)
+    built = mpgemm.Linear(16, 8, device=device, dtype=dtype, activation="gelu")
+    torch.manual_seed(1)
+    cast = mpgemm.Linear(16, 8, device=device, activation="gelu").to(dtype)
+    assert built.weight.dtype == built.bias.dtype == dtype
+    assert built.compute_dtype == cast.compute_dtype
+    built.load_state_dict(cast.state_dict())
+    x = torch.randn(4, 16, device=device, dtype=dtype)
+    assert torch.equal(built(x), cast(x))
+    if dtype != torch.float64:
+        chosen = mpgemm.Linear(16, 8, device=device, dtype=dtype, compute_dtype=torch.float16)
+        assert chosen.compute_dtype == torch.float16
+
+
+def test_linear_refuses_bad_options():
     with pytest.raises(TypeError, match="compute_dtype"):
         mpgemm.Linear(4, 4, compute_dtype=torch.float32)
     with pytest.raises(ValueError, match="'tanh'"):
@@ -262,6 +278,48 @@ def test_casting_a_layer_to_16_bits_makes_that_the_compute_dtype(device, cast):
         assert torch.isfinite(y).all()
     # Back to FP32 masters: the compute dtype stays what it last was.
     assert layer.float().compute_dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_converting_a_16_bit_model_computes_in_its_dtype(device, dtype):
+    """A model already in 16 bits keeps computing in its dtype (a BF16 model's
+    activations beyond FP16's 65504 stay finite) unless compute_dtype says otherwise."""
+    model = mpgemm.convert(mlp(device).to(dtype))
+    assert [layer.compute_dtype for layer in model[::2]] == [dtype] * 3
+    # BF16 inputs beyond FP16's range (3e5), outputs too (some 4e5).
+    x = torch.full((4, 33), 3e5 if dtype == torch.bfloat16 else 1.0, device=device, dtype=dtype)
+    first = model[0](x)
+    expected = mpgemm.reference.linear_ref(
+        x, model[0].weight, model[0].bias, activation="relu", compute_dtype=dtype
+    )
+    torch.testing.assert_close(first, expected)
+    if dtype == torch.bfloat16:
+        assert first.amax() > 65504 and torch.isfinite(first).all()
+    chosen = mpgemm.convert(mlp(device).to(dtype), compute_dtype=torch.float16)
+    assert [layer.compute_dtype for layer in chosen[::2]] == [torch.float16] * 3
+    assert mpgemm.convert(mlp(device))[0].compute_dtype == torch.float16  # FP32 masters
+
+
+def test_a_layer_cast_to_fp64_computes_as_torch_in_fp64(device):
+    """FP64 is outside mixed precision, as for torch.autocast: a converted model cast
+    with .double() gives torch's FP64 model's outputs and gradients bit for bit (fused
+    activations by torch's functions), and passes gradcheck."""
+    theirs = mlp(device).double()
+    ours = mpgemm.convert(mlp(device)).double()
+    assert type(ours[0]) is mpgemm.Linear and ours[0].activation == "relu"
+    x = torch.randn(5, 33, device=device, dtype=torch.float64)
+    outs = [model(x) for model in (ours, theirs)]
+    assert outs[0].dtype == torch.float64  # not the head's FP32: torch's FP64 layer's
+    assert torch.equal(outs[0], outs[1])
+    for out in outs:
+        out.square().sum().backward()
+    for mine, reference in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(mine.grad, reference.grad)
+    layer = mpgemm.Linear(6, 4, activation="silu", device=device).double()
+    inputs = torch.randn(3, 6, device=device, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (inputs,))
+    with pytest.raises(RuntimeError, match="dtype"):  # torch's own error, as nn.Linear's
+        layer(inputs.float())
 
 
 def test_repr_shows_out_dtype_as_set(device):
