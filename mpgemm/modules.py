@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import cast
 
@@ -219,6 +220,24 @@ def _following_activation(root: nn.Module, name: str) -> tuple[nn.Sequential, in
     return None if activation is None else (parent, index, activation)
 
 
+def _warn_lazy_layers(module: nn.Module, chooses: Callable[[nn.Module, str], bool]) -> None:
+    """Warn of the ``nn.LazyLinear`` layers that ``chooses`` picks and that are not yet
+    initialised: each becomes an ``nn.Linear`` at its first forward, so a conversion
+    before it leaves the layer as it is, in FP32."""
+    lazy = [
+        repr(name)
+        for name, layer in module.named_modules()
+        if type(layer) is nn.LazyLinear and chooses(layer, name)
+    ]
+    if lazy:
+        warnings.warn(
+            f"mpgemm.convert: layer(s) {', '.join(lazy)} left as they are: an nn.LazyLinear "
+            "becomes an nn.Linear at its first forward; run one (a batch) before convert",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def convert(
     module: nn.Module,
     *,
@@ -233,7 +252,8 @@ def convert(
 
     module_filter_fn(layer, fully_qualified_name) -> bool picks the layers to convert
     (default: all). Only exact ``nn.Linear`` instances are converted: subclasses may
-    have a ``forward`` of their own.
+    have a ``forward`` of their own. An ``nn.LazyLinear`` not yet initialised (it
+    becomes an ``nn.Linear`` at its first forward) is left as it is, with a warning.
 
     ``compute_dtype``: FP16 or BF16 for every converted layer; None (the default) takes
     each layer's weight dtype where it is FP16 or BF16 (a BF16 model keeps computing in
@@ -255,10 +275,15 @@ def convert(
     """
     if compute_dtype is not None:
         _check_compute_dtype("mpgemm.convert", compute_dtype)
+
+    def chooses(layer: nn.Module, name: str) -> bool:
+        return module_filter_fn is None or module_filter_fn(layer, name)
+
+    _warn_lazy_layers(module, chooses)
     chosen = [
         name
         for name, layer in module.named_modules()
-        if type(layer) is nn.Linear and (module_filter_fn is None or module_filter_fn(layer, name))
+        if type(layer) is nn.Linear and chooses(layer, name)
     ]
     if keep_output_fp32 is True:
         fp32_name = chosen[-1] if chosen else None

@@ -1,5 +1,7 @@
 """mpgemm.Linear as a drop-in nn.Linear, and mpgemm.convert on whole models."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -111,6 +113,28 @@ def test_convert_filter_and_output_choice(device):
     assert none_fp32(torch.randn(2, 33, device=device)).dtype == torch.float16
     with pytest.raises(ValueError, match="'head'"):
         mpgemm.convert(mlp(device), keep_output_fp32="head")
+
+
+def test_convert_warns_of_lazy_layers_it_cannot_convert_yet(device):
+    """An nn.LazyLinear becomes an nn.Linear at its first forward: before it, convert
+    leaves it (with a warning naming it, unless the filter excludes it); after it,
+    converts it."""
+
+    def model():
+        return nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+
+    early = model()
+    with pytest.warns(UserWarning, match=r"'0'.*first forward"):
+        mpgemm.convert(early)
+    assert type(early[0]) is nn.LazyLinear and type(early[2]) is mpgemm.Linear
+    dry_run = model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mpgemm.convert(model(), module_filter_fn=lambda layer, name: name != "0")
+        dry_run(torch.randn(2, 8, device=device))  # initialised: an nn.Linear now
+        mpgemm.convert(dry_run)
+    assert type(dry_run[0]) is mpgemm.Linear and dry_run[0].activation == "relu"
+    assert dry_run[2].out_dtype == torch.float32
 
 
 def test_convert_a_bare_linear_returns_the_replacement(device):
