@@ -53,7 +53,10 @@ def _check_supported(**options: Any) -> None:
 
 def _check_implementation(foreach: bool | None, fused: bool | None, differentiable: bool) -> None:
     """torch's keywords that choose an implementation: accepted at values the fused
-    kernels honour (None, or ``fused=True``, ``foreach=False``), refused otherwise."""
+    kernels honour (None, or ``fused=True``, ``foreach=False``), refused otherwise; both
+    True is torch's error first."""
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     if fused is False:
         raise ValueError(
             "mpgemm's optimizers are fused kernels, so fused=False cannot be honoured; use the "

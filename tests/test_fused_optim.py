@@ -703,6 +703,9 @@ def test_torchs_constructor_keywords_are_accepted(name):
     for refused in (dict(foreach=True), dict(fused=False), dict(differentiable=True)):
         with pytest.raises(ValueError, match=next(iter(refused))):
             CLASSES[name](params, **refused)
+    for contradictory in (TORCH_CLASSES[name], CLASSES[name]):  # torch's error, as torch raises it
+        with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+            contradictory(params, foreach=True, fused=True)
 
 
 def test_adam_with_decoupled_weight_decay_steps_as_adamw(device):
