@@ -22,7 +22,7 @@ from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
-from mpgemm.reference import activation_backward_ref, gemm_ref
+from mpgemm.reference import activation_backward_ref, compute_dtype_for, gemm_ref
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -614,7 +614,7 @@ def linear(
     bias: torch.Tensor | None = None,
     *,
     activation: str | None = None,
-    compute_dtype: torch.dtype = torch.float16,
+    compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``act(input @ weight.T + bias)``, the contract of ``torch.nn.functional.linear``
@@ -624,7 +624,8 @@ def linear(
     one output feature whose dimension is dropped from the result, as in F.linear; bias:
     (out_features,), a single value (shape () or (1,)) added to every feature, or None;
     each float32, float16 or bfloat16, all on one device. Operands are rounded
-    to ``compute_dtype`` (float16 or bfloat16); bias and ``activation`` (None, "relu",
+    to ``compute_dtype`` (float16 or bfloat16; default BF16 where input or weight is
+    BF16, else FP16); bias and ``activation`` (None, "relu",
     "gelu", the exact erf form, "gelu_tanh", its tanh approximation, or "silu") are
     applied to the FP32 accumulator, which is then rounded to ``out_dtype`` (default
     ``compute_dtype``). Returns (*, out_features), or (*) for a 1-D weight.
@@ -655,7 +656,7 @@ def _linear(
     bias: torch.Tensor | None,
     *,
     activation: str | None,
-    compute_dtype: torch.dtype,
+    compute_dtype: torch.dtype | None,
     out_dtype: torch.dtype | None,
     weight_copy: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -664,6 +665,7 @@ def _linear(
     op = "mpgemm.linear"
     _check_not_jit_traced(op)
     _check_tensors(op, input=input, weight=weight, bias=bias)
+    compute_dtype = compute_dtype or compute_dtype_for(input, weight)
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)
     _check_activation(op, activation)
@@ -710,7 +712,7 @@ def matmul(
     a: torch.Tensor,
     b: torch.Tensor,
     *,
-    compute_dtype: torch.dtype = torch.float16,
+    compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -721,9 +723,10 @@ def matmul(
     column for ``b``, its dimension dropped from the result), a (*, K) @ (K, N) product
     is one GEMM over a's rows, and a batched ``b`` (*, K, N) multiplies a (*, M, K)
     matrix by matrix, batch dimensions broadcasting. Operands are rounded to
-    ``compute_dtype`` (float16 or bfloat16), products accumulate in FP32, and the result
-    is rounded to ``out_dtype`` (default ``compute_dtype``). Differentiable in both;
-    each gradient has its operand's dtype.
+    ``compute_dtype`` (float16 or bfloat16; default BF16 where an operand is BF16, as
+    torch computes BF16 operands in BF16, else FP16), products accumulate in FP32, and
+    the result is rounded to ``out_dtype`` (default ``compute_dtype``). Differentiable
+    in both; each gradient has its operand's dtype.
 
     ``out``: as ``torch.matmul``'s, a tensor the result is written into and returned:
     of the result's dtype (``out_dtype``), on the operands' device, any strides;
@@ -737,6 +740,7 @@ def matmul(
     op = "mpgemm.matmul"
     _check_not_jit_traced(op)
     _check_tensors(op, a=a, b=b, out=out)
+    compute_dtype = compute_dtype or compute_dtype_for(a, b)
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)
     out_dtype = out_dtype or compute_dtype

@@ -42,6 +42,13 @@ def _autocast_off(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
+def compute_dtype_for(*operands: torch.Tensor) -> torch.dtype:
+    """The compute dtype when none is given: BF16 where an operand is BF16 (rounded to
+    FP16, a BF16 value beyond 65504 would become inf; torch computes BF16 operands in
+    BF16), else FP16."""
+    return torch.bfloat16 if any(t.dtype == torch.bfloat16 for t in operands) else torch.float16
+
+
 def round_to(t: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     """``t`` rounded to ``compute_dtype`` and widened back to FP32 (exact)."""
     return t.to(compute_dtype).to(torch.float32)
@@ -150,12 +157,14 @@ def matmul_ref(
     a: torch.Tensor,
     b: torch.Tensor,
     *,
-    compute_dtype: torch.dtype = torch.float16,
+    compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``mpgemm.matmul``'s math: ``torch.matmul``'s shapes (a (*, K) @ b (K, N) ->
-    (*, N), vectors, batches that broadcast), operands rounded to compute_dtype, FP32
-    accumulation, result of out_dtype (default compute_dtype)."""
+    (*, N), vectors, batches that broadcast), operands rounded to compute_dtype
+    (default ``compute_dtype_for(a, b)``), FP32 accumulation, result of out_dtype
+    (default compute_dtype)."""
+    compute_dtype = compute_dtype or compute_dtype_for(a, b)
     out = round_to(a, compute_dtype) @ round_to(b, compute_dtype)
     return out.to(out_dtype or compute_dtype)
 
@@ -167,11 +176,13 @@ def linear_ref(
     bias: torch.Tensor | None = None,
     *,
     activation: str | None = None,
-    compute_dtype: torch.dtype = torch.float16,
+    compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``mpgemm.linear``'s math: act(round(input) @ round(weight).T + bias) with FP32
-    accumulation, bias and activation, rounded to out_dtype (default compute_dtype)."""
+    accumulation, bias and activation, rounded to out_dtype (default compute_dtype;
+    compute_dtype's default ``compute_dtype_for(input, weight)``)."""
+    compute_dtype = compute_dtype or compute_dtype_for(input, weight)
     z = F.linear(round_to(input, compute_dtype), round_to(weight, compute_dtype))
     if bias is not None:
         z = z + bias.to(torch.float32)

@@ -55,6 +55,43 @@ def test_matmul_is_close_to_the_unrounded_fp64_product(compute_dtype, device):
     assert relative < 2 * unit_roundoff
 
 
+@pytest.mark.parametrize(
+    "dtypes, chosen",
+    [
+        ((torch.bfloat16, torch.bfloat16), torch.bfloat16),
+        ((torch.float32, torch.bfloat16), torch.bfloat16),
+        ((torch.float16, torch.bfloat16), torch.bfloat16),
+        ((torch.float16, torch.float16), torch.float16),
+        ((torch.float32, torch.float32), torch.float16),
+    ],
+)
+def test_the_default_compute_dtype_keeps_bf16_operands_in_bf16(device, dtypes, chosen):
+    """compute_dtype=None: BF16 where an operand is BF16, as torch computes BF16 in
+    BF16 (rounded to FP16, a BF16 value beyond 65504 becomes inf), else FP16; for the
+    product, the layer function, both shapes of b, and the references alike."""
+    # Values beyond FP16's range in the BF16 operand (b where both are), products some
+    # 1e6; 1e3 within it.
+    scale_a = 1.0 if dtypes[1] == torch.bfloat16 else 30.0
+    scale_b = 3e5 if dtypes[1] == torch.bfloat16 else 30.0
+    a = (torch.rand(9, 33, device=device) * scale_a).to(dtypes[0])
+    b = (torch.rand(33, 16, device=device) * scale_b).to(dtypes[1])
+    batched = (torch.rand(2, 33, 16, device=device) * scale_b).to(dtypes[1])
+    results = {
+        "matmul": (mpgemm.matmul(a, b), matmul_ref(a, b, compute_dtype=chosen)),
+        "batched": (mpgemm.matmul(a, batched), matmul_ref(a, batched, compute_dtype=chosen)),
+        "linear": (mpgemm.linear(a, b.t()), mpgemm.linear_ref(a, b.t(), compute_dtype=chosen)),
+        "matmul_ref": (matmul_ref(a, b), matmul_ref(a, b, compute_dtype=chosen)),
+        "linear_ref": (mpgemm.linear_ref(a, b.t()), matmul_ref(a, b, compute_dtype=chosen)),
+    }
+    for name, (got, want) in results.items():
+        assert got.dtype == chosen, name
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want, msg=name)
+    if chosen == torch.bfloat16:  # asked for, FP16 is still what runs
+        forced = mpgemm.matmul(a, b, compute_dtype=torch.float16)
+        assert forced.dtype == torch.float16 and torch.isinf(forced).any()
+
+
 def test_batched_and_non_contiguous_a(device):
     a = torch.randn(7, 3, 33, device=device).transpose(0, 1)  # (3, 7, 33), not contiguous
     b = torch.randn(33, 16, device=device)
