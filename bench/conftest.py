@@ -24,6 +24,7 @@ small shapes, so that it cannot rot; those numbers say nothing about GPUs.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -129,6 +130,25 @@ def run_case(benchmark):
             )
 
     return run
+
+
+def pytest_collection_modifyitems(config, items):
+    """With ``MPGEMM_BENCH_TARGETS=1``, only the cases that the issue's targets read
+    (``bench/report.py``'s targets table): those whose case and impl (the parameters'
+    id, ``case-impl``) are in their module's ``TARGET_CASES`` and ``TARGET_IMPLS``. The
+    runbook's ``targets`` stage, which fits a device call beside others."""
+    if os.environ.get("MPGEMM_BENCH_TARGETS") != "1":
+        return
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        case, _, impl = params.id.rpartition("-") if params else ("", "", "")
+        read = case in getattr(item.module, "TARGET_CASES", ()) and impl in getattr(
+            item.module, "TARGET_IMPLS", ()
+        )
+        (kept if read else dropped).append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

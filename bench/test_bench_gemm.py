@@ -30,6 +30,13 @@ SHAPES = (
     else [(64, 64, 64), (128, 128, 128), (32, 48, 64)]
 )
 IMPLS = ["mpgemm", "mpgemm_pointer", "mpgemm_from_fp32", "torch_fp16", "autocast", "fp32"]
+# What the targets read (``bench/report.py``), which ``MPGEMM_BENCH_TARGETS=1``
+# runs alone (bench/conftest.py): the geomean's shapes, every dimension >= 2048 (at the
+# CPU's scale the first shape, so that a dry run has a GEMM), mpgemm against cuBLAS.
+TARGET_CASES = {"x".join(map(str, s)) for s in SHAPES if min(s) >= 2048} or {
+    "x".join(map(str, SHAPES[0]))
+}
+TARGET_IMPLS = {"mpgemm", "torch_fp16"}
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -44,6 +44,11 @@ IMPLS = {
     "autocast_fused": ("autocast", True),
     "fp32": ("fp32", False),
 }
+# What the targets read (``bench/report.py``; ``MPGEMM_BENCH_TARGETS=1`` runs it
+# alone): the guide's and the small MLP's steps (at the CPU's scale the first model),
+# eager and graphed, against autocast with fused Adam and FP32.
+TARGET_CASES = {"guide", "small"} if GPU_SCALE else {MODELS[0][0]}
+TARGET_IMPLS = {"mpgemm", "mpgemm_cuda_graph", "autocast_fused", "fp32"}
 
 
 def _host_syncs(step) -> int:

@@ -15,6 +15,10 @@ pytestmark = pytest.mark.benchmark(group="unscale")
 
 WIDTH, LAYERS, MANY, COUNT = (4096, 4, 500_000, 200) if GPU_SCALE else (64, 4, 5_000, 20)
 SETS = [f"mlp_{WIDTH}x{LAYERS}_fp32", f"{COUNT}x{MANY}_fp32", f"{COUNT}x{MANY}_fp16"]
+# What the targets read (``bench/report.py``; ``MPGEMM_BENCH_TARGETS=1`` runs it
+# alone): every set, against torch's op and a copy.
+TARGET_CASES = set(SETS)
+TARGET_IMPLS = {"mpgemm", "torch", "device_copy"}
 
 
 def _gradients(name, device):

@@ -74,6 +74,27 @@ def _check_bench_results(out: Path):
     assert "64x64x64 mpgemm: median" in (out / "bench.log").read_text()
 
 
+def _check_target_results(out: Path):
+    """The targets stage runs what the issue's targets read and nothing else: mpgemm and
+    each target's baseline (the CUDA graph's step skips on a CPU), and the report's
+    targets table from them."""
+    data = json.loads((out / "bench.json").read_text())
+    ran = {(b["group"], b["extra_info"]["impl"]) for b in data["benchmarks"]}
+    assert ran == {
+        ("gemm", "mpgemm"),
+        ("gemm", "torch_fp16"),
+        ("step", "mpgemm"),
+        ("step", "autocast_fused"),
+        ("step", "fp32"),
+        ("unscale", "mpgemm"),
+        ("unscale", "torch"),
+        ("unscale", "device_copy"),
+    }
+    report = (out / "report.md").read_text()
+    assert "### targets" in report
+    assert re.search(r"\| unscale \+ inf check, 20x5000_fp16 \| torch \| \d+\.\d\d \|", report)
+
+
 @pytest.mark.parametrize("stage", list(gpu_check.STAGES))
 def test_dry_run_writes_the_stage_files_within_the_device_limits(stage, tmp_path):
     run = _run(stage, GPU_CHECK_DRY_RUN="1", OUT=str(tmp_path))
@@ -87,6 +108,8 @@ def test_dry_run_writes_the_stage_files_within_the_device_limits(stage, tmp_path
     assert "dry run" in (tmp_path / "env.txt").read_text()
     if stage == "bench":
         _check_bench_results(tmp_path)
+    if stage == "targets":
+        _check_target_results(tmp_path)
     if stage == "tests":
         assert re.search(r'tests="\d+"', (tmp_path / "junit.xml").read_text())
 
