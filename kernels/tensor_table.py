@@ -128,7 +128,16 @@ def _cached(key: tuple, build):
         if len(_cache) >= _CACHE_SIZE:
             _cache.popitem(last=False)
     _cache[key] = value
+    if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _captured_tables.append(value)
     return value
+
+
+# The tables a CUDA graph's capture used (each key's first entry is its device): every
+# replay reads them again, so they must outlive the graph whatever the cache drops. One
+# made before the capture (a hyperparameter table from the warm-up steps) is the
+# allocator's to reuse once dropped, and a replay would read what took its place.
+_captured_tables: list = []
 
 
 # Host copies of the tables built while a CUDA graph was captured: each replay copies

@@ -26,6 +26,7 @@ import torch
 # (``scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY``).
 from torch.amp.grad_scaler import OptState
 
+from mpgemm.graphs import note_host_values
 from mpgemm.scaling import by_device, unscale_, update_scale_
 
 __all__ = ["GradScaler"]
@@ -268,6 +269,8 @@ class GradScaler:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale, _ = self._check_scale_growth_tracker("step")
+        # A torch optimizer's host values too, for a GraphedStep's replays.
+        note_host_values("param group", *optimizer.param_groups)
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")

@@ -14,18 +14,73 @@ What a replay cannot see: the Python side of the step runs once, at capture. Hyp
 parameters read on the host (a float learning rate that a schedule changes in
 ``param_groups``), new parameters, or a change of the inputs' shapes need a new capture
 (a call whose inputs' shapes or dtypes differ from the captured ones runs eagerly
-instead). A tensor ``lr`` on the GPU (``mpgemm.optim``'s optimizers take one, as torch's
-do) is read by the kernels at each replay, so a schedule that changes it in place
-between calls (torch's schedulers ``fill_`` it) reaches every replay.
+instead). The param groups that mpgemm's optimizers and scalers step are checked before
+each replay: a host value of theirs (a float ``lr``, ``betas``, ``weight_decay``...)
+changed since the capture raises ``RuntimeError``, where the replay would keep the old
+one. A tensor ``lr`` on the GPU (``mpgemm.optim``'s optimizers take one, as torch's do)
+is read by the kernels at each replay, so a schedule that changes it in place between
+calls (torch's schedulers ``fill_`` it) reaches every replay.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 __all__ = ["GraphedStep"]
+
+# While a GraphedStep captures (else None): the mappings that the step read on the host,
+# so that a replay repeats what they held then: (whose, the live mapping, its values).
+_HostRead = tuple[str, Mapping[str, Any], dict[str, Any]]
+_host_reads: list[_HostRead] | None = None
+_HOST_TYPES = (bool, int, float, str, type(None))
+
+
+def _is_host_value(value: object) -> bool:
+    """A number, flag or string (or a tuple of them, as Adam's betas): what a step reads
+    on the host. Tensors are read on the device, by each replay."""
+    if isinstance(value, tuple):
+        return all(isinstance(v, _HOST_TYPES) for v in value)
+    return isinstance(value, _HOST_TYPES)
+
+
+def note_host_values(owner: str, *mappings: Mapping[str, Any]) -> None:
+    """Say that the step now running reads ``mappings`` (param groups) on the host. While
+    a ``GraphedStep`` captures, their host values (``_is_host_value``; a group's
+    ``params`` aside) are remembered, for the replays to check; otherwise nothing.
+    ``owner`` names them in the error: "param group" for optimizers' groups."""
+    if _host_reads is None:
+        return
+    for index, mapping in enumerate(mappings):
+        if any(seen is mapping for _, seen, _ in _host_reads):
+            continue
+        values = {k: v for k, v in mapping.items() if k != "params" and _is_host_value(v)}
+        _host_reads.append((f"{owner} {index}", mapping, values))
+
+
+@contextmanager
+def _recording_host_reads() -> Iterator[list[_HostRead]]:
+    """Within the block, ``note_host_values`` remembers into the list yielded."""
+    global _host_reads
+    reads: list[_HostRead] = []
+    _host_reads = reads
+    try:
+        yield reads
+    finally:
+        _host_reads = None
+
+
+def _changed_host_value(reads: list[_HostRead]) -> str | None:
+    """What of ``reads`` (``_recording_host_reads``') differs now, in words; else None."""
+    for owner, mapping, values in reads:
+        for key, then in values.items():
+            now = mapping.get(key)
+            if type(now) is not type(then) or now != then:
+                return f"{owner}'s {key} is {now!r}, but the step was captured with {then!r}"
+    return None
 
 
 class GraphedStep:
@@ -36,6 +91,8 @@ class GraphedStep:
     Each captured call copies its inputs into the graph's static input buffers, replays,
     and returns a copy of the static output (earlier results stay valid). Inputs must be
     CUDA tensors; ``fn`` must not synchronise with the host (capture raises if it does).
+    A replay first checks the host values of the param groups that the capture's
+    optimizer steps read (``note_host_values``): one changed raises ``RuntimeError``.
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], *, warmup_steps: int = 3) -> None:
@@ -49,6 +106,8 @@ class GraphedStep:
         # The warm-up runs on a side stream, as torch's capture recipe asks (lazy
         # initialisation must not land on the capturing stream).
         self._side: torch.cuda.Stream | None = None
+        # What the capture read on the host (``note_host_values``).
+        self._host_reads: list[_HostRead] = []
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -64,6 +123,13 @@ class GraphedStep:
             self._captured = self._capture(inputs)
         elif not self._matches(inputs):
             return self.fn(*inputs)
+        changed = _changed_host_value(self._host_reads)
+        if changed is not None:
+            raise RuntimeError(
+                f"GraphedStep: {changed}, which a replay would keep using (it runs no "
+                "Python). Give it as a CUDA tensor changed in place (as LR schedulers fill_ "
+                "a tensor lr), or make a new GraphedStep after changing it"
+            )
         graph, output = self._captured
         for static, x in zip(self._inputs, inputs, strict=True):
             static.copy_(x)
@@ -96,7 +162,7 @@ class GraphedStep:
         self._inputs = [x.clone() for x in inputs]
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with _recording_host_reads() as self._host_reads, torch.cuda.graph(graph):
             output = self.fn(*self._inputs)
         return graph, output
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from mpgemm.compute_copy import copy_of
+from mpgemm.graphs import note_host_values
 from mpgemm.scaling import KERNEL_DTYPES, adam_step_, by_device, sgd_step_
 
 __all__ = ["SGD", "Adam", "AdamW"]
@@ -145,6 +146,7 @@ class _ScaledStep(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        note_host_values("param group", *self.param_groups)  # for a GraphedStep's replays
         grad_scale, found_inf = self._scaling_tensors(grad_scale, found_inf)
         others = []
         with torch.no_grad():

@@ -62,6 +62,20 @@ def test_replayed_steps_match_eager_steps_bit_for_bit():
         assert torch.equal(p, q)
 
 
+def _train_step(model, optimizer):
+    """A training step of ``model`` by ``optimizer`` (a LossScaleOptimizer), which keeps
+    the gradients' memory (zeroed) from step to step."""
+
+    def train_step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    return train_step
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
 def test_replays_read_a_tensor_lr_changed_between_them():
     """A tensor lr on the GPU, halved in place after each step (as an LR scheduler fills
@@ -75,13 +89,7 @@ def test_replays_read_a_tensor_lr_changed_between_them():
             mpgemm.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="cuda"))
         )
 
-        def train_step(x, y):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.scale_loss(loss).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-            return loss.detach()
-
+        train_step = _train_step(model, optimizer)
         step = GraphedStep(train_step) if graphed else train_step
         g = torch.Generator().manual_seed(1)
         for _ in range(8):
@@ -129,3 +137,106 @@ def test_eager_steps_beside_replays_keep_a_flag_of_their_own():
     assert optimizer.skipped_steps == 1, "the eager step inherited the replay's flag"
     assert optimizer.scaler._flag is eager_flag and eager_flag.item() == 0.0
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_steps_note_the_host_values_a_capture_would_bake_in():
+    """While a capture records, mpgemm's optimizers and scalers note the param groups
+    they read on the host (numbers, flags, tuples of them: a float lr, betas; not a
+    tensor lr, which replays read on the device), each group once; a change of one
+    afterwards is named. Outside a capture nothing is kept."""
+    import mpgemm
+    from mpgemm import graphs
+
+    def stepped(make):
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.ones(4)
+        return make([p])
+
+    adam = stepped(lambda ps: mpgemm.optim.Adam(ps, lr=0.01))
+    adam.step()
+    assert graphs._host_reads is None
+    with graphs._recording_host_reads() as reads:
+        adam.step()
+        adam.step()  # the same group: noted once
+    ((owner, group, values),) = reads
+    assert owner == "param group 0" and group is adam.param_groups[0]
+    assert values["lr"] == 0.01 and values["betas"] == (0.9, 0.999) and "params" not in values
+    assert graphs._changed_host_value(reads) is None
+    group["lr"] = 0.005  # a schedule's float lr
+    assert graphs._changed_host_value(reads) == (
+        "param group 0's lr is 0.005, but the step was captured with 0.01"
+    )
+    group["lr"] = 0.01
+    group["betas"] = (0.8, 0.999)
+    assert "betas" in graphs._changed_host_value(reads)
+
+    tensor_lr = stepped(lambda ps: mpgemm.optim.SGD(ps, lr=torch.tensor(0.1)))
+    with graphs._recording_host_reads() as reads:
+        tensor_lr.step()
+    assert "lr" not in reads[0][2]
+    tensor_lr.param_groups[0]["lr"].fill_(0.05)  # read on the device by each replay
+    assert graphs._changed_host_value(reads) is None
+
+    # torch's optimizers, stepped by mpgemm's scalers.
+    sgd = stepped(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    scaler = mpgemm.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with graphs._recording_host_reads() as reads:
+        scaler.step(sgd)
+    assert [r[1] for r in reads] == [sgd.param_groups[0]] and reads[0][2]["momentum"] == 0.9
+    wrapped = stepped(lambda ps: mpgemm.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1)))
+    wrapped.scale_loss(torch.ones(()))
+    with graphs._recording_host_reads() as reads:
+        wrapped.step()
+    assert [r[1] for r in reads] == [wrapped.optimizer.param_groups[0]]
+    assert graphs._host_reads is None
+
+
+def test_tables_a_capture_used_outlive_the_cache(monkeypatch):
+    """A table that a capture read stays allocated when the cache drops it, since every
+    replay reads it again; one read outside a capture goes with its cache entry."""
+    import gc
+    import weakref
+
+    from mpgemm.kernels import tensor_table
+
+    cuda = torch.device("cuda", 0)  # only the key's device: nothing is allocated there
+    monkeypatch.setattr(tensor_table, "_captured_tables", [])
+    kept = {}
+    for capturing in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        table = tensor_table._cached((cuda, "test", capturing), lambda: torch.ones(3))
+        kept[capturing] = weakref.ref(table)
+        del table
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for i in range(tensor_table._CACHE_SIZE):  # drops both entries
+        tensor_table._cached((cuda, "filler", i), lambda: torch.zeros(1))
+    gc.collect()
+    assert kept[True]() is not None and kept[False]() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
+def test_a_float_lr_changed_after_the_capture_is_refused():
+    """A float lr changed in param_groups (as a scheduler does with a float) would not
+    reach a replay: the next call raises, naming it, and runs nothing; back to its
+    captured value, replays go on."""
+    import mpgemm
+
+    torch.manual_seed(0)
+    model = mpgemm.convert(build_mlp(784, (128,), 10)).cuda()
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.SGD(model.parameters(), lr=0.1))
+
+    train_step = _train_step(model, optimizer)
+    step = GraphedStep(train_step)
+    x, y = torch.randn(128, 784, device="cuda"), torch.randint(0, 10, (128,), device="cuda")
+    for _ in range(5):
+        step(x, y)
+    assert step.graph is not None
+    optimizer.param_groups[0]["lr"] = 0.05
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"param group 0's lr is 0.05, but .* 0.1"):
+        step(x, y)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    optimizer.param_groups[0]["lr"] = 0.1
+    step(x, y)
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
