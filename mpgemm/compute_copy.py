@@ -78,6 +78,18 @@ def _storage(weight: torch.Tensor) -> tuple:
     return (weight.data_ptr(), weight.device, weight.shape, weight.stride())
 
 
+# Copies that a CUDA graph's capture read or wrote (a forward's GEMMs, an optimizer's
+# step): every replay does again, at the same address, so they must outlive a remaking
+# of the copy (after another optimizer's step, a loaded state dict, a cast), or a replay
+# would read and write memory the allocator has handed to another tensor. Such a copy
+# is current while the graph's own steps write it; kept for the process.
+_captured: list[torch.Tensor] = []
+
+
+def _capturing(copy: torch.Tensor) -> bool:
+    return copy.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class ComputeCopy:
     """A ``dtype`` copy of one FP32 weight at a time, remade only when stale."""
 
@@ -103,6 +115,8 @@ class ComputeCopy:
             self._tensor, self._made_from, self._source = copy, identity, weight.detach()
             self._current_at = _steps
         _register(weight, self)
+        if _capturing(self._tensor):
+            _captured.append(self._tensor)
         return self._tensor
 
     def drop(self) -> None:
@@ -120,6 +134,8 @@ class ComputeCopy:
         ):
             return None
         self._current_at = _steps
+        if _capturing(self._tensor):
+            _captured.append(self._tensor)
         return self._tensor
 
 

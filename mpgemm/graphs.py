@@ -19,7 +19,10 @@ each replay: a host value of theirs (a float ``lr``, ``betas``, ``weight_decay``
 changed since the capture raises ``RuntimeError``, where the replay would keep the old
 one. A tensor ``lr`` on the GPU (``mpgemm.optim``'s optimizers take one, as torch's do)
 is read by the kernels at each replay, so a schedule that changes it in place between
-calls (torch's schedulers ``fill_`` it) reaches every replay.
+calls (torch's schedulers ``fill_`` it) reaches every replay. What a capture read from
+mpgemm's caches (the layers' 16-bit weight copies, the kernels' tables) stays allocated
+for its replays, even where eager work between them remakes it (another optimizer's
+step, then an eager forward, remakes the copies).
 """
 
 from __future__ import annotations

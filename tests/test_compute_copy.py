@@ -281,3 +281,30 @@ def test_the_optimizers_registry_holds_weights_weakly():
     gc.collect()
     assert key not in compute_copy._copies
     assert compute_copy.copy_of(nn.Parameter(torch.randn(32, 48))) is None
+
+
+def test_copies_a_capture_used_outlive_their_remaking(monkeypatch):
+    """A copy that a CUDA graph's capture read (a forward) or wrote (an optimizer's step)
+    stays allocated when the layer remakes its copy, since every replay uses it again:
+    another optimizer's step, then an eager forward, remake it. Outside a capture, the
+    remade copy's old tensor goes."""
+    import gc
+    import weakref
+
+    from mpgemm import compute_copy
+
+    monkeypatch.setattr(compute_copy, "_captured", [])
+    layer = _layer("cpu")
+    other = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    old = {}
+    for capturing in (True, False):
+        monkeypatch.setattr(compute_copy, "_capturing", lambda t, c=capturing: c)
+        layer(torch.randn(2, 48))
+        old["read", capturing] = weakref.ref(layer._weight_copy._tensor)
+        assert compute_copy.copy_of(layer.weight) is layer._weight_copy._tensor  # "written"
+        monkeypatch.setattr(compute_copy, "_capturing", lambda t: False)
+        other.step()  # any optimizer's step: the copy is stale now
+        layer(torch.randn(2, 48))  # remade
+        gc.collect()
+    assert old["read", True]() is not None and old["read", False]() is None
+    assert len(compute_copy._captured) == 2  # the forward's read and the step's write

@@ -240,3 +240,43 @@ def test_a_float_lr_changed_after_the_capture_is_refused():
     optimizer.param_groups[0]["lr"] = 0.1
     step(x, y)
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
+def test_replays_keep_the_weight_copies_that_eager_work_remakes():
+    """Between replays, another optimizer steps and the model runs eagerly (a GAN's
+    other half, say): the layers remake their 16-bit weight copies, and the old ones'
+    memory goes to new tensors (NaN here). The replays read and write the copies they
+    captured, which are kept: they step as the eager steps do, bit for bit."""
+    import mpgemm
+
+    def run(graphed):
+        torch.manual_seed(0)
+        model = mpgemm.convert(build_mlp(784, (128,), 10)).cuda()
+        optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters()))
+        other = torch.nn.Parameter(torch.ones(1, device="cuda"))
+        other_optimizer = torch.optim.SGD([other], lr=0.1)
+        train_step = _train_step(model, optimizer)
+        step = GraphedStep(train_step) if graphed else train_step
+        g = torch.Generator().manual_seed(1)
+        poisoned = []
+        for _ in range(8):
+            x = torch.randn(128, 784, generator=g).cuda()
+            step(x, torch.randint(0, 10, (128,), generator=g).cuda())
+            other.grad = torch.ones_like(other)
+            other_optimizer.step()  # the copies are stale now
+            with torch.no_grad():
+                model(x)  # remade
+            poisoned += [
+                torch.full_like(layer.weight, float("nan"), dtype=torch.float16)
+                for layer in model
+                if isinstance(layer, mpgemm.Linear)
+            ]
+        return [p.detach().clone() for p in model.parameters()], step, optimizer
+
+    eager, _, eager_optimizer = run(False)
+    replayed, step, optimizer = run(True)
+    assert step.graph is not None
+    assert optimizer.skipped_steps == eager_optimizer.skipped_steps
+    for p, q in zip(replayed, eager, strict=True):
+        assert torch.equal(p, q)
