@@ -37,13 +37,15 @@ class Linear(nn.Linear):
     returns ``act(input @ weight.T + bias)`` of ``out_dtype`` (default ``compute_dtype``).
     ``state_dict`` is ``nn.Linear``'s, so checkpoints load both ways.
 
-    ``dtype`` is the parameters', as for ``nn.Linear``. ``compute_dtype``: FP16 or BF16;
-    None (the default) takes ``dtype`` where it is 16-bit, else FP16. A layer whose
-    parameters are 16-bit (``dtype``, ``.half()``, ``.bfloat16()``) computes in their
-    dtype (``.half()`` and ``.bfloat16()`` make it the compute dtype); one outside mixed
-    precision (FP64, complex: ``dtype`` or ``.double()``) computes as ``nn.Linear`` of
-    that dtype does, then its activation by torch's function, as under
-    ``torch.autocast``, whose FP64 ops are not eligible and run in FP64.
+    ``dtype`` is the parameters', as for ``nn.Linear``. ``compute_dtype`` (FP16 or BF16)
+    is what FP32 weights are rounded to; None (the default) takes ``dtype`` where it is
+    16-bit, else FP16. A weight that is 16-bit at the forward (``dtype``, ``.half()``,
+    ``.bfloat16()``, or FSDP2's ``param_dtype`` casting the gathered weight) is the GEMMs'
+    operand as it is: the layer computes in its dtype, as a module of that dtype does in
+    torch. One outside mixed precision (FP64, complex: ``dtype`` or ``.double()``)
+    computes as ``nn.Linear`` of that dtype does, then its activation by torch's
+    function, as under ``torch.autocast``, whose FP64 ops are not eligible and run in
+    FP64.
 
     Mixed-precision rule: the layer whose output is the model's output (the logits)
     should use ``out_dtype=torch.float32`` so softmax and loss run in FP32;
@@ -62,6 +64,12 @@ class Linear(nn.Linear):
         activation: str | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> None:
+        if dtype in _SIXTEEN_BITS and compute_dtype not in (None, dtype):
+            raise ValueError(
+                f"mpgemm.Linear: a layer of {dtype} parameters computes in {dtype} (its "
+                f"weight is the GEMMs' operand), not compute_dtype={compute_dtype}, which is "
+                "what FP32 weights are rounded to; give one or the other"
+            )
         if compute_dtype is None:
             compute_dtype = dtype if dtype in _SIXTEEN_BITS else torch.float16
         _check_compute_dtype("mpgemm.Linear", compute_dtype)
@@ -102,7 +110,8 @@ class Linear(nn.Linear):
             weight,
             bias,
             activation=self.activation,
-            compute_dtype=self.compute_dtype,
+            # A 16-bit weight is the operand as it is, in its own dtype.
+            compute_dtype=weight.dtype if weight.dtype in _SIXTEEN_BITS else self.compute_dtype,
             out_dtype=self.out_dtype,
             weight_copy=copy,
         )
@@ -144,8 +153,9 @@ class Linear(nn.Linear):
         ``module`` still removes its hook), as torch's own module swaps keep a module's
         forward hooks (``torch.ao.quantization.swap_module``).
 
-        ``compute_dtype`` None: the weight's dtype if it is FP16 or BF16 (a BF16 layer
-        computing in FP16 would overflow where it did not), else FP16."""
+        ``compute_dtype``: what an FP32 weight is rounded to (None: FP16); a weight in FP16
+        or BF16 computes in its own dtype (a BF16 layer computing in FP16 would overflow
+        where it did not)."""
         # Built on the meta device so no throw-away weights are allocated or initialised.
         new = cls(
             module.in_features,
@@ -153,7 +163,7 @@ class Linear(nn.Linear):
             bias=module.bias is not None,
             device="meta",
             dtype=module.weight.dtype,
-            compute_dtype=compute_dtype,
+            compute_dtype=None if module.weight.dtype in _SIXTEEN_BITS else compute_dtype,
             activation=activation,
             out_dtype=out_dtype,
         )
@@ -255,9 +265,10 @@ def convert(
     have a ``forward`` of their own. An ``nn.LazyLinear`` not yet initialised (it
     becomes an ``nn.Linear`` at its first forward) is left as it is, with a warning.
 
-    ``compute_dtype``: FP16 or BF16 for every converted layer; None (the default) takes
-    each layer's weight dtype where it is FP16 or BF16 (a BF16 model keeps computing in
-    BF16, whose range FP16 lacks), else FP16 (FP32 weights become the master weights).
+    ``compute_dtype`` (FP16 or BF16; None: FP16) is what the converted layers' FP32
+    weights, which become the master weights, are rounded to; a layer already in FP16
+    or BF16 computes in its own dtype (a BF16 model keeps computing in BF16, whose
+    range FP16 lacks).
 
     Converted layers write their output in their compute dtype, except the model's output
     layer, which writes FP32 so the logits, softmax and loss stay FP32 (the

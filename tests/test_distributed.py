@@ -172,6 +172,7 @@ def _fsdp_worker(rank, port, out_dir, path):
         # rank's gradients: it is put in rank 1's input.
         model = torch.nn.parallel.DistributedDataParallel(_mlp())
         results["ddp", case] = _train_on_share(model, rank, WORLD, case, inf_in="input")
+    results["fsdp2 bf16"] = _fsdp_bf16_case(mesh, rank)
     _save_and_leave(results, os.path.join(out_dir, f"{path}{rank}.pt"))
 
 
@@ -184,6 +185,32 @@ def _fsdp_case(mesh, rank, case, compiled=False):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return _train_on_share(model, rank, WORLD, case, compiled=compiled)
+
+
+def _fsdp_bf16_case(mesh, rank):
+    """FSDP2 casting the gathered weights to BF16 (``MixedPrecisionPolicy``) over FP32
+    masters, inputs some 1e5: (skipped steps, the losses). The layers compute in the
+    weights' BF16, so inputs beyond FP16's 65504 stay finite (rounded to FP16 they
+    became inf, and every step was skipped)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _mlp()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, mpgemm.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(2):
+        x = torch.randn(FSDP_BATCH, 16, generator=g).chunk(WORLD)[rank] * 1e5
+        loss = model(x).float().square().mean()
+        optimizer.zero_grad()
+        optimizer.scale_loss(loss).backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return optimizer.skipped_steps, losses
 
 
 def _interpreter_runs_the_gemms() -> bool:
@@ -214,9 +241,13 @@ def test_fsdp2_and_ddp_match_one_process_on_the_whole_batch(tmp_path, path):
     """A model of mpgemm.Linear layers sharded by FSDP2 or replicated by DDP over two
     ranks, each on half of every batch, trains as one process on the whole batches,
     with LossScaleOptimizer(Adam with AMSGrad) or GradScaler and damped SGD; rank 1's
-    inf skips the same step on both ranks."""
+    inf skips the same step on both ranks. Under FSDP2's BF16 param_dtype the layers
+    compute in BF16 (``_fsdp_bf16_case``)."""
     mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path), path), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"{path}{r}.pt") for r in range(WORLD)]
+    for rank in ranks:
+        skipped, losses = rank.pop("fsdp2 bf16")
+        assert skipped == 0 and all(0 < loss < float("inf") for loss in losses), losses
     for wrapper, case in ranks[0]:
         inf_in = "input" if wrapper == "ddp" else "gradient"
         scale, expected = _train_on_share(_mlp(), 0, 1, case, inf_in)

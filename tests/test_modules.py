@@ -61,9 +61,11 @@ def test_a_layer_built_in_a_dtype_is_the_layer_cast_to_it(device, dtype):
     built.load_state_dict(cast.state_dict())
     x = torch.randn(4, 16, device=device, dtype=dtype)
     assert torch.equal(built(x), cast(x))
-    if dtype != torch.float64:
-        chosen = mpgemm.Linear(16, 8, device=device, dtype=dtype, compute_dtype=torch.float16)
-        assert chosen.compute_dtype == torch.float16
+    if dtype != torch.float64:  # its parameters are the operands: they set the dtype
+        assert mpgemm.Linear(4, 4, dtype=dtype, compute_dtype=dtype).compute_dtype == dtype
+        other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+        with pytest.raises(ValueError, match="give one or the other"):
+            mpgemm.Linear(4, 4, dtype=dtype, compute_dtype=other)
 
 
 def test_linear_refuses_bad_options():
@@ -307,7 +309,8 @@ def test_casting_a_layer_to_16_bits_makes_that_the_compute_dtype(device, cast):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_converting_a_16_bit_model_computes_in_its_dtype(device, dtype):
     """A model already in 16 bits keeps computing in its dtype (a BF16 model's
-    activations beyond FP16's 65504 stay finite) unless compute_dtype says otherwise."""
+    activations beyond FP16's 65504 stay finite): compute_dtype is what FP32 weights
+    are rounded to."""
     model = mpgemm.convert(mlp(device).to(dtype))
     assert [layer.compute_dtype for layer in model[::2]] == [dtype] * 3
     # BF16 inputs beyond FP16's range (3e5), outputs too (some 4e5).
@@ -319,9 +322,28 @@ def test_converting_a_16_bit_model_computes_in_its_dtype(device, dtype):
     torch.testing.assert_close(first, expected)
     if dtype == torch.bfloat16:
         assert first.amax() > 65504 and torch.isfinite(first).all()
-    chosen = mpgemm.convert(mlp(device).to(dtype), compute_dtype=torch.float16)
-    assert [layer.compute_dtype for layer in chosen[::2]] == [torch.float16] * 3
+    other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+    chosen = mpgemm.convert(mlp(device).to(dtype), compute_dtype=other)
+    assert [layer.compute_dtype for layer in chosen[::2]] == [dtype] * 3
     assert mpgemm.convert(mlp(device))[0].compute_dtype == torch.float16  # FP32 masters
+    assert mpgemm.convert(mlp(device), compute_dtype=other)[0].compute_dtype == other
+
+
+def test_a_weight_that_arrives_in_16_bits_computes_in_its_dtype(device):
+    """A weight that is 16-bit at the forward, whatever the layer was built with (as
+    FSDP2's param_dtype casts the gathered weight, with no _apply), is the GEMMs' operand
+    as it is: a BF16 weight computes in BF16, beyond FP16's range."""
+    layer = mpgemm.Linear(33, 8, device=device)  # FP32 masters, rounded to FP16
+    layer.weight = nn.Parameter(layer.weight.detach().bfloat16())
+    layer.bias = nn.Parameter(layer.bias.detach().bfloat16())
+    assert layer.compute_dtype == torch.float16
+    x = torch.full((4, 33), 3e5, device=device, dtype=torch.bfloat16)
+    y = layer(x)
+    expected = mpgemm.reference.linear_ref(
+        x, layer.weight, layer.bias, compute_dtype=torch.bfloat16
+    )
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all() and y.abs().amax() > 65504
+    torch.testing.assert_close(y, expected)
 
 
 def test_a_layer_cast_to_fp64_computes_as_torch_in_fp64(device):
