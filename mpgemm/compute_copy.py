@@ -134,8 +134,6 @@ class ComputeCopy:
         ):
             return None
         self._current_at = _steps
-        if _capturing(self._tensor):
-            _captured.append(self._tensor)
         return self._tensor
 
 
@@ -145,3 +143,13 @@ def copy_of(weight: torch.Tensor) -> torch.Tensor | None:
     if entry is None or entry[0]() is not weight:
         return None
     return entry[1].tensor_for(weight)
+
+
+def copies_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's compute copy (``copy_of``), or the parameter itself where it has
+    none: what an optimizer's step writes. Asked once per step and list, so the capture
+    check is made once."""
+    copies = [copy if (copy := copy_of(p)) is not None else p for p in params]
+    if copies and _capturing(copies[0]):
+        _captured.extend(c for c, p in zip(copies, params, strict=True) if c is not p)
+    return copies

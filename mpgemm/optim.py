@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from mpgemm.compute_copy import copy_of
+from mpgemm.compute_copy import copies_of
 from mpgemm.graphs import note_host_values
 from mpgemm.scaling import KERNEL_DTYPES, adam_step_, by_device, sgd_step_
 
@@ -114,7 +114,7 @@ class _ScaledStep(torch.optim.Optimizer):
         # and an eager one sees the step's version bump and casts anew.
         if torch.compiler.is_compiling():
             return None
-        return [copy if (copy := copy_of(p)) is not None else p for p in params]
+        return copies_of(params)
 
     @staticmethod
     def _params_with_grad(group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

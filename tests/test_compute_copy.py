@@ -301,7 +301,10 @@ def test_copies_a_capture_used_outlive_their_remaking(monkeypatch):
         monkeypatch.setattr(compute_copy, "_capturing", lambda t, c=capturing: c)
         layer(torch.randn(2, 48))
         old["read", capturing] = weakref.ref(layer._weight_copy._tensor)
-        assert compute_copy.copy_of(layer.weight) is layer._weight_copy._tensor  # "written"
+        params = [layer.weight, layer.bias]  # as an optimizer's step asks, to write them
+        written = compute_copy.copies_of(params)
+        assert written[0] is layer._weight_copy._tensor and written[1] is layer.bias
+        del written
         monkeypatch.setattr(compute_copy, "_capturing", lambda t: False)
         other.step()  # any optimizer's step: the copy is stale now
         layer(torch.randn(2, 48))  # remade
