@@ -270,7 +270,7 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale, _ = self._check_scale_growth_tracker("step")
         # A torch optimizer's host values too, for a GraphedStep's replays.
-        note_host_values("param group", *optimizer.param_groups)
+        note_host_values(optimizer.param_groups)
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")

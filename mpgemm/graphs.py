@@ -15,11 +15,12 @@ parameters read on the host (a float learning rate that a schedule changes in
 ``param_groups``), new parameters, or a change of the inputs' shapes need a new capture
 (a call whose inputs' shapes or dtypes differ from the captured ones runs eagerly
 instead). The param groups that mpgemm's optimizers and scalers step are checked before
-each replay: a host value of theirs (a float ``lr``, ``betas``, ``weight_decay``...)
-changed since the capture raises ``RuntimeError``, where the replay would keep the old
-one. A tensor ``lr`` on the GPU (``mpgemm.optim``'s optimizers take one, as torch's do)
-is read by the kernels at each replay, so a schedule that changes it in place between
-calls (torch's schedulers ``fill_`` it) reaches every replay. What a capture read from
+each replay: a host value of theirs (a float ``lr``, ``betas``, ``weight_decay``...), a
+group added, or a parameter added, removed or frozen since the capture raises
+``RuntimeError``, where the replay would keep stepping what it captured. A tensor
+``lr`` on the GPU (``mpgemm.optim``'s optimizers take one, as torch's do) is read by the
+kernels at each replay, so a schedule that changes it in place between calls (torch's
+schedulers ``fill_`` it) reaches every replay. What a capture read from
 mpgemm's caches (the layers' 16-bit weight copies, the kernels' tables) stays allocated
 for its replays, even where eager work between them remakes it (another optimizer's
 step, then an eager forward, remakes the copies).
@@ -27,6 +28,7 @@ step, then an eager forward, remakes the copies).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -35,55 +37,109 @@ import torch
 
 __all__ = ["GraphedStep"]
 
-# While a GraphedStep captures (else None): the mappings that the step read on the host,
-# so that a replay repeats what they held then: (whose, the live mapping, its values).
-_HostRead = tuple[str, Mapping[str, Any], dict[str, Any]]
-_host_reads: list[_HostRead] | None = None
 _HOST_TYPES = (bool, int, float, str, type(None))
 
 
-def _is_host_value(value: object) -> bool:
-    """A number, flag or string (or a tuple of them, as Adam's betas): what a step reads
-    on the host. Tensors are read on the device, by each replay."""
-    if isinstance(value, tuple):
-        return all(isinstance(v, _HOST_TYPES) for v in value)
-    return isinstance(value, _HOST_TYPES)
+def _kind(value: object) -> str | None:
+    """How a replay uses a param group's value: "host" for a number, flag or string (or
+    a tuple of them, as Adam's betas), which the capture baked in; "device" for a tensor
+    (or a tuple with one), which each replay reads where it was; None for anything else."""
+    values = value if isinstance(value, tuple) else (value,)
+    if all(isinstance(v, _HOST_TYPES) for v in values):
+        return "host"
+    if all(isinstance(v, (torch.Tensor, *_HOST_TYPES)) for v in values):
+        return "device"
+    return None
 
 
-def note_host_values(owner: str, *mappings: Mapping[str, Any]) -> None:
-    """Say that the step now running reads ``mappings`` (param groups) on the host. While
-    a ``GraphedStep`` captures, their host values (``_is_host_value``; a group's
-    ``params`` aside) are remembered, for the replays to check; otherwise nothing.
-    ``owner`` names them in the error: "param group" for optimizers' groups."""
-    if _host_reads is None:
-        return
-    for index, mapping in enumerate(mappings):
-        if any(seen is mapping for _, seen, _ in _host_reads):
-            continue
-        values = {k: v for k, v in mapping.items() if k != "params" and _is_host_value(v)}
-        _host_reads.append((f"{owner} {index}", mapping, values))
+def _same_tensors(now: object, then: object) -> bool:
+    """Whether ``now`` holds the very tensors ``then`` held (changed in place or not),
+    and equal numbers beside them."""
+    if isinstance(then, tuple):
+        return (
+            isinstance(now, tuple)
+            and len(now) == len(then)
+            and all(_same_tensors(a, b) for a, b in zip(now, then, strict=True))
+        )
+    if isinstance(then, torch.Tensor):
+        return now is then
+    return type(now) is type(then) and now == then
+
+
+def _params_key(group: Mapping[str, Any]) -> tuple:
+    """Which parameters a group steps, and whether each still requires grad."""
+    return tuple((id(p), p.requires_grad) for p in group["params"])
+
+
+class HostReads:
+    """What a capture's step read on the host, which each of its replays repeats: per
+    optimizer, the number of its param groups, each group's parameters (which, and
+    whether they require grad), its host values (a float ``lr``, ``betas``...), and the
+    tensors it held (a tensor ``lr``: each replay reads the one captured, so a new one
+    would not reach it). ``changed()`` says what differs now."""
+
+    def __init__(self) -> None:
+        # (what, a function that reads it now, its value then, how to compare)
+        self._entries: list[tuple[str, Callable[[], object], object, str]] = []
+        self._noted: list[object] = []  # the param_groups lists noted (held: ids stay)
+
+    def note(self, groups: list[dict[str, Any]]) -> None:
+        if any(noted is groups for noted in self._noted):
+            return
+        self._noted.append(groups)
+        self._add("the number of param groups", lambda: len(groups), "host")
+        for index, group in enumerate(groups):
+            name = f"param group {index}"
+            self._add(f"{name}'s parameters", functools.partial(_params_key, group), "params")
+            for key, value in group.items():
+                kind = _kind(value)
+                if key != "params" and kind is not None:
+                    self._add(f"{name}'s {key}", functools.partial(group.get, key), kind)
+
+    def _add(self, what: str, read: Callable[[], object], kind: str) -> None:
+        self._entries.append((what, read, read(), kind))
+
+    def changed(self) -> str | None:
+        """What differs now from the capture, in words; None if nothing does."""
+        for what, read, then, kind in self._entries:
+            now = read()
+            if kind == "device":
+                if _same_tensors(now, then):
+                    continue
+            elif type(now) is type(then) and now == then:
+                continue
+            if kind == "params":
+                return f"{what} changed (added, removed or frozen) since the step was captured"
+            if kind == "device":
+                return (
+                    f"{what} was replaced since the step was captured, whose replays read "
+                    "the tensor it held (change that one in place)"
+                )
+            return f"{what} is {now!r}, but the step was captured with {then!r}"
+        return None
+
+
+# While a GraphedStep captures, what its step reads on the host; else None.
+_host_reads: HostReads | None = None
+
+
+def note_host_values(param_groups: list[dict[str, Any]]) -> None:
+    """Say that the step now running reads an optimizer's ``param_groups`` on the host:
+    while a ``GraphedStep`` captures, they are noted (``HostReads``) for its replays to
+    check; otherwise nothing. Called by mpgemm's optimizers and scalers."""
+    if _host_reads is not None:
+        _host_reads.note(param_groups)
 
 
 @contextmanager
-def _recording_host_reads() -> Iterator[list[_HostRead]]:
-    """Within the block, ``note_host_values`` remembers into the list yielded."""
+def _recording_host_reads() -> Iterator[HostReads]:
+    """Within the block, ``note_host_values`` notes into the ``HostReads`` yielded."""
     global _host_reads
-    reads: list[_HostRead] = []
-    _host_reads = reads
+    reads = _host_reads = HostReads()
     try:
         yield reads
     finally:
         _host_reads = None
-
-
-def _changed_host_value(reads: list[_HostRead]) -> str | None:
-    """What of ``reads`` (``_recording_host_reads``') differs now, in words; else None."""
-    for owner, mapping, values in reads:
-        for key, then in values.items():
-            now = mapping.get(key)
-            if type(now) is not type(then) or now != then:
-                return f"{owner}'s {key} is {now!r}, but the step was captured with {then!r}"
-    return None
 
 
 class GraphedStep:
@@ -94,8 +150,9 @@ class GraphedStep:
     Each captured call copies its inputs into the graph's static input buffers, replays,
     and returns a copy of the static output (earlier results stay valid). Inputs must be
     CUDA tensors; ``fn`` must not synchronise with the host (capture raises if it does).
-    A replay first checks the host values of the param groups that the capture's
-    optimizer steps read (``note_host_values``): one changed raises ``RuntimeError``.
+    A replay first checks what the capture's optimizer steps read on the host
+    (``HostReads``: the param groups, their parameters and host values): a change
+    raises ``RuntimeError``.
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], *, warmup_steps: int = 3) -> None:
@@ -110,7 +167,7 @@ class GraphedStep:
         # initialisation must not land on the capturing stream).
         self._side: torch.cuda.Stream | None = None
         # What the capture read on the host (``note_host_values``).
-        self._host_reads: list[_HostRead] = []
+        self._host_reads = HostReads()
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -126,7 +183,7 @@ class GraphedStep:
             self._captured = self._capture(inputs)
         elif not self._matches(inputs):
             return self.fn(*inputs)
-        changed = _changed_host_value(self._host_reads)
+        changed = self._host_reads.changed()
         if changed is not None:
             raise RuntimeError(
                 f"GraphedStep: {changed}, which a replay would keep using (it runs no "

@@ -146,7 +146,7 @@ class _ScaledStep(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        note_host_values("param group", *self.param_groups)  # for a GraphedStep's replays
+        note_host_values(self.param_groups)  # for a GraphedStep's replays
         grad_scale, found_inf = self._scaling_tensors(grad_scale, found_inf)
         others = []
         with torch.no_grad():

@@ -141,9 +141,11 @@ def test_eager_steps_beside_replays_keep_a_flag_of_their_own():
 
 def test_steps_note_the_host_values_a_capture_would_bake_in():
     """While a capture records, mpgemm's optimizers and scalers note the param groups
-    they read on the host (numbers, flags, tuples of them: a float lr, betas; not a
-    tensor lr, which replays read on the device), each group once; a change of one
-    afterwards is named. Outside a capture nothing is kept."""
+    they read on the host: how many, each one's parameters (and whether they require
+    grad), its numbers, flags and tuples of them (a float lr, betas; not a tensor lr,
+    which replays read on the device, where a new tensor would not reach them), each
+    optimizer once. A change of any afterwards is named. Outside a capture nothing is
+    kept."""
     import mpgemm
     from mpgemm import graphs
 
@@ -157,25 +159,30 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
     assert graphs._host_reads is None
     with graphs._recording_host_reads() as reads:
         adam.step()
-        adam.step()  # the same group: noted once
-    ((owner, group, values),) = reads
-    assert owner == "param group 0" and group is adam.param_groups[0]
-    assert values["lr"] == 0.01 and values["betas"] == (0.9, 0.999) and "params" not in values
-    assert graphs._changed_host_value(reads) is None
+        adam.step()  # the same groups: noted once
+    assert reads.changed() is None
+    group = adam.param_groups[0]
     group["lr"] = 0.005  # a schedule's float lr
-    assert graphs._changed_host_value(reads) == (
-        "param group 0's lr is 0.005, but the step was captured with 0.01"
-    )
+    assert reads.changed() == "param group 0's lr is 0.005, but the step was captured with 0.01"
     group["lr"] = 0.01
     group["betas"] = (0.8, 0.999)
-    assert "betas" in graphs._changed_host_value(reads)
+    assert reads.changed().startswith("param group 0's betas is (0.8, 0.999)")
+    group["betas"] = (0.9, 0.999)
+    group["params"][0].requires_grad_(False)  # frozen
+    assert reads.changed() == (
+        "param group 0's parameters changed (added, removed or frozen) since the step was captured"
+    )
+    group["params"][0].requires_grad_(True)
+    adam.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert reads.changed() == "the number of param groups is 2, but the step was captured with 1"
 
     tensor_lr = stepped(lambda ps: mpgemm.optim.SGD(ps, lr=torch.tensor(0.1)))
     with graphs._recording_host_reads() as reads:
         tensor_lr.step()
-    assert "lr" not in reads[0][2]
     tensor_lr.param_groups[0]["lr"].fill_(0.05)  # read on the device by each replay
-    assert graphs._changed_host_value(reads) is None
+    assert reads.changed() is None
+    tensor_lr.param_groups[0]["lr"] = torch.tensor(0.05)  # another tensor: not the replays'
+    assert reads.changed().startswith("param group 0's lr was replaced")
 
     # torch's optimizers, stepped by mpgemm's scalers.
     sgd = stepped(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
@@ -183,12 +190,14 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
     scaler.scale(torch.ones(()))
     with graphs._recording_host_reads() as reads:
         scaler.step(sgd)
-    assert [r[1] for r in reads] == [sgd.param_groups[0]] and reads[0][2]["momentum"] == 0.9
+    sgd.param_groups[0]["momentum"] = 0.8
+    assert "param group 0's momentum is 0.8" in reads.changed()
     wrapped = stepped(lambda ps: mpgemm.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1)))
     wrapped.scale_loss(torch.ones(()))
     with graphs._recording_host_reads() as reads:
         wrapped.step()
-    assert [r[1] for r in reads] == [wrapped.optimizer.param_groups[0]]
+    wrapped.optimizer.param_groups[0]["lr"] = 1.0
+    assert "param group 0's lr is 1.0" in reads.changed()
     assert graphs._host_reads is None
 
 
