@@ -29,6 +29,7 @@ step, then an eager forward, remakes the copies).
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -66,9 +67,14 @@ def _same_tensors(now: object, then: object) -> bool:
     return type(now) is type(then) and now == then
 
 
+_requires_grad = operator.attrgetter("requires_grad")
+
+
 def _params_key(group: Mapping[str, Any]) -> tuple:
-    """Which parameters a group steps, and whether each still requires grad."""
-    return tuple((id(p), p.requires_grad) for p in group["params"])
+    """Which parameters a group steps, and whether each still requires grad (read in
+    C-level passes: a replay of a step over 200 parameters asks)."""
+    params = group["params"]
+    return tuple(map(id, params)), tuple(map(_requires_grad, params))
 
 
 class HostReads:
