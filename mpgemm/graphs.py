@@ -85,7 +85,8 @@ class HostReads:
     would not reach it). ``changed()`` says what differs now."""
 
     def __init__(self) -> None:
-        # (what, a function that reads it now, its value then, how to compare)
+        # (what, a function that reads it now, its value then, its kind: "host", a value
+        # compared by equality; "device", tensors by identity; "structure", parameters)
         self._entries: list[tuple[str, Callable[[], object], object, str]] = []
         self._noted: list[object] = []  # the param_groups lists noted (held: ids stay)
 
@@ -93,10 +94,10 @@ class HostReads:
         if any(noted is groups for noted in self._noted):
             return
         self._noted.append(groups)
-        self._add("the number of param groups", lambda: len(groups), "host")
+        self._add("the number of param groups", lambda: len(groups), "structure")
         for index, group in enumerate(groups):
             name = f"param group {index}"
-            self._add(f"{name}'s parameters", functools.partial(_params_key, group), "params")
+            self._add(f"{name}'s parameters", functools.partial(_params_key, group), "structure")
             for key, value in group.items():
                 kind = _kind(value)
                 if key != "params" and kind is not None:
@@ -106,7 +107,8 @@ class HostReads:
         self._entries.append((what, read, read(), kind))
 
     def changed(self) -> str | None:
-        """What differs now from the capture, in words; None if nothing does."""
+        """What differs now from the capture, and what to do, in words; None if nothing
+        does."""
         for what, read, then, kind in self._entries:
             now = read()
             if kind == "device":
@@ -114,14 +116,22 @@ class HostReads:
                     continue
             elif type(now) is type(then) and now == then:
                 continue
-            if kind == "params":
-                return f"{what} changed (added, removed or frozen) since the step was captured"
+            if kind == "structure":
+                return (
+                    f"{what} changed (added, removed or frozen) since the step was captured, "
+                    "whose replays step what they captured: make a new GraphedStep after "
+                    "such a change"
+                )
             if kind == "device":
                 return (
                     f"{what} was replaced since the step was captured, whose replays read "
-                    "the tensor it held (change that one in place)"
+                    "the tensor it held: change that tensor in place instead"
                 )
-            return f"{what} is {now!r}, but the step was captured with {then!r}"
+            return (
+                f"{what} is {now!r}, but the step was captured with {then!r}, which its "
+                "replays keep using: give it as a CUDA tensor changed in place (as LR "
+                "schedulers fill_ a tensor lr), or make a new GraphedStep after changing it"
+            )
         return None
 
 
@@ -190,12 +200,8 @@ class GraphedStep:
         elif not self._matches(inputs):
             return self.fn(*inputs)
         changed = self._host_reads.changed()
-        if changed is not None:
-            raise RuntimeError(
-                f"GraphedStep: {changed}, which a replay would keep using (it runs no "
-                "Python). Give it as a CUDA tensor changed in place (as LR schedulers fill_ "
-                "a tensor lr), or make a new GraphedStep after changing it"
-            )
+        if changed is not None:  # a replay runs no Python: it would not see the change
+            raise RuntimeError(f"GraphedStep: {changed}")
         graph, output = self._captured
         for static, x in zip(self._inputs, inputs, strict=True):
             static.copy_(x)

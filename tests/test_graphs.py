@@ -163,18 +163,22 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
     assert reads.changed() is None
     group = adam.param_groups[0]
     group["lr"] = 0.005  # a schedule's float lr
-    assert reads.changed() == "param group 0's lr is 0.005, but the step was captured with 0.01"
+    assert reads.changed().startswith(
+        "param group 0's lr is 0.005, but the step was captured with 0.01, which its replays "
+        "keep using: give it as a CUDA tensor"
+    )
     group["lr"] = 0.01
     group["betas"] = (0.8, 0.999)
     assert reads.changed().startswith("param group 0's betas is (0.8, 0.999)")
     group["betas"] = (0.9, 0.999)
     group["params"][0].requires_grad_(False)  # frozen
-    assert reads.changed() == (
-        "param group 0's parameters changed (added, removed or frozen) since the step was captured"
+    assert reads.changed().startswith(
+        "param group 0's parameters changed (added, removed or frozen) since the step was "
+        "captured, whose replays step what they captured: make a new GraphedStep"
     )
     group["params"][0].requires_grad_(True)
     adam.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
-    assert reads.changed() == "the number of param groups is 2, but the step was captured with 1"
+    assert reads.changed().startswith("the number of param groups changed")
 
     tensor_lr = stepped(lambda ps: mpgemm.optim.SGD(ps, lr=torch.tensor(0.1)))
     with graphs._recording_host_reads() as reads:
