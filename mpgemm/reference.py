@@ -42,11 +42,12 @@ def _autocast_off(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def compute_dtype_for(*operands: torch.Tensor) -> torch.dtype:
-    """The compute dtype when none is given: BF16 where an operand is BF16 (rounded to
-    FP16, a BF16 value beyond 65504 would become inf; torch computes BF16 operands in
-    BF16), else FP16."""
-    return torch.bfloat16 if any(t.dtype == torch.bfloat16 for t in operands) else torch.float16
+def compute_dtype_for(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """The compute dtype of a product of ``a`` and ``b`` when none is given: BF16 where
+    either is BF16 (rounded to FP16, a BF16 value beyond 65504 would become inf; torch
+    computes BF16 operands in BF16), else FP16. (No generator: an eager GEMM asks.)"""
+    bf16 = torch.bfloat16
+    return bf16 if a.dtype == bf16 or b.dtype == bf16 else torch.float16
 
 
 def round_to(t: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
