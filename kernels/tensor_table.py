@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm import graphs
 from mpgemm.functional import PLAIN_TYPES
 from mpgemm.kernels.gemm_common import cdiv
 from mpgemm.native import list_facts
@@ -128,29 +129,21 @@ def _cached(key: tuple, build):
         if len(_cache) >= _CACHE_SIZE:
             _cache.popitem(last=False)
     _cache[key] = value
-    if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _captured_tables.append(value)
+    # A table a capture used (each key's first entry is its device) must outlive it
+    # whatever the cache drops: the replays read it again. One made before the capture
+    # (a hyperparameter table from the warm-up steps) is otherwise the allocator's once
+    # dropped, and a replay would read what took its place.
+    if graphs.capturing(key[0]):
+        graphs.keep_for_replays((value,))
     return value
-
-
-# The tables a CUDA graph's capture used (each key's first entry is its device): every
-# replay reads them again, so they must outlive the graph whatever the cache drops. One
-# made before the capture (a hyperparameter table from the warm-up steps) is the
-# allocator's to reuse once dropped, and a replay would read what took its place.
-_captured_tables: list = []
-
-
-# Host copies of the tables built while a CUDA graph was captured: each replay copies
-# from them again, so they must outlive the graph (a few KB each; never freed).
-_captured_sources: list[torch.Tensor] = []
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         # Pinned memory lets the copy run asynchronously: no wait for the GPU.
         pinned = host.pin_memory()
-        if torch.cuda.is_current_stream_capturing():
-            _captured_sources.append(pinned)
+        if graphs.capturing(device):  # each replay copies from it again (a few KB)
+            graphs.keep_for_replays((pinned,))
         return pinned.to(device, non_blocking=True)
     return host.to(device)
 

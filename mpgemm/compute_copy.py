@@ -28,6 +28,8 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from mpgemm import graphs
+
 # id(weight) -> (a weak reference to the weight, its ComputeCopy), for the optimizers:
 # a dropped weight is forgotten. By id, the reference checked on each lookup: torch's
 # WeakIdKeyDictionary makes a reference object per lookup (0.45 us, and an optimizer's
@@ -78,18 +80,6 @@ def _storage(weight: torch.Tensor) -> tuple:
     return (weight.data_ptr(), weight.device, weight.shape, weight.stride())
 
 
-# Copies that a CUDA graph's capture read or wrote (a forward's GEMMs, an optimizer's
-# step): every replay does again, at the same address, so they must outlive a remaking
-# of the copy (after another optimizer's step, a loaded state dict, a cast), or a replay
-# would read and write memory the allocator has handed to another tensor. Such a copy
-# is current while the graph's own steps write it; kept for the process.
-_captured: list[torch.Tensor] = []
-
-
-def _capturing(copy: torch.Tensor) -> bool:
-    return copy.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 class ComputeCopy:
     """A ``dtype`` copy of one FP32 weight at a time, remade only when stale."""
 
@@ -115,8 +105,11 @@ class ComputeCopy:
             self._tensor, self._made_from, self._source = copy, identity, weight.detach()
             self._current_at = _steps
         _register(weight, self)
-        if _capturing(self._tensor):
-            _captured.append(self._tensor)
+        # A capture's copy must outlive a remaking of it (after another optimizer's
+        # step, a loaded state dict, a cast): the replays read and write it there. It
+        # stays current while the graph's own steps write it.
+        if graphs.capturing(self._tensor.device):
+            graphs.keep_for_replays((self._tensor,))
         return self._tensor
 
     def drop(self) -> None:
@@ -150,6 +143,6 @@ def copies_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
     none: what an optimizer's step writes. Asked once per step and list, so the capture
     check is made once."""
     copies = [copy if (copy := copy_of(p)) is not None else p for p in params]
-    if copies and _capturing(copies[0]):
-        _captured.extend(c for c, p in zip(copies, params, strict=True) if c is not p)
+    if copies and graphs.capturing(copies[0].device):  # as in ComputeCopy.of
+        graphs.keep_for_replays(c for c, p in zip(copies, params, strict=True) if c is not p)
     return copies

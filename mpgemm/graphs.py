@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -133,6 +133,25 @@ class HostReads:
                 "schedulers fill_ a tensor lr), or make a new GraphedStep after changing it"
             )
         return None
+
+
+# What CUDA graph captures used from mpgemm's caches: tables and their pinned host
+# sources (``mpgemm.kernels.tensor_table``), the layers' 16-bit weight copies
+# (``mpgemm.compute_copy``). Their replays read (and write) them again at the same
+# addresses, so they are kept for the process whatever the caches drop: freed, their
+# memory would be the allocator's to hand to another tensor.
+_kept_for_replays: list[object] = []
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work for ``device`` is being captured into a CUDA graph (the current
+    stream's capture; never for a CPU device, which a CPU-only torch cannot ask about)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def keep_for_replays(values: Iterable[object]) -> None:
+    """Keep ``values``, which a capture used from a cache, for as long as the process."""
+    _kept_for_replays.extend(values)
 
 
 # While a GraphedStep captures, what its step reads on the host; else None.

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpgemm import graphs
 from mpgemm.grad_scaler import GradScaler, OptState
 
 __all__ = ["LossScaleOptimizer"]
@@ -285,9 +286,7 @@ class _MasterScaler(GradScaler):
         return self._sources
 
     def _fresh_flag(self, scale: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or (
-            scale.is_cuda and torch.cuda.is_current_stream_capturing()
-        ):
+        if torch.compiler.is_compiling() or graphs.capturing(scale.device):
             # A graph's iterations take flags of their own: its replays run apart from
             # the eager steps, which know nothing of what a replay left in this one.
             return super()._fresh_flag(scale)

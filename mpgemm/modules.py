@@ -13,17 +13,14 @@ from torch.fx import Proxy
 
 from mpgemm.compute_copy import ComputeCopy
 from mpgemm.functional import (
+    COMPUTE_DTYPES,
+    INPUT_DTYPES,
     _check_activation,
     _check_compute_dtype,
     _check_out_dtype,
     _linear,
 )
 from mpgemm.reference import torch_activation
-
-# The parameter dtypes whose layers compute in mixed precision: FP32 master weights, or
-# weights cast to the compute dtype itself (``.half()``, ``.bfloat16()``).
-_MIXED_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
-_SIXTEEN_BITS = (torch.float16, torch.bfloat16)
 
 
 class Linear(nn.Linear):
@@ -64,14 +61,14 @@ class Linear(nn.Linear):
         activation: str | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> None:
-        if dtype in _SIXTEEN_BITS and compute_dtype not in (None, dtype):
+        if dtype in COMPUTE_DTYPES and compute_dtype not in (None, dtype):
             raise ValueError(
                 f"mpgemm.Linear: a layer of {dtype} parameters computes in {dtype} (its "
                 f"weight is the GEMMs' operand), not compute_dtype={compute_dtype}, which is "
                 "what FP32 weights are rounded to; give one or the other"
             )
         if compute_dtype is None:
-            compute_dtype = dtype if dtype in _SIXTEEN_BITS else torch.float16
+            compute_dtype = dtype if dtype in COMPUTE_DTYPES else torch.float16
         _check_compute_dtype("mpgemm.Linear", compute_dtype)
         _check_out_dtype("mpgemm.Linear", out_dtype)
         _check_activation("mpgemm.Linear", activation)
@@ -90,7 +87,7 @@ class Linear(nn.Linear):
             tracer = input.tracer
             return tracer.create_proxy("call_module", tracer.path_of_module(self), (input,), {})
         weight, bias = self.weight, self.bias
-        if weight.dtype not in _MIXED_PRECISION:
+        if weight.dtype not in INPUT_DTYPES:  # outside mixed precision: FP64, complex
             return torch_activation(F.linear(input, weight, bias), self.activation)
         if self._weight_copy.dtype != self.compute_dtype:  # compute_dtype was reassigned
             self._weight_copy = ComputeCopy(self.compute_dtype)
@@ -111,7 +108,7 @@ class Linear(nn.Linear):
             bias,
             activation=self.activation,
             # A 16-bit weight is the operand as it is, in its own dtype.
-            compute_dtype=weight.dtype if weight.dtype in _SIXTEEN_BITS else self.compute_dtype,
+            compute_dtype=weight.dtype if weight.dtype in COMPUTE_DTYPES else self.compute_dtype,
             out_dtype=self.out_dtype,
             weight_copy=copy,
         )
@@ -127,7 +124,7 @@ class Linear(nn.Linear):
         # (a BF16 layer computing in FP16 would turn inputs above 65504 into inf).
         # Masters are then the optimizer's business (mpgemm.LossScaleOptimizer).
         out = super()._apply(fn, recurse)
-        if self.weight.dtype in _SIXTEEN_BITS:
+        if self.weight.dtype in COMPUTE_DTYPES:
             self.compute_dtype = self.weight.dtype
         return out
 
@@ -163,7 +160,7 @@ class Linear(nn.Linear):
             bias=module.bias is not None,
             device="meta",
             dtype=module.weight.dtype,
-            compute_dtype=None if module.weight.dtype in _SIXTEEN_BITS else compute_dtype,
+            compute_dtype=None if module.weight.dtype in COMPUTE_DTYPES else compute_dtype,
             activation=activation,
             out_dtype=out_dtype,
         )

@@ -291,23 +291,23 @@ def test_copies_a_capture_used_outlive_their_remaking(monkeypatch):
     import gc
     import weakref
 
-    from mpgemm import compute_copy
+    from mpgemm import compute_copy, graphs
 
-    monkeypatch.setattr(compute_copy, "_captured", [])
+    monkeypatch.setattr(graphs, "_kept_for_replays", [])
     layer = _layer("cpu")
     other = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
     old = {}
     for capturing in (True, False):
-        monkeypatch.setattr(compute_copy, "_capturing", lambda t, c=capturing: c)
+        monkeypatch.setattr(graphs, "capturing", lambda device, c=capturing: c)
         layer(torch.randn(2, 48))
         old["read", capturing] = weakref.ref(layer._weight_copy._tensor)
         params = [layer.weight, layer.bias]  # as an optimizer's step asks, to write them
         written = compute_copy.copies_of(params)
         assert written[0] is layer._weight_copy._tensor and written[1] is layer.bias
         del written
-        monkeypatch.setattr(compute_copy, "_capturing", lambda t: False)
+        monkeypatch.setattr(graphs, "capturing", lambda device: False)
         other.step()  # any optimizer's step: the copy is stale now
         layer(torch.randn(2, 48))  # remade
         gc.collect()
     assert old["read", True]() is not None and old["read", False]() is None
-    assert len(compute_copy._captured) == 2  # the forward's read and the step's write
+    assert len(graphs._kept_for_replays) == 2  # the forward's read and the step's write

@@ -211,10 +211,11 @@ def test_tables_a_capture_used_outlive_the_cache(monkeypatch):
     import gc
     import weakref
 
+    from mpgemm import graphs
     from mpgemm.kernels import tensor_table
 
     cuda = torch.device("cuda", 0)  # only the key's device: nothing is allocated there
-    monkeypatch.setattr(tensor_table, "_captured_tables", [])
+    monkeypatch.setattr(graphs, "_kept_for_replays", [])
     kept = {}
     for capturing in (True, False):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
