@@ -21,6 +21,12 @@ from pathlib import Path
 MPGEMM = "mpgemm"
 
 
+def in_gemm_geomean(case: str) -> bool:
+    """Whether a gemm case (``MxKxN``) counts in the target's geometric mean: every
+    dimension at least 2048."""
+    return min(map(int, case.split("x"))) >= 2048
+
+
 def _is_ours(impl: str) -> bool:
     return impl.startswith(MPGEMM)
 
@@ -82,7 +88,7 @@ def targets(benchmarks: list[dict]) -> list[str]:
     large = [
         case
         for group, case, impl in by
-        if group == "gemm" and impl == MPGEMM and min(map(int, case.split("x"))) >= 2048
+        if group == "gemm" and impl == MPGEMM and in_gemm_geomean(case)
     ]
 
     def gemm_geomean(kind: str) -> float | None:

@@ -7,6 +7,7 @@ before TMA, in the same run). Work: 2MNK flops."""
 import pytest
 import torch
 from harness import GPU_SCALE
+from report import in_gemm_geomean
 
 import mpgemm
 from mpgemm.kernels.gemm import use_kernel
@@ -31,11 +32,10 @@ SHAPES = (
 )
 IMPLS = ["mpgemm", "mpgemm_pointer", "mpgemm_from_fp32", "torch_fp16", "autocast", "fp32"]
 # What the issue's targets read (``bench/report.py``), which ``MPGEMM_BENCH_TARGETS=1``
-# runs alone (bench/conftest.py): the geomean's shapes, every dimension >= 2048 (at the
-# CPU's scale the first shape, so that a dry run has a GEMM), mpgemm against cuBLAS.
-TARGET_CASES = {"x".join(map(str, s)) for s in SHAPES if min(s) >= 2048} or {
-    "x".join(map(str, SHAPES[0]))
-}
+# runs alone (bench/conftest.py): the geomean's shapes (at the CPU's scale the first
+# shape, so that a dry run has a GEMM), mpgemm against cuBLAS.
+CASES = ["x".join(map(str, s)) for s in SHAPES]
+TARGET_CASES = {case for case in CASES if in_gemm_geomean(case)} or {CASES[0]}
 TARGET_IMPLS = {"mpgemm", "torch_fp16"}
 
 
