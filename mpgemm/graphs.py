@@ -14,7 +14,8 @@ What a replay cannot see: the Python side of the step runs once, at capture. Hyp
 parameters read on the host (a float learning rate that a schedule changes in
 ``param_groups``), new parameters, or a change of the inputs' shapes need a new capture
 (a call whose inputs' shapes or dtypes differ from the captured ones runs eagerly
-instead). The param groups that mpgemm's optimizers and scalers step are checked before
+instead). The param groups that mpgemm's optimizers and scalers step (and a
+``LossScaleOptimizer``'s 16-bit parameters behind their masters) are checked before
 each replay: a host value of theirs (a float ``lr``, ``betas``, ``weight_decay``...), a
 group added, or a parameter added, removed or frozen since the capture raises
 ``RuntimeError``, where the replay would keep stepping what it captured. A tensor
@@ -70,11 +71,14 @@ def _same_tensors(now: object, then: object) -> bool:
 _requires_grad = operator.attrgetter("requires_grad")
 
 
-def _params_key(group: Mapping[str, Any]) -> tuple:
-    """Which parameters a group steps, and whether each still requires grad (read in
-    C-level passes: a replay of a step over 200 parameters asks)."""
-    params = group["params"]
+def _params_key(params: list[torch.Tensor]) -> tuple:
+    """Which parameters, and whether each still requires grad (read in C-level passes:
+    a replay of a step over 200 parameters asks)."""
     return tuple(map(id, params)), tuple(map(_requires_grad, params))
+
+
+def _group_params_key(group: Mapping[str, Any]) -> tuple:
+    return _params_key(group["params"])
 
 
 class HostReads:
@@ -88,20 +92,34 @@ class HostReads:
         # (what, a function that reads it now, its value then, its kind: "host", a value
         # compared by equality; "device", tensors by identity; "structure", parameters)
         self._entries: list[tuple[str, Callable[[], object], object, str]] = []
-        self._noted: list[object] = []  # the param_groups lists noted (held: ids stay)
+        self._noted: list[object] = []  # the lists noted (held: ids stay)
+
+    def _first_sight(self, noted: object) -> bool:
+        if any(seen is noted for seen in self._noted):
+            return False
+        self._noted.append(noted)
+        return True
 
     def note(self, groups: list[dict[str, Any]]) -> None:
-        if any(noted is groups for noted in self._noted):
+        if not self._first_sight(groups):
             return
-        self._noted.append(groups)
         self._add("the number of param groups", lambda: len(groups), "structure")
         for index, group in enumerate(groups):
             name = f"param group {index}"
-            self._add(f"{name}'s parameters", functools.partial(_params_key, group), "structure")
+            self._add(
+                f"{name}'s parameters", functools.partial(_group_params_key, group), "structure"
+            )
             for key, value in group.items():
                 kind = _kind(value)
                 if key != "params" and kind is not None:
                     self._add(f"{name}'s {key}", functools.partial(group.get, key), kind)
+
+    def note_parameters(self, what: str, params: list[torch.Tensor]) -> None:
+        """Note ``params`` (a list that the caller keeps current), which a step reads
+        beside its param groups (``LossScaleOptimizer``'s 16-bit parameters behind their
+        masters): which, and whether each requires grad."""
+        if self._first_sight(params):
+            self._add(what, functools.partial(_params_key, params), "structure")
 
     def _add(self, what: str, read: Callable[[], object], kind: str) -> None:
         self._entries.append((what, read, read(), kind))
@@ -164,6 +182,14 @@ def note_host_values(param_groups: list[dict[str, Any]]) -> None:
     check; otherwise nothing. Called by mpgemm's optimizers and scalers."""
     if _host_reads is not None:
         _host_reads.note(param_groups)
+
+
+def note_parameters(what: str, params: list[torch.Tensor]) -> None:
+    """Say that the step now running reads ``params`` beside its param groups: while a
+    ``GraphedStep`` captures, they are noted (``HostReads.note_parameters``); otherwise
+    nothing."""
+    if _host_reads is not None:
+        _host_reads.note_parameters(what, params)
 
 
 @contextmanager

@@ -84,8 +84,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             all_reduce_found_inf=all_reduce_found_inf,
             process_group=process_group,
         )
-        # (16-bit model parameter, its FP32 master) for each parameter that needs one
-        self._master_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The 16-bit model parameters that have FP32 masters, and their masters, in order
+        self._low_params: list[torch.Tensor] = []
+        self._masters: list[torch.Tensor] = []
         for group in optimizer.param_groups:
             self._install_masters(group)
         # Step hooks as torch.optim.Optimizer.__init__ sets them up (without its groups):
@@ -139,7 +140,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     k: v.float() if torch.is_tensor(v) and v.dtype in _LOW_PRECISION else v
                     for k, v in state.items()
                 }
-            self._master_pairs.append((param, master))
+            self._low_params.append(param)
+            self._masters.append(master)
             self._grad_sources[master] = param
 
     def master_params(self) -> Iterator[torch.Tensor]:
@@ -203,22 +205,24 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         parameters from their masters."""
         if closure is not None:
             raise RuntimeError("LossScaleOptimizer.step does not take a closure")
-        if self._master_pairs and not self._unscaled_this_iteration():
+        if self._masters and not self._unscaled_this_iteration():
             # The masters' gradients come from the 16-bit ones: unscale them across now
             # (the scaler alone would not know where to read them).
             self.unscale_()
         self.scaler.step(self.optimizer)
         self.scaler.update()  # counts a skipped step too
         # A skipped step left the masters as they were, so this rewrites the same values.
-        if self._master_pairs:
-            params, masters = zip(*self._master_pairs, strict=True)
-            torch._foreach_copy_(list(params), list(masters))  # one launch for them all
+        if self._masters:
+            # A replay steps the masters of what its capture saw requiring grad: the
+            # 16-bit parameters are checked before each (the scaler notes the masters).
+            graphs.note_parameters("LossScaleOptimizer's 16-bit parameters", self._low_params)
+            torch._foreach_copy_(self._low_params, self._masters)  # one launch for them all
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the wrapped optimizer's parameters and of the 16-bit
         model parameters behind any masters."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        for param, _ in self._master_pairs:
+        for param in self._low_params:
             if param.grad is None:
                 continue
             if set_to_none:
@@ -233,21 +237,21 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
-            "master_params": [master.detach().clone() for _, master in self._master_pairs],
+            "master_params": [master.detach().clone() for master in self._masters],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         masters = state_dict["master_params"]
-        if len(masters) != len(self._master_pairs):
+        if len(masters) != len(self._masters):
             raise ValueError(
                 f"the state dict has {len(masters)} master weights, this optimizer "
-                f"{len(self._master_pairs)}"
+                f"{len(self._masters)}"
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.scaler.load_state_dict(state_dict["scaler"])
         self.scaler.skipped.fill_(state_dict["skipped_steps"])
         with torch.no_grad():
-            for (param, master), saved in zip(self._master_pairs, masters, strict=True):
+            for param, master, saved in zip(self._low_params, self._masters, masters, strict=True):
                 master.copy_(saved)
                 param.copy_(saved)
 

@@ -202,6 +202,20 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
         wrapped.step()
     wrapped.optimizer.param_groups[0]["lr"] = 1.0
     assert "param group 0's lr is 1.0" in reads.changed()
+    # A 16-bit parameter behind its FP32 master: the groups hold the master, which
+    # freezing the model's parameter leaves requiring grad.
+    half = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    half.grad = torch.ones(4, dtype=torch.float16)
+    masters = mpgemm.LossScaleOptimizer(mpgemm.optim.SGD([half], lr=0.1))
+    masters.scale_loss(torch.ones(()))
+    with graphs._recording_host_reads() as reads:
+        masters.step()
+    assert reads.changed() is None
+    half.requires_grad_(False)
+    assert reads.changed().startswith(
+        "LossScaleOptimizer's 16-bit parameters changed (added, removed or frozen) since the "
+        "step was captured"
+    )
     assert graphs._host_reads is None
 
 
