@@ -99,7 +99,10 @@ class ComputeCopy:
         """``weight`` in ``dtype``, laid out like it; cast now only if the copy is stale."""
         identity = (*_storage(weight), weight._version)
         if self._tensor is None or self._made_from != identity or self._current_at != _steps:
-            with torch.no_grad():
+            # A normal tensor even under inference_mode (an evaluation pass): made there,
+            # the kept copy would be an inference tensor, which the next training
+            # forward could not save for backward.
+            with torch.inference_mode(False), torch.no_grad():
                 copy = torch.empty_like(weight, dtype=self.dtype)
                 copy.copy_(weight)
             self._tensor, self._made_from, self._source = copy, identity, weight.detach()

@@ -96,10 +96,14 @@ class Linear(nn.Linear):
             # The copy is a cache keyed by the weight's storage and version, for eager
             # code; a compiled graph casts in the graph, which is the same rounding, as
             # does a torch.func transform (its weight may be wrapped, with no storage to
-            # key by, and what it makes is wrapped: kept, it would outlive the levels).
+            # key by, and what it makes is wrapped: kept, it would outlive the levels),
+            # and so does a forward of an inference tensor's (a model made under
+            # inference_mode), which has no version counter to key by.
             copy = (
                 weight.to(self.compute_dtype)
-                if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+                if torch.compiler.is_compiling()
+                or torch._C._are_functorch_transforms_active()
+                or weight.is_inference()
                 else self._weight_copy.of(weight)
             )
         return _linear(

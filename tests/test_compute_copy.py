@@ -101,6 +101,36 @@ def test_the_copy_is_never_stale(device, edit):
     _assert_forward_uses_the_current_weight(layer, device)
 
 
+def test_an_evaluation_under_inference_mode_leaves_training_as_it_was(device):
+    """An evaluation pass under ``torch.inference_mode`` (a validation loop's, before or
+    between training steps) makes the copy there; training goes on as it does for
+    ``nn.Linear``: the copy is saved for backward and written by the optimizer, with
+    the same results as a model never evaluated."""
+
+    def train(evaluate_first):
+        torch.manual_seed(0)
+        model = mpgemm.convert(
+            nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 8)).to(device)
+        )
+        optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=0.01))
+        x = torch.randn(16, 48, device=device)
+        outputs = []
+        for _ in range(2):
+            if evaluate_first:
+                with torch.inference_mode():
+                    model(x)
+            loss = model(x).float().square().mean()
+            optimizer.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            outputs.append(model(x).detach())
+        return outputs, [p.detach() for p in model.parameters()]
+
+    evaluated, trained = train(True), train(False)
+    for a, b in zip(evaluated[0] + evaluated[1], trained[0] + trained[1], strict=True):
+        assert torch.equal(a, b)
+
+
 def _copy(layer):
     copy = mpgemm.compute_copy.copy_of(layer.weight)
     assert copy is not None and copy.dtype == layer.compute_dtype

@@ -368,6 +368,23 @@ def test_a_layer_cast_to_fp64_computes_as_torch_in_fp64(device):
         layer(inputs.float())
 
 
+def test_a_model_made_under_inference_mode_serves_as_one_made_outside(device):
+    """A model made (or loaded) under ``torch.inference_mode`` has inference tensors for
+    weights, which keep no version counter: its layers cast them at each forward (the
+    copy could not tell a change), giving what the same model made outside gives, and
+    an in-place change of its weights reaches the next forward, as for nn.Linear."""
+    x = torch.randn(5, 33, device=device)
+    normal = mpgemm.convert(mlp(device))
+    with torch.inference_mode():
+        served = mpgemm.convert(mlp(device))
+        assert served[0].weight.is_inference()
+        assert torch.equal(served(x), normal(x))
+        served[2].weight.mul_(2)
+        with torch.no_grad():
+            normal[2].weight.mul_(2)
+        assert torch.equal(served(x), normal(x))
+
+
 def test_repr_shows_out_dtype_as_set(device):
     model = mpgemm.convert(mlp(device))
     assert "out_dtype=None" in repr(model[0])  # the compute dtype's
