@@ -149,10 +149,10 @@ class Linear(nn.Linear):
         activation: str | None = None,
     ) -> Linear:
         """An ``mpgemm.Linear`` holding ``module``'s very own Parameter objects (no copy),
-        so an optimizer built over ``module`` keeps stepping them, and its hooks (forward,
-        backward and state-dict hooks: the same registries, so a handle taken on
-        ``module`` still removes its hook), as torch's own module swaps keep a module's
-        forward hooks (``torch.ao.quantization.swap_module``).
+        so an optimizer built over ``module`` keeps stepping them, its buffers, and its
+        hooks (forward, backward and state-dict hooks: the same registries, so a handle
+        taken on ``module`` still removes its hook), as torch's own module swaps keep a
+        module's forward hooks (``torch.ao.quantization.swap_module``).
 
         ``compute_dtype``: what an FP32 weight is rounded to (None: FP16); a weight in FP16
         or BF16 computes in its own dtype (a BF16 layer computing in FP16 would overflow
@@ -168,8 +168,15 @@ class Linear(nn.Linear):
             activation=activation,
             out_dtype=out_dtype,
         )
-        new.weight = module.weight
-        new.bias = module.bias
+        # The module's own parameters and buffers, in their order: ``weight`` and
+        # ``bias``, or what ``torch.nn.utils.prune`` leaves (``weight_orig``, and the
+        # ``weight_mask`` buffer, from which a forward pre-hook, carried below, makes
+        # ``weight`` a plain attribute at each forward).
+        new._parameters = dict(module._parameters)
+        new._buffers = dict(module._buffers)
+        new._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+        if "weight" not in module._parameters:
+            new.weight = module.weight
         new.train(module.training)
         for name in (*_HOOK_REGISTRIES, "_is_full_backward_hook"):
             if hasattr(module, name):

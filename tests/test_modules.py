@@ -385,6 +385,43 @@ def test_a_model_made_under_inference_mode_serves_as_one_made_outside(device):
         assert torch.equal(served(x), normal(x))
 
 
+def test_convert_keeps_a_pruned_layers_mask_and_hook(device):
+    """``torch.nn.utils.prune`` leaves an ``nn.Linear`` whose ``weight`` is a plain
+    attribute, remade before each forward from the ``weight_orig`` Parameter and the
+    ``weight_mask`` buffer: converted, the layer keeps all three and the hook (same
+    state-dict keys), computes with the masked weight, trains ``weight_orig`` through the
+    mask, and ``prune.remove`` still makes the pruning permanent."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    layer = nn.Linear(33, 16).to(device)
+    prune.l1_unstructured(layer, "weight", amount=0.5)
+    keys = list(layer.state_dict())
+    mask = layer.weight_mask.clone()
+    model = mpgemm.convert(nn.Sequential(layer, nn.ReLU()), keep_output_fp32=False)
+    converted = model[0]
+    assert type(converted) is mpgemm.Linear and converted.activation == "relu"
+    assert list(converted.state_dict()) == keys == ["bias", "weight_orig", "weight_mask"]
+    assert converted.weight_orig is layer.weight_orig
+    assert converted.weight_mask is layer.weight_mask
+    x = torch.randn(8, 33, device=device)
+    with torch.no_grad():
+        converted.weight_orig.add_(1.0)  # the next forward's weight is remade from it
+    masked = (converted.weight_orig * mask).detach().requires_grad_()
+    bias = converted.bias.detach().requires_grad_()
+    expected = mpgemm.linear(x, masked, bias, activation="relu")
+    out = model(x)
+    assert torch.equal(out, expected)
+    out.float().square().sum().backward()
+    expected.float().square().sum().backward()
+    assert torch.equal(converted.weight_orig.grad, masked.grad * mask)
+    assert torch.equal(converted.bias.grad, bias.grad)
+    prune.remove(converted, "weight")
+    assert isinstance(converted.weight, nn.Parameter)
+    assert list(converted.state_dict()) == ["bias", "weight"]
+    assert torch.equal(model(x), expected)
+
+
 def test_repr_shows_out_dtype_as_set(device):
     model = mpgemm.convert(mlp(device))
     assert "out_dtype=None" in repr(model[0])  # the compute dtype's
