@@ -117,6 +117,16 @@ class Linear(nn.Linear):
             weight_copy=copy,
         )
 
+    def __prepare_scriptable__(self) -> Linear:
+        # torch.jit.script asks every module this before compiling it: TorchScript
+        # cannot compile mpgemm's kernels (Python and Triton), and would fail deep in
+        # this forward's code.
+        raise RuntimeError(
+            "mpgemm.Linear: torch.jit.script cannot compile mpgemm's kernels; export the "
+            "model with torch.export.export (or compile it with torch.compile), which "
+            "record mpgemm's custom ops"
+        )
+
     def _load_from_state_dict(self, *args, **kwargs):
         # A sharded (FSDP2) weight reaches its unsharded storage with no version bump.
         self._weight_copy.drop()

@@ -106,6 +106,13 @@ def test_jit_trace_is_refused_with_a_pointer_to_export(device):
             torch.jit.trace(traced, inputs)
 
 
+def test_jit_script_is_refused_with_a_pointer_to_export(device):
+    """TorchScript cannot compile the layers' Python and Triton: a clear error naming
+    the layer, where scripting failed deep in its forward's code."""
+    with pytest.raises(RuntimeError, match=r"mpgemm\.Linear: torch\.jit\.script cannot.*export"):
+        torch.jit.script(_model(device))
+
+
 def test_jit_trace_of_cross_entropy_records_torchs(device):
     logits = torch.randn(8, 10, device=device)
     target = torch.randint(0, 10, (8,), device=device)
