@@ -24,6 +24,7 @@ there anyway; one compiled with ``fullgraph=True`` would raise there).
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -80,57 +81,64 @@ def _storage(weight: torch.Tensor) -> tuple:
     return (weight.data_ptr(), weight.device, weight.shape, weight.stride())
 
 
+class _Made(NamedTuple):
+    """A copy and what it was made from: the weight's storage and version
+    (``_storage`` and ``_version``), and the weight itself, held so that its storage's
+    address cannot be reused by a new weight's while the copy exists (a new storage
+    always shows as a new address). It is the weight's own storage, so it costs nothing
+    unless the weight moved (.to(), .data =), and then only until the next forward."""
+
+    tensor: torch.Tensor
+    made_from: tuple
+    source: torch.Tensor
+
+
 class ComputeCopy:
     """A ``dtype`` copy of one FP32 weight at a time, remade only when stale."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._tensor: torch.Tensor | None = None
-        self._made_from: tuple | None = None
-        # The storage the copy was made from, held so that its address cannot be reused
-        # by a new weight's storage while the copy exists (a new storage always shows
-        # as a new address). It is the weight's own storage, so it costs nothing unless
-        # the weight moved (.to(), .data =), and then only until the next forward.
-        self._source: torch.Tensor | None = None
+        # One attribute, read once per call: threads that share the layer with other
+        # weights (nn.DataParallel's replicas share its attributes) each see a copy
+        # with what it was made from, never one thread's copy with another's key.
+        self._made: _Made | None = None
         # _steps when the copy was made, or last handed to an optimizer to write.
         self._current_at = -1
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` in ``dtype``, laid out like it; cast now only if the copy is stale."""
         identity = (*_storage(weight), weight._version)
-        if self._tensor is None or self._made_from != identity or self._current_at != _steps:
+        made = self._made
+        if made is None or made.made_from != identity or self._current_at != _steps:
             # A normal tensor even under inference_mode (an evaluation pass): made there,
             # the kept copy would be an inference tensor, which the next training
             # forward could not save for backward.
             with torch.inference_mode(False), torch.no_grad():
                 copy = torch.empty_like(weight, dtype=self.dtype)
                 copy.copy_(weight)
-            self._tensor, self._made_from, self._source = copy, identity, weight.detach()
+            made = self._made = _Made(copy, identity, weight.detach())
             self._current_at = _steps
         _register(weight, self)
         # A capture's copy must outlive a remaking of it (after another optimizer's
         # step, a loaded state dict, a cast): the replays read and write it there. It
         # stays current while the graph's own steps write it.
-        if graphs.capturing(self._tensor.device):
-            graphs.keep_for_replays((self._tensor,))
-        return self._tensor
+        if graphs.capturing(made.tensor.device):
+            graphs.keep_for_replays((made.tensor,))
+        return made.tensor
 
     def drop(self) -> None:
         """Forget the copy: the next ``of`` casts."""
-        self._tensor = self._made_from = self._source = None
+        self._made = None
 
     def tensor_for(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The copy's tensor when it was made from ``weight``'s storage (current or not:
         an optimizer overwrites all of it), else None. Asked by an optimizer's step,
         which then writes it: the copy is current after this step."""
-        if (
-            self._tensor is None
-            or self._made_from is None
-            or self._made_from[:-1] != _storage(weight)
-        ):
+        made = self._made
+        if made is None or made.made_from[:-1] != _storage(weight):
             return None
         self._current_at = _steps
-        return self._tensor
+        return made.tensor
 
 
 def copy_of(weight: torch.Tensor) -> torch.Tensor | None:
