@@ -105,6 +105,12 @@ class ComputeCopy:
         # _steps when the copy was made, or last handed to an optimizer to write.
         self._current_at = -1
 
+    def __getstate__(self) -> dict:
+        # A pickled or deep-copied layer (torch.save(model), copy.deepcopy for an EMA
+        # model) leaves its copy behind, half its weight's bytes again: the next
+        # forward remakes it.
+        return {**self.__dict__, "_made": None}
+
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` in ``dtype``, laid out like it; cast now only if the copy is stale."""
         identity = (*_storage(weight), weight._version)

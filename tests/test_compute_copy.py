@@ -163,6 +163,31 @@ def test_threads_sharing_a_copy_with_other_weights_each_get_their_own():
     assert wrong == []
 
 
+def test_a_saved_or_deep_copied_layer_leaves_its_copy_behind(device):
+    """``torch.save(model)`` and ``copy.deepcopy`` (an EMA model) hold the weights but
+    not their 16-bit copies, which the next forward remakes: the file is no larger than
+    before any forward, and the loaded or copied layer computes what the original does."""
+    import copy
+    import io
+
+    def saved(module):
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        return buffer.getvalue()
+
+    layer = _layer(device, activation="relu")
+    x = torch.randn(8, 48, device=device)
+    before = len(saved(layer))
+    out = layer(x)
+    assert layer._weight_copy._made is not None
+    data = saved(layer)
+    assert len(data) == before
+    loaded = torch.load(io.BytesIO(data), weights_only=False)
+    for other in (loaded, copy.deepcopy(layer)):
+        assert other._weight_copy._made is None
+        assert torch.equal(other(x), out)
+
+
 def _copy(layer):
     copy = mpgemm.compute_copy.copy_of(layer.weight)
     assert copy is not None and copy.dtype == layer.compute_dtype
