@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import threading
 import warnings
 from array import array
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ListFacts", "list_facts", "native_list_facts"]
+__all__ = ["ListFacts", "list_facts", "native_list_facts", "reading_once"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "list_facts.cpp")
 
@@ -47,13 +48,51 @@ class ListFacts(NamedTuple):
     addresses: bytes
 
 
+class _Reading(threading.local):
+    # While an op reads its lists (``reading_once``): each list's facts by the list's
+    # id, with the list and the plain types asked for; else None.
+    facts: dict[int, tuple[Sequence[torch.Tensor], tuple[type, ...], ListFacts]] | None = None
+
+
+_reading = _Reading()
+
+
+class reading_once:
+    """Within the block, ``list_facts`` reads each list once: asked again of the same
+    list object (an op's checks, its split by dtype and its launch table each ask), it
+    answers what it read. For a block in which the lists do not change: one op's call.
+    Blocks may nest (the outermost one's reads serve them all); each thread has its
+    own."""
+
+    __slots__ = ("_opened",)
+
+    def __enter__(self) -> None:
+        self._opened = _reading.facts is None
+        if self._opened:
+            _reading.facts = {}
+
+    def __exit__(self, *exc: object) -> None:
+        if self._opened:
+            _reading.facts = None
+
+
 def list_facts(tensors: Sequence[torch.Tensor], plain_types: tuple[type, ...]) -> ListFacts:
     """The ``ListFacts`` of ``tensors`` (a list or tuple of tensors), read in C++ where the
-    helper is built, else in Python: the same facts either way."""
+    helper is built, else in Python: the same facts either way (within ``reading_once``,
+    read once per list)."""
+    read = _reading.facts
+    if read is not None:
+        known = read.get(id(tensors))
+        if known is not None and known[0] is tensors and known[1] is plain_types:
+            return known[2]
     native = native_list_facts()
     if native is not None:
-        return ListFacts(*native(tensors, plain_types))
-    return python_list_facts(tensors, plain_types)
+        facts = ListFacts(*native(tensors, plain_types))
+    else:
+        facts = python_list_facts(tensors, plain_types)
+    if read is not None:
+        read[id(tensors)] = (tensors, plain_types, facts)
+    return facts
 
 
 _dtype = operator.attrgetter("dtype")

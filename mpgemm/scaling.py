@@ -16,14 +16,14 @@ import functools
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 
 from mpgemm import ops, scaling_ref
 from mpgemm.functional import PLAIN_TYPES, backend
-from mpgemm.native import ListFacts, list_facts
+from mpgemm.native import ListFacts, list_facts, reading_once
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -120,38 +120,41 @@ def _dispatch(
         )
     if not lists[0]:
         return
-    # An in-place op passes one list twice: each distinct list is converted once, and a
-    # tensor in two lists (a parameter as its own copy) stays one tensor.
-    # Each distinct list's facts (by id: of the list the ops then take) are read once.
-    shards: dict[int, torch.Tensor] = {}
-    local: dict[int, Sequence[torch.Tensor]] = {}
-    facts: dict[int, ListFacts] = {}
-    for given, lst in {id(lst): lst for lst in lists}.items():
-        known = list_facts(lst, PLAIN_TYPES)
-        if not known.plain:  # DTensors as their local shards; other subclasses stay
-            lst = _local_list(lst, shards)
+    with reading_once():  # by the checks below and by the launch tables
+        # An in-place op passes one list twice: each distinct list is converted once, and a
+        # tensor in two lists (a parameter as its own copy) stays one tensor.
+        # Each distinct list's facts (by id: of the list the ops then take) are read once.
+        shards: dict[int, torch.Tensor] = {}
+        local: dict[int, Sequence[torch.Tensor]] = {}
+        facts: dict[int, ListFacts] = {}
+        for given, lst in {id(lst): lst for lst in lists}.items():
             known = list_facts(lst, PLAIN_TYPES)
-        local[given], facts[id(lst)] = lst, known
-    lists = [local[id(lst)] for lst in lists]
-    device = lists[0][0].device
-    use_kernels = backend(device) == "triton"
-    dtypes = _dtype_sets(lists, copies, facts)
-    take_all = use_kernels and _kernels_take_all(lists[:strided], dtypes[:strided], facts)
-    if take_all and all(len(held) <= 1 for held in dtypes):
-        call(kernels()[name], lists)  # one group
-        return
-    if take_all:
-        kernel_ok: Iterable[bool] = itertools.repeat(True, len(lists[0]))
-    else:
-        kernel_ok = (use_kernels and _kernel_takes(ts[:strided]) for ts in zip(*lists, strict=True))
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for index, key in enumerate(zip(kernel_ok, *_dtype_keys(lists, copies), strict=True)):
-        groups[key].append(index)
-    if copies is not None:
-        _merge_own_copies(groups, 1 + copies)  # (the key's first entry is kernel_ok)
-    for (ok, *_), indices in groups.items():
-        impl = kernels()[name] if ok else REFERENCES[name]
-        call(impl, lists if len(groups) == 1 else [[lst[i] for i in indices] for lst in lists])
+            if not known.plain:  # DTensors as their local shards; other subclasses stay
+                lst = _local_list(lst, shards)
+                known = list_facts(lst, PLAIN_TYPES)
+            local[given], facts[id(lst)] = lst, known
+        lists = [local[id(lst)] for lst in lists]
+        device = lists[0][0].device
+        use_kernels = backend(device) == "triton"
+        dtypes = _dtype_sets(lists, copies, facts)
+        take_all = use_kernels and _kernels_take_all(lists[:strided], dtypes[:strided], facts)
+        if take_all and all(len(held) <= 1 for held in dtypes):
+            call(kernels()[name], lists)  # one group
+            return
+        if take_all:
+            kernel_ok: Iterable[bool] = itertools.repeat(True, len(lists[0]))
+        else:
+            kernel_ok = (
+                use_kernels and _kernel_takes(ts[:strided]) for ts in zip(*lists, strict=True)
+            )
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for index, key in enumerate(zip(kernel_ok, *_dtype_keys(lists, copies), strict=True)):
+            groups[key].append(index)
+        if copies is not None:
+            _merge_own_copies(groups, 1 + copies)  # (the key's first entry is kernel_ok)
+        for (ok, *_), indices in groups.items():
+            impl = kernels()[name] if ok else REFERENCES[name]
+            call(impl, lists if len(groups) == 1 else [[lst[i] for i in indices] for lst in lists])
 
 
 def _copy_dtype(param: torch.Tensor, copy: torch.Tensor) -> torch.dtype | None:
@@ -307,29 +310,44 @@ def unscale_(
     Raises TypeError for a non-tensor or a flag or scale that is not FP32, ValueError
     for a flag or scale of more than one element or on another device, or a ``dst``
     that does not match ``src``."""
-    src_types = _check_lists("unscale_", src, dst)
-    device = src[0].device if src else found_inf.device if torch.is_tensor(found_inf) else None
-    _check_scalar("unscale_", "found_inf", found_inf, device)
-    if inv_scale is not None:
-        _check_scalar("unscale_", "inv_scale", inv_scale, device)
     if torch.compiler.is_compiling():
+        src_types = _check_lists("unscale_", src, dst)
+        _check_scalars(src, found_inf, inv_scale)
         local_src, local_dst = _shards(src, dst or ())
         ops.unscale_(local_src, found_inf, inv_scale, local_dst)
         _reduce_over_shards(src, src_types, found_inf)
         return
-    lists = [src, src if dst is None else dst]
-    _dispatch(
-        "unscale",
-        lists,
-        lambda impl, ls: impl(ls[0], found_inf, inv_scale, dst=None if dst is None else ls[1]),
-        strided=2,
-    )
+    with reading_once():  # the checks, the split by dtype and the launch table
+        src_types = _check_lists("unscale_", src, dst)
+        _check_scalars(src, found_inf, inv_scale)
+        lists = [src, src if dst is None else dst]
+        _dispatch(
+            "unscale",
+            lists,
+            lambda impl, ls: impl(ls[0], found_inf, inv_scale, dst=None if dst is None else ls[1]),
+            strided=2,
+        )
     _reduce_over_shards(src, src_types, found_inf)
 
 
-def _check_lists(op: str, src, dst) -> set[type]:
+def _check_scalars(src, found_inf, inv_scale) -> None:
+    device = src[0].device if src else found_inf.device if torch.is_tensor(found_inf) else None
+    _check_scalar("unscale_", "found_inf", found_inf, device)
+    if inv_scale is not None:
+        _check_scalar("unscale_", "inv_scale", inv_scale, device)
+
+
+def _check_lists(op: str, src, dst) -> Collection[type]:
     """Raises for lists that are not of tensors, or a ``dst`` of other shapes than
-    ``src``'s; returns the types in ``src``."""
+    ``src``'s; returns a collection holding every type in ``src`` (which tells whether
+    any is a DTensor)."""
+    if not torch.compiler.is_compiling():
+        # Plain tensors, the usual case, answered from the lists' facts (their shapes
+        # read in the same pass), which the op's dispatch and launch table read too.
+        facts = list_facts(src, PLAIN_TYPES)
+        dst_facts = facts if dst is None else list_facts(dst, PLAIN_TYPES)
+        if facts.plain and dst_facts.plain and dst_facts.shapes == facts.shapes:
+            return _PLAIN_SET
     src_types = set(map(type, src))
     dst_types = set() if dst is None else set(map(type, dst))
     for name, types in (("src", src_types), ("dst", dst_types)):
@@ -362,12 +380,12 @@ def _check_scalar(op: str, name: str, t, device: torch.device | None) -> None:
 
 
 def _reduce_over_shards(
-    src: Sequence[torch.Tensor], src_types: set[type], found_inf: torch.Tensor
+    src: Sequence[torch.Tensor], src_types: Collection[type], found_inf: torch.Tensor
 ) -> None:
     """DTensor gradients (FSDP2's shards): each rank checked its own shards, so the flag
     is MAX-reduced over every mesh dimension the gradients are not replicated on, as
     torch's DTensor handler of ``_amp_foreach_non_finite_check_and_unscale_`` does.
-    ``src_types``: the types in ``src``."""
+    ``src_types``: holds every type in ``src``."""
     dtensor = _dtensor_type()
     if dtensor is None:
         return

@@ -120,3 +120,34 @@ def test_a_helper_that_does_not_build_is_warned_of_and_left_out(monkeypatch):
         )
     finally:
         native.native_list_facts.cache_clear()
+
+
+def test_an_op_reads_each_of_its_lists_once_and_no_more(device, monkeypatch):
+    """Within one op (``reading_once``) its checks, its split by dtype and its launch
+    table share one read of each list; the next op reads its lists anew, so a list
+    changed in between is seen as it now is."""
+    real = native.native_list_facts()
+    reads = []
+
+    def counting(tensors, plain_types):
+        reads.append(id(tensors))
+        return real(tensors, plain_types)
+
+    monkeypatch.setattr(native, "native_list_facts", lambda: counting)
+    grads = [torch.ones(5, device=device), torch.ones(3, device=device)]
+    found, inv_scale = torch.zeros((), device=device), torch.ones((), device=device)
+    scaling.unscale_(grads, found, inv_scale)
+    assert reads == [id(grads)] and found.item() == 0
+    grads.append(torch.full((2,), float("inf"), device=device))  # between two ops
+    scaling.unscale_(grads, found, inv_scale)
+    assert found.item() == 1
+    reads.clear()
+    params, exp_avgs, exp_avg_sqs = ([torch.ones(4, device=device)] for _ in range(3))
+    steps = [torch.zeros((), device=device)]
+    scaling.adam_step_(
+        params, [torch.ones(4, device=device)], exp_avgs, exp_avg_sqs, steps,
+        lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, maximize=False,
+        decoupled_weight_decay=False,
+    )  # fmt: skip
+    assert len(reads) == len(set(reads)) == 5  # params (as their own copies), grads, moments, steps
+    assert native._reading.facts is None  # nothing kept between ops
