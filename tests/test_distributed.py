@@ -170,8 +170,12 @@ def _fsdp_worker(rank, port, out_dir, path):
         results["fsdp2 compiled", case] = _fsdp_case(mesh, rank, case, compiled=True)
         # DDP all-reduces the gradients in the backward, so a rank's inf reaches every
         # rank's gradients: it is put in rank 1's input.
-        model = torch.nn.parallel.DistributedDataParallel(_mlp())
-        results["ddp", case] = _train_on_share(model, rank, WORLD, case, inf_in="input")
+        for wrapper, options in (
+            ("ddp", {}),
+            ("ddp bucket views", {"gradient_as_bucket_view": True}),
+        ):
+            model = torch.nn.parallel.DistributedDataParallel(_mlp(), **options)
+            results[wrapper, case] = _train_on_share(model, rank, WORLD, case, inf_in="input")
     results["fsdp2 bf16"] = _fsdp_bf16_case(mesh, rank)
     _save_and_leave(results, os.path.join(out_dir, f"{path}{rank}.pt"))
 
@@ -238,7 +242,8 @@ def _interpreter_runs_the_gemms() -> bool:
     ],
 )
 def test_fsdp2_and_ddp_match_one_process_on_the_whole_batch(tmp_path, path):
-    """A model of mpgemm.Linear layers sharded by FSDP2 or replicated by DDP over two
+    """A model of mpgemm.Linear layers sharded by FSDP2 or replicated by DDP (also with
+    its gradients as views into its buckets, ``gradient_as_bucket_view``) over two
     ranks, each on half of every batch, trains as one process on the whole batches,
     with LossScaleOptimizer(Adam with AMSGrad) or GradScaler and damped SGD; rank 1's
     inf skips the same step on both ranks. Under FSDP2's BF16 param_dtype the layers
@@ -249,7 +254,7 @@ def test_fsdp2_and_ddp_match_one_process_on_the_whole_batch(tmp_path, path):
         skipped, losses = rank.pop("fsdp2 bf16")
         assert skipped == 0 and all(0 < loss < float("inf") for loss in losses), losses
     for wrapper, case in ranks[0]:
-        inf_in = "input" if wrapper == "ddp" else "gradient"
+        inf_in = "input" if wrapper.startswith("ddp") else "gradient"
         scale, expected = _train_on_share(_mlp(), 0, 1, case, inf_in)
         # Rank 1's inf skipped the step on both ranks: the scale backed off once.
         assert scale == 2.0**15
