@@ -32,6 +32,20 @@ from mpgemm.scaling import by_device, unscale_, update_scale_
 __all__ = ["GradScaler"]
 
 
+# What torch's GradScaler asserts (AssertionError, which ``python -O`` strips) is a
+# ValueError or RuntimeError here that is an AssertionError too, so that code written
+# against torch's catches it as it did.
+
+
+class _BadFactor(ValueError, AssertionError):
+    """A growth factor not above 1, or a backoff factor not in (0, 1)."""
+
+
+class _OutOfOrder(RuntimeError, AssertionError):
+    """A scaler used out of order: no ``scale`` yet, or no inf check to step or update
+    from."""
+
+
 def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
@@ -70,9 +84,9 @@ class GradScaler:
             self._enabled = False
         if self._enabled:
             if not growth_factor > 1.0:
-                raise ValueError(f"The growth factor must be > 1.0, got {growth_factor}.")
+                raise _BadFactor(f"The growth factor must be > 1.0, got {growth_factor}.")
             if not 0.0 < backoff_factor < 1.0:
-                raise ValueError(f"The backoff factor must be in (0, 1), got {backoff_factor}.")
+                raise _BadFactor(f"The backoff factor must be in (0, 1), got {backoff_factor}.")
             if not (isinstance(growth_interval, int) and growth_interval > 0):
                 raise ValueError(
                     f"growth_interval must be a positive int, got {growth_interval!r}."
@@ -131,7 +145,7 @@ class GradScaler:
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, growth tracker); RuntimeError naming ``funcname`` before they exist."""
         if self._scale is None or self._growth_tracker is None:
-            raise RuntimeError(
+            raise _OutOfOrder(
                 f"Attempted {funcname} but the scale is not initialised. This may indicate "
                 "your script did not use scaler.scale(loss or outputs) earlier in the iteration."
             )
@@ -306,7 +320,7 @@ class GradScaler:
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if not state["found_inf_per_device"]:
-            raise RuntimeError(
+            raise _OutOfOrder(
                 "No inf checks were recorded for this optimizer: none of its parameters has "
                 "a gradient."
             )
@@ -386,7 +400,7 @@ class GradScaler:
                 scale.device,
             )
             if combined is None:
-                raise RuntimeError("No inf checks were recorded prior to update().")
+                raise _OutOfOrder("No inf checks were recorded prior to update().")
             update_scale_(
                 scale,
                 tracker,

@@ -39,16 +39,19 @@ def test_fp16_gradients_are_refused_naming_the_parameter(device):
         scaler.step(optimizer)
 
 
-def test_use_before_scale_and_update_without_checks_raise(device):
+@pytest.mark.parametrize("error", [RuntimeError, AssertionError])
+def test_use_before_scale_and_update_without_checks_raise(device, error):
+    """RuntimeErrors that are AssertionErrors too, which torch's GradScaler raises for
+    these (its asserts), so that code catching either sees them."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.randn(2, device=device))], lr=1)
     scaler = mpgemm.GradScaler(device.type)
     for call in (lambda: scaler.unscale_(optimizer), lambda: scaler.step(optimizer), scaler.update):
-        with pytest.raises(RuntimeError, match="scaler.scale"):
+        with pytest.raises(error, match="scaler.scale"):
             call()
     scaler.scale(torch.ones(()))
-    with pytest.raises(RuntimeError, match="No inf checks were recorded prior to update"):
+    with pytest.raises(error, match="No inf checks were recorded prior to update"):
         scaler.update()
-    with pytest.raises(RuntimeError, match="No inf checks were recorded for this optimizer"):
+    with pytest.raises(error, match="No inf checks were recorded for this optimizer"):
         scaler.step(optimizer)  # no parameter has a gradient
 
 
@@ -74,6 +77,9 @@ def test_closure_and_bad_outputs_raise(device):
 def test_invalid_factors_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         mpgemm.GradScaler("cpu", **kwargs)
+    if "factor" in match:  # torch asserts its factors
+        with pytest.raises(AssertionError, match=match):
+            mpgemm.GradScaler("cpu", **kwargs)
 
 
 def test_bad_new_scale_and_empty_state_dict(device):
