@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from collections.abc import Callable
 from typing import cast
 
@@ -237,8 +238,7 @@ def _following_activation(root: nn.Module, name: str) -> tuple[nn.Sequential, in
     in an ``nn.Sequential``, when it is one ``_fusable_activation`` knows and fusing
     changes no hook's view: the layer's hooks see its output, and the activation's would
     no longer run."""
-    parent_name, _, child_name = name.rpartition(".")
-    parent = root.get_submodule(parent_name)
+    parent, child_name = _slot(root, name)
     if type(parent) is not nn.Sequential or not child_name.isdigit():
         return None
     index = int(child_name) + 1
@@ -301,6 +301,11 @@ def convert(
     are unchanged. A layer keeps its hooks (``Linear.from_linear``); one with hooks on
     its output or its output's gradient, or followed by an activation module with hooks,
     is not fused, so that every hook sees what it saw before.
+
+    A layer registered in several places (one module reused) becomes one
+    ``mpgemm.Linear`` in all of them (``module_filter_fn`` is asked of its first name,
+    ``keep_output_fp32`` may give any); if those places have different parents or
+    attribute names, it is called from each and fused with nothing.
     """
     if compute_dtype is not None:
         _check_compute_dtype("mpgemm.convert", compute_dtype)
@@ -314,17 +319,26 @@ def convert(
         for name, layer in module.named_modules()
         if type(layer) is nn.Linear and chooses(layer, name)
     ]
+    # Every name of each layer (its first, in ``chosen``, then any other): a layer
+    # registered in several places (one module reused) becomes one mpgemm.Linear in all.
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, layer in module.named_modules(remove_duplicate=False):
+        if type(layer) is nn.Linear:
+            names[id(layer)].append(name)
     if keep_output_fp32 is True:
         fp32_name = chosen[-1] if chosen else None
     elif keep_output_fp32 is False:
         fp32_name = None
     else:
-        if keep_output_fp32 not in chosen:
+        fp32_name = next(
+            (name for name in chosen if keep_output_fp32 in names[id(module.get_submodule(name))]),
+            None,
+        )
+        if fp32_name is None:
             raise ValueError(
                 f"mpgemm.convert: keep_output_fp32={keep_output_fp32!r} names no converted "
                 f"nn.Linear; converted layers are {chosen}"
             )
-        fp32_name = keep_output_fp32
 
     def replacement(name: str, activation: str | None = None) -> Linear:
         return Linear.from_linear(
@@ -337,11 +351,23 @@ def convert(
     if chosen == [""]:  # the root itself is an nn.Linear and cannot be swapped in place
         return replacement("")
     for name in chosen:
+        aliases = names[id(module.get_submodule(name))]
+        slots = {_slot(module, alias) for alias in aliases}
         activation = None
-        following = _following_activation(module, name) if fuse_activations else None
+        # A layer called from several places is fused with none of what follows it: the
+        # activation would run after every call.
+        fusing = fuse_activations and len(slots) == 1
+        following = _following_activation(module, name) if fusing else None
         if following is not None:
-            parent, index, activation = following
-            parent[index] = nn.Identity()
-        parent_name, _, child_name = name.rpartition(".")
-        setattr(module.get_submodule(parent_name), child_name, replacement(name, activation))
+            sequential, index, activation = following
+            sequential[index] = nn.Identity()
+        new = replacement(name, activation)
+        for parent, child_name in slots:
+            setattr(parent, child_name, new)
     return module
+
+
+def _slot(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding submodule ``name`` of ``root``, and its attribute name there."""
+    parent_name, _, child_name = name.rpartition(".")
+    return root.get_submodule(parent_name), child_name

@@ -1,5 +1,6 @@
 """mpgemm.Linear as a drop-in nn.Linear, and mpgemm.convert on whole models."""
 
+import copy
 import warnings
 
 import pytest
@@ -178,6 +179,33 @@ def test_convert_reaches_nested_layers_by_their_qualified_names(device):
     # blocks.1.fc stays FP32 nn.Linear and must receive FP32: pass it FP32 input.
     model.blocks[0].fc.out_dtype = torch.float32
     assert model(torch.randn(3, 16, device=device)).dtype == torch.float32
+
+
+def test_convert_replaces_a_reused_layer_everywhere_and_fuses_it_only_once_placed(device):
+    """A layer registered in several places (one module reused) becomes one
+    mpgemm.Linear in all of them, and keeps the output's FP32 when named by any of its
+    names. Reused in two places of a Sequential, the activation after one of them is not
+    fused (it would follow every call); inside a block that is itself reused, the layer
+    has one place, and is fused."""
+    torch.manual_seed(0)
+    layer = nn.Linear(33, 33)
+    twice = nn.Sequential(layer, nn.ReLU(), layer, nn.Linear(33, 4)).to(device)
+    unfused = mpgemm.convert(copy.deepcopy(twice), fuse_activations=False)
+    mpgemm.convert(twice)
+    assert type(twice[0]) is mpgemm.Linear and twice[0] is twice[2]
+    assert type(twice[1]) is nn.ReLU and twice[0].activation is None
+    x = torch.randn(8, 33, device=device)
+    assert torch.equal(twice(x), unfused(x))
+
+    block = nn.Sequential(nn.Linear(33, 33), nn.ReLU())
+    reused = nn.Sequential(block, block, nn.Linear(33, 4)).to(device)
+    # The first layer named by its other name, as the output to keep in FP32.
+    unfused = mpgemm.convert(copy.deepcopy(reused), keep_output_fp32="1.0", fuse_activations=False)
+    mpgemm.convert(reused, keep_output_fp32="1.0")
+    assert reused[0] is reused[1] and type(block[1]) is nn.Identity
+    assert block[0].activation == "relu" and block[0].out_dtype == torch.float32
+    assert reused[2].out_dtype is None
+    assert torch.equal(reused(x), unfused(x))
 
 
 def assert_computes_like(model, reference, device):
