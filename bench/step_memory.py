@@ -86,9 +86,9 @@ def step_peak(mode: str, batch: int, features: int, hidden: tuple[int, ...]) -> 
         held = [x, y, *net.parameters()]
         held += [v for state in recipe.optimizer.state.values() for v in state.values()]
         held += [
-            m._weight_copy._tensor
+            m._weight_copy.tensor
             for m in net.modules()
-            if getattr(m, "_weight_copy", None) is not None and m._weight_copy._tensor is not None
+            if getattr(m, "_weight_copy", None) is not None and m._weight_copy.tensor is not None
         ]
         with LiveStorages(t for t in held if isinstance(t, torch.Tensor)) as live:
             recipe.step(x, y)

@@ -132,6 +132,12 @@ class ComputeCopy:
             graphs.keep_for_replays((made.tensor,))
         return made.tensor
 
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The copy as last made (None before the first ``of`` or after ``drop``)."""
+        made = self._made
+        return None if made is None else made.tensor
+
     def drop(self) -> None:
         """Forget the copy: the next ``of`` casts."""
         self._made = None

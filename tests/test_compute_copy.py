@@ -179,12 +179,12 @@ def test_a_saved_or_deep_copied_layer_leaves_its_copy_behind(device):
     x = torch.randn(8, 48, device=device)
     before = len(saved(layer))
     out = layer(x)
-    assert layer._weight_copy._made is not None
+    assert layer._weight_copy.tensor is not None
     data = saved(layer)
     assert len(data) == before
     loaded = torch.load(io.BytesIO(data), weights_only=False)
     for other in (loaded, copy.deepcopy(layer)):
-        assert other._weight_copy._made is None
+        assert other._weight_copy.tensor is None
         assert torch.equal(other(x), out)
 
 
@@ -363,7 +363,7 @@ def test_the_optimizers_registry_holds_weights_weakly():
     layer = _layer("cpu")
     layer(torch.randn(2, 48))
     key = id(layer.weight)
-    assert compute_copy.copy_of(layer.weight) is layer._weight_copy._made.tensor
+    assert compute_copy.copy_of(layer.weight) is layer._weight_copy.tensor
     del layer
     gc.collect()
     assert key not in compute_copy._copies
@@ -387,10 +387,10 @@ def test_copies_a_capture_used_outlive_their_remaking(monkeypatch):
     for capturing in (True, False):
         monkeypatch.setattr(graphs, "capturing", lambda device, c=capturing: c)
         layer(torch.randn(2, 48))
-        old["read", capturing] = weakref.ref(layer._weight_copy._made.tensor)
+        old["read", capturing] = weakref.ref(layer._weight_copy.tensor)
         params = [layer.weight, layer.bias]  # as an optimizer's step asks, to write them
         written = compute_copy.copies_of(params)
-        assert written[0] is layer._weight_copy._made.tensor and written[1] is layer.bias
+        assert written[0] is layer._weight_copy.tensor and written[1] is layer.bias
         del written
         monkeypatch.setattr(graphs, "capturing", lambda device: False)
         other.step()  # any optimizer's step: the copy is stale now
