@@ -483,3 +483,80 @@ def test_gradients_are_unscaled_per_device_in_their_order(monkeypatch, fake_seco
     monkeypatch.undo()
     (only_srcs, only_dsts), *rest = scaling.by_device(srcs, srcs)
     assert not rest and only_srcs is srcs and only_dsts is srcs
+
+
+def _penalty(scaler_class, device, x, y):
+    """torch's AMP example "Gradient penalty": the penalty's gradients taken from the
+    scaled loss with ``create_graph``, unscaled by hand, then the whole loss scaled."""
+    model = _two_layers(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = scaler_class(device.type, init_scale=256.0)
+    for _ in range(4):
+        optimizer.zero_grad()
+        loss = (model(x) - y).square().mean()
+        scaled = torch.autograd.grad(
+            scaler.scale(loss), list(model.parameters()), create_graph=True
+        )
+        inv_scale = 1.0 / scaler.get_scale()
+        norm = torch.stack([(g * inv_scale).pow(2).sum() for g in scaled]).sum().sqrt()
+        scaler.scale(loss + norm).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return model, scaler
+
+
+def _two_optimizers(scaler_class, device, x, y):
+    """torch's AMP example "Working with multiple models, losses, and optimizers": two
+    losses backward into two models, one optimizer's gradients unscaled and clipped, both
+    stepped, one update; an inf in one loss skips both steps."""
+    model = _two_layers(device)
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.Adam(model[1].parameters(), lr=0.01)
+    scaler = scaler_class(device.type, init_scale=256.0, growth_interval=2)
+    for step in range(5):
+        first.zero_grad()
+        second.zero_grad()
+        hidden = model[0](x)
+        loss0 = (hidden - 1).square().mean() * (float("inf") if step == 2 else 1.0)
+        loss1 = (model[1](hidden) - y).square().mean()
+        scaler.scale(loss0).backward(retain_graph=True)
+        scaler.scale(loss1).backward()
+        scaler.unscale_(first)
+        torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1.0)
+        scaler.step(first)
+        scaler.step(second)
+        scaler.update()
+    return model, scaler
+
+
+def _accumulation(scaler_class, device, x, y):
+    """torch's AMP example "Gradient accumulation": scaled backward passes accumulate
+    over two batches, then one step and update."""
+    model = _two_layers(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scaler = scaler_class(device.type, init_scale=256.0)
+    for i in range(6):
+        scaler.scale((model(x * (i + 1)) - y).square().mean() / 2).backward()
+        if i % 2 == 1:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    return model, scaler
+
+
+def _two_layers(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(device)
+
+
+@pytest.mark.parametrize("recipe", [_penalty, _two_optimizers, _accumulation])
+def test_torchs_amp_examples_train_as_with_torchs_scaler(device, recipe):
+    """The recipes of torch's "Automatic Mixed Precision examples" page give the
+    parameters and the scale of torch's GradScaler, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4, 8, generator=g).to(device), torch.randn(4, 2, generator=g).to(device)
+    ours, our_scaler = recipe(mpgemm.GradScaler, device, x, y)
+    theirs, their_scaler = recipe(torch.amp.GradScaler, device, x, y)
+    assert our_scaler.get_scale() == their_scaler.get_scale()
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert_same_bits(p.detach(), q.detach(), "parameter")
