@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx import Proxy
+from torch.nn.utils import parametrize
 
 from mpgemm.compute_copy import ComputeCopy
 from mpgemm.functional import (
@@ -248,22 +249,40 @@ def _following_activation(root: nn.Module, name: str) -> tuple[nn.Sequential, in
     return None if activation is None else (parent, index, activation)
 
 
-def _warn_lazy_layers(module: nn.Module, chooses: Callable[[nn.Module, str], bool]) -> None:
-    """Warn of the ``nn.LazyLinear`` layers that ``chooses`` picks and that are not yet
-    initialised: each becomes an ``nn.Linear`` at its first forward, so a conversion
-    before it leaves the layer as it is, in FP32."""
-    lazy = [
-        repr(name)
-        for name, layer in module.named_modules()
-        if type(layer) is nn.LazyLinear and chooses(layer, name)
-    ]
-    if lazy:
-        warnings.warn(
-            f"mpgemm.convert: layer(s) {', '.join(lazy)} left as they are: an nn.LazyLinear "
-            "becomes an nn.Linear at its first forward; run one (a batch) before convert",
-            UserWarning,
-            stacklevel=3,
-        )
+# Layers that convert leaves as they are though a user would expect them converted,
+# with why and what to do: an nn.LazyLinear before its first forward, and an nn.Linear
+# that torch.nn.utils.parametrize has made a class of its own (weight_norm,
+# orthogonal...), whose Parameters a conversion could not keep.
+_UNCONVERTED = (
+    (
+        lambda layer: type(layer) is nn.LazyLinear,
+        "an nn.LazyLinear becomes an nn.Linear at its first forward; run one (a batch) "
+        "before convert",
+    ),
+    (
+        lambda layer: parametrize.is_parametrized(layer) and type(layer).__bases__ == (nn.Linear,),
+        "a parametrized nn.Linear (torch.nn.utils.parametrize: weight_norm, orthogonal...) "
+        "is a class of its own; convert first, then register the parametrization on the "
+        "mpgemm.Linear",
+    ),
+)
+
+
+def _warn_unconverted_layers(module: nn.Module, chooses: Callable[[nn.Module, str], bool]) -> None:
+    """Warn of the layers of ``_UNCONVERTED`` that ``chooses`` picks: left as they are,
+    in FP32."""
+    for left, why in _UNCONVERTED:
+        names = [
+            repr(name)
+            for name, layer in module.named_modules()
+            if left(layer) and chooses(layer, name)
+        ]
+        if names:
+            warnings.warn(
+                f"mpgemm.convert: layer(s) {', '.join(names)} left as they are: {why}",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def convert(
@@ -281,7 +300,9 @@ def convert(
     module_filter_fn(layer, fully_qualified_name) -> bool picks the layers to convert
     (default: all). Only exact ``nn.Linear`` instances are converted: subclasses may
     have a ``forward`` of their own. An ``nn.LazyLinear`` not yet initialised (it
-    becomes an ``nn.Linear`` at its first forward) is left as it is, with a warning.
+    becomes an ``nn.Linear`` at its first forward) is left as it is, with a warning, as
+    is a parametrized ``nn.Linear`` (``torch.nn.utils.parametrize``; parametrize the
+    converted layer instead).
 
     ``compute_dtype`` (FP16 or BF16; None: FP16) is what the converted layers' FP32
     weights, which become the master weights, are rounded to; a layer already in FP16
@@ -313,7 +334,7 @@ def convert(
     def chooses(layer: nn.Module, name: str) -> bool:
         return module_filter_fn is None or module_filter_fn(layer, name)
 
-    _warn_lazy_layers(module, chooses)
+    _warn_unconverted_layers(module, chooses)
     chosen = [
         name
         for name, layer in module.named_modules()

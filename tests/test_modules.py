@@ -140,6 +140,40 @@ def test_convert_warns_of_lazy_layers_it_cannot_convert_yet(device):
     assert dry_run[2].out_dtype == torch.float32
 
 
+def test_convert_warns_of_parametrized_layers_and_a_converted_layer_takes_them(device):
+    """``torch.nn.utils.parametrize`` makes an nn.Linear a class of its own, which convert
+    leaves as it is, with a warning naming it (unless the filter excludes it) and what to
+    do instead: parametrize the converted layer, which then computes with the
+    parametrized weight."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(weight_norm(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 4)).to(device)
+
+    left = model()
+    with pytest.warns(UserWarning, match=r"'0'.*parametrized.*convert first"):
+        mpgemm.convert(left)
+    assert type(left[0]).__bases__ == (nn.Linear,) and type(left[2]) is mpgemm.Linear
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mpgemm.convert(model(), module_filter_fn=lambda layer, name: name != "0")
+        first = mpgemm.convert(nn.Sequential(nn.Linear(8, 16).to(device), nn.ReLU()))
+    torch.manual_seed(0)
+    reference = weight_norm(nn.Linear(8, 16)).to(device)
+    with torch.no_grad():
+        first[0].weight.copy_(reference.parametrizations.weight.original1)
+        first[0].bias.copy_(reference.bias)
+    weight_norm(first[0])
+    x = torch.randn(4, 8, device=device)
+    # The weight rounded by torch and requiring grad, as the layer's copy is and as its
+    # weight does: x is then rounded by torch too (the interpreter's in-kernel rounding
+    # of an FP32 operand may differ from torch's in the last bit).
+    weight = reference.weight.half()
+    expected = mpgemm.linear(x, weight, reference.bias, activation="relu", out_dtype=torch.float32)
+    assert torch.equal(first(x), expected)  # (the output layer: FP32)
+
+
 def test_convert_a_bare_linear_returns_the_replacement(device):
     layer = nn.Linear(8, 4, device=device)
     converted = mpgemm.convert(layer)
