@@ -166,9 +166,9 @@ def test_convert_warns_of_parametrized_layers_and_a_converted_layer_takes_them(d
         first[0].bias.copy_(reference.bias)
     weight_norm(first[0])
     x = torch.randn(4, 8, device=device)
-    # The weight rounded by torch and requiring grad, as the layer's copy is and as its
-    # weight does: x is then rounded by torch too (the interpreter's in-kernel rounding
-    # of an FP32 operand may differ from torch's in the last bit).
+    # The weight in 16 bits and requiring grad, as the layer's copy and weight: the
+    # same kernel runs (an FP32 weight takes the pointer kernel, whose FP32 sums, in
+    # another order, may differ in the last bit).
     weight = reference.weight.half()
     expected = mpgemm.linear(x, weight, reference.bias, activation="relu", out_dtype=torch.float32)
     assert torch.equal(first(x), expected)  # (the output layer: FP32)
