@@ -249,10 +249,21 @@ def _following_activation(root: nn.Module, name: str) -> tuple[nn.Sequential, in
     return None if activation is None else (parent, index, activation)
 
 
+def _sharded_linear(layer: nn.Module) -> bool:
+    """Whether ``layer`` is an nn.Linear that FSDP2's ``fully_shard`` has made a class
+    of its own (``FSDPLinear``)."""
+    bases = type(layer).__bases__
+    if len(bases) != 2 or bases[1] is not nn.Linear or not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return bases[0] is FSDPModule
+
+
 # Layers that convert leaves as they are though a user would expect them converted,
 # with why and what to do: an nn.LazyLinear before its first forward, and an nn.Linear
-# that torch.nn.utils.parametrize has made a class of its own (weight_norm,
-# orthogonal...), whose Parameters a conversion could not keep.
+# that torch.nn.utils.parametrize (weight_norm, orthogonal...) or FSDP2 has made a class
+# of its own, whose Parameters or hooks a conversion could not keep.
 _UNCONVERTED = (
     (
         lambda layer: type(layer) is nn.LazyLinear,
@@ -264,6 +275,11 @@ _UNCONVERTED = (
         "a parametrized nn.Linear (torch.nn.utils.parametrize: weight_norm, orthogonal...) "
         "is a class of its own; convert first, then register the parametrization on the "
         "mpgemm.Linear",
+    ),
+    (
+        _sharded_linear,
+        "an nn.Linear sharded by FSDP2's fully_shard is a class of its own; convert before "
+        "fully_shard",
     ),
 )
 
@@ -302,7 +318,7 @@ def convert(
     have a ``forward`` of their own. An ``nn.LazyLinear`` not yet initialised (it
     becomes an ``nn.Linear`` at its first forward) is left as it is, with a warning, as
     is a parametrized ``nn.Linear`` (``torch.nn.utils.parametrize``; parametrize the
-    converted layer instead).
+    converted layer instead) and one sharded by FSDP2 (convert before ``fully_shard``).
 
     ``compute_dtype`` (FP16 or BF16; None: FP16) is what the converted layers' FP32
     weights, which become the master weights, are rounded to; a layer already in FP16

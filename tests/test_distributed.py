@@ -177,6 +177,7 @@ def _fsdp_worker(rank, port, out_dir, path):
             model = torch.nn.parallel.DistributedDataParallel(_mlp(), **options)
             results[wrapper, case] = _train_on_share(model, rank, WORLD, case, inf_in="input")
     results["fsdp2 bf16"] = _fsdp_bf16_case(mesh, rank)
+    results["converted after fully_shard"] = _convert_after_sharding(mesh)
     _save_and_leave(results, os.path.join(out_dir, f"{path}{rank}.pt"))
 
 
@@ -217,6 +218,20 @@ def _fsdp_bf16_case(mesh, rank):
     return optimizer.skipped_steps, losses
 
 
+def _convert_after_sharding(mesh) -> tuple[str, list[str]]:
+    """convert on a model already sharded: its layers' class, and the warnings."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    fully_shard(model[0], mesh=mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mpgemm.convert(model)
+    return type(model[0]).__name__, [str(w.message) for w in caught]
+
+
 def _interpreter_runs_the_gemms() -> bool:
     # Triton 3.6's interpreter fails on the GEMM kernels' loops over ranges that start
     # at a program id ("only 0-dimensional arrays can be converted to Python scalars");
@@ -247,10 +262,17 @@ def test_fsdp2_and_ddp_match_one_process_on_the_whole_batch(tmp_path, path):
     ranks, each on half of every batch, trains as one process on the whole batches,
     with LossScaleOptimizer(Adam with AMSGrad) or GradScaler and damped SGD; rank 1's
     inf skips the same step on both ranks. Under FSDP2's BF16 param_dtype the layers
-    compute in BF16 (``_fsdp_bf16_case``)."""
+    compute in BF16 (``_fsdp_bf16_case``). A layer sharded before convert is left as
+    it is, with a warning (``_convert_after_sharding``)."""
     mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path), path), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"{path}{r}.pt") for r in range(WORLD)]
     for rank in ranks:
+        # A layer sharded before convert is left, with a warning saying so.
+        kind, warned = rank.pop("converted after fully_shard")
+        assert kind == "FSDPLinear"
+        assert any(
+            "'0' left as they are" in w and "convert before fully_shard" in w for w in warned
+        )
         skipped, losses = rank.pop("fsdp2 bf16")
         assert skipped == 0 and all(0 < loss < float("inf") for loss in losses), losses
     for wrapper, case in ranks[0]:
