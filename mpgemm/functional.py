@@ -71,11 +71,49 @@ def backend(device: torch.device | str) -> str:
     """Which implementation runs tensors on ``device`` (a ``torch.device`` or a string
     such as ``"cuda:0"``): ``"triton"`` (compiled for CUDA, or interpreted on the CPU
     when ``TRITON_INTERPRET=1``) or ``"reference"``. While launches are intercepted
-    (``mpgemm.kernels.launches``) nothing runs, and CPU tensors take the kernel path too."""
+    (``mpgemm.kernels.launches``) nothing runs, and CPU tensors take the kernel path too.
+    A GPU older than Ampere (compute capability below 8.0) takes the reference path,
+    with a warning, once per GPU (``MIN_CAPABILITY``)."""
     device = torch.device(device)
-    if device.type == "cuda" or (device.type == "cpu" and (_interpreting() or _intercepting())):
+    if device.type == "cuda":
+        return "triton" if _kernels_run_on(device.index) else "reference"
+    if device.type == "cpu" and (_interpreting() or _intercepting()):
         return "triton"
     return "reference"
+
+
+# The oldest GPUs the kernels run on, as Triton supports them: from Triton 3.3 on, Volta
+# and Turing get no Tensor Core MMA (a dot falls back to FMAs; triton-lang/triton#5066),
+# and Turing has no BF16 MMA at all.
+MIN_CAPABILITY = (8, 0)
+
+
+def _kernels_run_on(index: int | None) -> bool:
+    """Whether CUDA device ``index`` (None: the current one) runs the kernels."""
+    if index is None:
+        if not torch.cuda.is_available():  # no CUDA tensors to run: nothing to ask
+            return True
+        index = torch.cuda.current_device()
+    return _capable(index)
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    # Asked once per device: a tensor's device always has its index.
+    if not torch.cuda.is_available():  # a device named where there is none
+        return True
+    capability = torch.cuda.get_device_capability(index)
+    if capability >= MIN_CAPABILITY:
+        return True
+    warnings.warn(
+        f"mpgemm: cuda:{index} ({torch.cuda.get_device_name(index)}) has compute capability "
+        f"{capability[0]}.{capability[1]}, below the {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+        "(Ampere) that mpgemm's kernels need; its tensors take the reference "
+        "implementation (torch ops, the same numerics, without the kernels' speed)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 # The only tensor types that reach the kernels, which read memory from ``data_ptr``.

@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the shapes, dtypes or devices at fault."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -66,6 +68,29 @@ def test_missing_and_sparse_operands_raise_type_error_naming_them():
         mpgemm.linear(torch.randn(2, 3), None)
     with pytest.raises(TypeError, match="b is a torch.sparse_coo tensor"):
         mpgemm.matmul(torch.randn(2, 3), w.t().to_sparse())
+
+
+def test_a_gpu_older_than_ampere_takes_the_reference_path(monkeypatch):
+    """Triton supports compute capability 8.0 and up (no Tensor Core MMA for Volta and
+    Turing, no BF16 MMA on Turing): tensors on an older GPU take the reference
+    implementation (torch ops, the same numerics), with a warning naming the GPU once."""
+    from mpgemm import functional
+
+    capabilities = {0: (7, 5), 1: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capabilities.__getitem__)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    functional._capable.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"cuda:0 \(Tesla T4\) has compute capability 7\.5"):
+            assert mpgemm.backend("cuda:0") == "reference"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once
+            assert mpgemm.backend(torch.device("cuda", 0)) == "reference"
+            assert mpgemm.backend("cuda:1") == mpgemm.backend("cuda") == "triton"
+    finally:
+        functional._capable.cache_clear()
 
 
 def test_backend_takes_a_device_or_its_name():
