@@ -121,14 +121,24 @@ PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
+def _wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor a ``torch.func`` transform wraps (batched by ``vmap``,
+    tracked by ``grad``), or one batched by autograd's ``is_grads_batched`` (the
+    gradients a backward gets from ``torch.autograd.grad(..., is_grads_batched=True)``
+    and ``torch.autograd.functional.jacobian(..., vectorize=True)``, torch's older
+    vmap): either way a tensor of type ``torch.Tensor`` with no memory of its own."""
+    return _functorch_wrapped(t) or _legacy_batched(t)
 
 
 def is_plain(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass,
-    nor a tensor a ``torch.func`` transform wraps (batched by ``vmap``, tracked by
-    ``grad``: no memory of its own to read). Any other (a DTensor, a user's subclass,
-    a wrapped tensor) takes the reference path, whose torch ops it handles."""
-    return type(t) in PLAIN_TYPES and not _functorch_wrapped(t)
+    nor a wrapped or batched tensor (``_wrapped``: no memory of its own to read). Any
+    other (a DTensor, a user's subclass, a wrapped tensor) takes the reference path,
+    whose torch ops it handles."""
+    return type(t) in PLAIN_TYPES and not _wrapped(t)
 
 
 def _gemm(device: torch.device, *tensors: torch.Tensor | None) -> Callable:
@@ -627,7 +637,7 @@ def _linear_backward(
         x_operand = x2d if need_w else x2d[:, :0]
         # Laid out like the weight (its copy is), in the weight's own dtype. Not under
         # vmap, where dZ may be batched and the weight not (per-sample gradients).
-        laid_out = need_w and not (_functorch_wrapped(dz) or _functorch_wrapped(x2d))
+        laid_out = need_w and not (_wrapped(dz) or _wrapped(x2d))
         grad_w = torch.empty_like(weight, dtype=weight_dtype) if laid_out else None
         product, _, grad_b = gemm(
             dz.t(),

@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from mpgemm.functional import INPUT_DTYPES, backend, is_plain
+from mpgemm.reference import cross_entropy_backward_ref
 
 __all__ = ["cross_entropy"]
 
@@ -46,10 +47,13 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        from mpgemm.kernels.cross_entropy import triton_cross_entropy_backward
-
         x, target, lse, count = ctx.saved_tensors
-        dx = triton_cross_entropy_backward(grad, x, target, lse, count, *ctx.options)
+        if is_plain(grad):
+            from mpgemm.kernels.cross_entropy import triton_cross_entropy_backward
+
+            dx = triton_cross_entropy_backward(grad, x, target, lse, count, *ctx.options)
+        else:  # batched by is_grads_batched: no memory of its own for the kernel to read
+            dx = cross_entropy_backward_ref(grad, x, target, lse, count, *ctx.options)
         return dx, None, None, None, None
 
 

@@ -153,6 +153,35 @@ def activation_backward_ref(
     return grad_z, torch.sum(exact, dim=0, dtype=torch.float32) if bias_grad else None
 
 
+def cross_entropy_backward_ref(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    count: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    smoothing: float,
+) -> torch.Tensor:
+    """The math of ``mpgemm.kernels.cross_entropy.triton_cross_entropy_backward``, same
+    arguments and result: the gradient of the loss with respect to the (N, C) logits
+    ``x``, from the loss's gradient ``grad`` ((N,) for "none", else ()), the forward's
+    per-row log-sum-exp ``lse`` (FP32) and its count of rows not ignored. In FP32,
+
+        dx[i, c] = (exp(x[i, c] - lse[i]) - (1 - s) [c == t_i] - s / C) * g_i
+
+    with g_i = grad[i] ("none"), grad ("sum") or grad / count ("mean"); 0 on the rows
+    ignored, NaN on those whose class index is out of range (as their loss); rounded
+    once to x's dtype."""
+    classes = x.shape[1]
+    g = grad.float()
+    g = g[:, None] if reduction == "none" else g / count if reduction == "mean" else g
+    hit = torch.arange(classes, device=x.device)[None, :] == target[:, None]
+    dx = (torch.exp(x.float() - lse[:, None]) - hit * (1.0 - smoothing) - smoothing / classes) * g
+    dx = dx.masked_fill(((target < 0) | (target >= classes))[:, None], float("nan"))
+    return dx.masked_fill((target == ignore_index)[:, None], 0.0).to(x.dtype)
+
+
 @_autocast_off
 def matmul_ref(
     a: torch.Tensor,

@@ -61,6 +61,38 @@ def test_matches_torch(classes, dtype, reduction, smoothing, device):
     assert torch.equal(leaf.grad[[5, 9]], torch.zeros(2, classes, dtype=dtype, device=device))
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backwards_reference_is_the_kernels_math(dtype, reduction, smoothing, device):
+    """``mpgemm.reference.cross_entropy_backward_ref`` (the backward of gradients that
+    the kernel cannot read: batched by ``is_grads_batched``) from the same saved
+    tensors: within torch's own error of FP64, as the kernel, with its ignored rows'
+    zeros and its NaN for a class out of range."""
+    from mpgemm.kernels.cross_entropy import triton_cross_entropy
+    from mpgemm.reference import cross_entropy_backward_ref
+
+    x, target = _case(10, dtype, device)
+    target[7] = 10  # out of range: NaN
+    options = (-100, reduction, smoothing)
+    _, lse, count = triton_cross_entropy(x, target, *options)
+    shape = (N,) if reduction == "none" else ()
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
+    ours = cross_entropy_backward_ref(grad, x, target, lse, count, *options)
+    kept = torch.ones(N, dtype=torch.bool, device=device)
+    kept[7] = False
+    assert ours[7].isnan().all() and not ours[kept].isnan().any()
+    assert torch.equal(ours[[5, 9]], torch.zeros(2, 10, dtype=dtype, device=device))
+    # torch's, on the rows in range (its mean's count and its own rows: the same)
+    valid = dict(reduction=reduction, label_smoothing=smoothing)
+    g = grad[kept] if reduction == "none" else grad
+    _, exact = _torch(x[kept].double(), target[kept], g.double(), **valid)
+    _, theirs = _torch(x[kept], target[kept], g, **valid)
+    if reduction == "mean":  # the forward's count had row 7 among those not ignored
+        exact, theirs = (t * (count.item() - 1) / count.item() for t in (exact, theirs))
+    assert_within_torch_error(ours[kept], exact, theirs, "gradient", rtol=1e-6)
+
+
 def test_nan_and_inf_as_torchs(device):
     # A row with +inf (NaN loss), a target at -inf (inf loss), a NaN logit (NaN loss),
     # a row all -inf (NaN): torch's losses and gradients, NaN where torch's are.

@@ -198,3 +198,32 @@ def test_outside_a_transform_apply_binds_no_signature(device, monkeypatch):
     assert bound == []
     grad(lambda t: layer(t).sum())(x)
     assert "_linear_forward" in bound and "forward" in bound, bound
+
+
+def test_autograds_batched_gradients_are_each_gradients_own_backward(device):
+    """``torch.autograd.grad(..., is_grads_batched=True)`` (which
+    ``torch.autograd.functional.jacobian(vectorize=True)`` uses) runs the backward on
+    gradients batched by torch's older vmap, plain ``torch.Tensor``s with no memory of
+    their own: they take the reference path. Through the layers' GEMMs and activations,
+    a batched matmul and the cross-entropy, each batch entry is the backward of its own
+    gradient (one per sample's loss: per-sample gradients), within 16-bit rounding."""
+    model = converted(device)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 33, generator=g).to(device).requires_grad_()
+    w = torch.randn(2, 10, 10, generator=g).to(device).requires_grad_()
+    target = torch.randint(0, 10, (6,), generator=g).to(device)
+
+    def losses(x):
+        logits = mpgemm.matmul(model(x).view(2, 3, 10), w).reshape(6, 10)
+        return mpgemm.cross_entropy(logits.float(), target, reduction="none", label_smoothing=0.1)
+
+    out = losses(x)
+    picks = torch.eye(6, device=device)
+    batched = torch.autograd.grad(out, (x, w), picks, is_grads_batched=True, retain_graph=True)
+    jacobian = torch.autograd.functional.jacobian(losses, x, vectorize=True)
+    for i in range(6):
+        own = torch.autograd.grad(out, (x, w), picks[i], retain_graph=True)
+        pairs = zip((batched[0][i], batched[1][i], jacobian[i]), (*own, own[0]), strict=True)
+        for got, expected in pairs:
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3 * scale)
