@@ -205,6 +205,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         parameters from their masters."""
         if closure is not None:
             raise RuntimeError("LossScaleOptimizer.step does not take a closure")
+        if self.scaler._scale is None and self.scaler.is_enabled():
+            self._step_before_any_scaled_loss()
+            return
         if self._masters and not self._unscaled_this_iteration():
             # The masters' gradients come from the 16-bit ones: unscale them across now
             # (the scaler alone would not know where to read them).
@@ -217,6 +220,22 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             # 16-bit parameters are checked before each (the scaler notes the masters).
             graphs.note_parameters("LossScaleOptimizer's 16-bit parameters", self._low_params)
             torch._foreach_copy_(self._low_params, self._masters)  # one launch for them all
+
+    def _step_before_any_scaled_loss(self) -> None:
+        """A step before any loss was scaled, so with no scale to unscale by: the one
+        that ``torch.distributed.checkpoint``'s state-dict functions take on a fresh
+        optimizer to make its state, with zero gradients (and lr 0), is the wrapped
+        optimizer's. Any other gradient came from a loss that was not scaled, and is
+        refused (reading them waits for the GPU: on this path only)."""
+        if any(bool(p.grad.any()) for p in self.master_params() if p.grad is not None):
+            raise RuntimeError(
+                "LossScaleOptimizer.step: no loss has been scaled yet, so the gradients are "
+                "not scaled ones; backward through optimizer.backward(loss) or "
+                "optimizer.scale_loss(loss).backward()"
+            )
+        self.optimizer.step()
+        if self._masters:
+            torch._foreach_copy_(self._low_params, self._masters)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the wrapped optimizer's parameters and of the 16-bit
@@ -233,27 +252,46 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict in torch's format ("state" and
+        "param_groups": what ``torch.distributed.checkpoint``'s ``get_state_dict``
+        reads, and what the wrapped optimizer's class loads), with the loss scaling's
+        beside them: "scaler" (the scale and its growth tracker), "skipped_steps" and
+        "master_params" (the FP32 masters of 16-bit parameters, in order)."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            **self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
             "master_params": [master.detach().clone() for master in self._masters],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        masters = state_dict["master_params"]
-        if len(masters) != len(self._masters):
+        """Load ``state_dict()``'s, or a wrapped optimizer's alone, which leaves the
+        scale, the skip count and the masters as they are
+        (``torch.distributed.checkpoint``'s ``set_state_dict`` hands over "state" and
+        "param_groups" only; the scaler's ``state_dict()`` saves the scale beside), or
+        one of the format before 2026-11-26, the wrapped optimizer's under
+        "optimizer"."""
+        if "optimizer" in state_dict:
+            nested = {key: value for key, value in state_dict.items() if key != "optimizer"}
+            state_dict = {**state_dict["optimizer"], **nested}
+        masters = state_dict.get("master_params")
+        if masters is not None and len(masters) != len(self._masters):
             raise ValueError(
                 f"the state dict has {len(masters)} master weights, this optimizer "
                 f"{len(self._masters)}"
             )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self.scaler.load_state_dict(state_dict["scaler"])
-        self.scaler.skipped.fill_(state_dict["skipped_steps"])
-        with torch.no_grad():
-            for param, master, saved in zip(self._low_params, self._masters, masters, strict=True):
-                master.copy_(saved)
-                param.copy_(saved)
+        self.optimizer.load_state_dict({key: state_dict[key] for key in ("state", "param_groups")})
+        if "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
+        if "skipped_steps" in state_dict:
+            self.scaler.skipped.fill_(state_dict["skipped_steps"])
+        if masters is not None:
+            with torch.no_grad():
+                for param, master, saved in zip(
+                    self._low_params, self._masters, masters, strict=True
+                ):
+                    master.copy_(saved)
+                    param.copy_(saved)
 
 
 class _MasterScaler(GradScaler):

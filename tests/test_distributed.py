@@ -178,6 +178,7 @@ def _fsdp_worker(rank, port, out_dir, path):
             results[wrapper, case] = _train_on_share(model, rank, WORLD, case, inf_in="input")
     results["fsdp2 bf16"] = _fsdp_bf16_case(mesh, rank)
     results["converted after fully_shard"] = _convert_after_sharding(mesh)
+    results["fsdp2 checkpoint"] = _fsdp_checkpoint_resumes(mesh, rank)
     _save_and_leave(results, os.path.join(out_dir, f"{path}{rank}.pt"))
 
 
@@ -216,6 +217,49 @@ def _fsdp_bf16_case(mesh, rank):
         optimizer.step()
         losses.append(loss.item())
     return optimizer.skipped_steps, losses
+
+
+def _fsdp_checkpoint_resumes(mesh, rank) -> bool:
+    """A LossScaleOptimizer over FSDP2's shards saved and loaded by
+    ``torch.distributed.checkpoint``'s state-dict functions (the scaler's state beside,
+    as for torch's GradScaler): whether the resumed run continues as the original, bit
+    for bit."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def train(model, optimizer, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x = torch.randn(FSDP_BATCH, 16, generator=g).chunk(WORLD)[rank]
+            optimizer.zero_grad()
+            optimizer.backward(model(x).float().square().mean())
+            optimizer.step()
+
+    def sharded():
+        from torch.distributed.fsdp import fully_shard
+
+        model = _mlp()
+        for layer in model:
+            if isinstance(layer, mpgemm.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=1e-2))
+
+    model, optimizer = sharded()
+    train(model, optimizer, 3, seed=3)
+    model_state, optim_state = copy.deepcopy(get_state_dict(model, optimizer))
+    resumed, resumed_optimizer = sharded()
+    set_state_dict(
+        resumed, resumed_optimizer, model_state_dict=model_state, optim_state_dict=optim_state
+    )
+    resumed_optimizer.scaler.load_state_dict(optimizer.scaler.state_dict())
+    train(model, optimizer, 2, seed=4)
+    train(resumed, resumed_optimizer, 2, seed=4)
+    return all(
+        torch.equal(p.full_tensor(), q.full_tensor())
+        for p, q in zip(model.parameters(), resumed.parameters(), strict=True)
+    )
 
 
 def _convert_after_sharding(mesh) -> tuple[str, list[str]]:
@@ -262,12 +306,15 @@ def test_fsdp2_and_ddp_match_one_process_on_the_whole_batch(tmp_path, path):
     ranks, each on half of every batch, trains as one process on the whole batches,
     with LossScaleOptimizer(Adam with AMSGrad) or GradScaler and damped SGD; rank 1's
     inf skips the same step on both ranks. Under FSDP2's BF16 param_dtype the layers
-    compute in BF16 (``_fsdp_bf16_case``). A layer sharded before convert is left as
-    it is, with a warning (``_convert_after_sharding``)."""
+    compute in BF16 (``_fsdp_bf16_case``). A run saved and loaded through
+    ``torch.distributed.checkpoint`` resumes bit for bit (``_fsdp_checkpoint_resumes``).
+    A layer sharded before convert is left as it is, with a warning
+    (``_convert_after_sharding``)."""
     mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path), path), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"{path}{r}.pt") for r in range(WORLD)]
     for rank in ranks:
         # A layer sharded before convert is left, with a warning saying so.
+        assert rank.pop("fsdp2 checkpoint")  # resumed through torch.distributed.checkpoint
         kind, warned = rank.pop("converted after fully_shard")
         assert kind == "FSDPLinear"
         assert any(

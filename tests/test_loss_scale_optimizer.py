@@ -487,3 +487,56 @@ def test_backward_takes_tensor_backwards_keywords_and_refuses_what_it_would(devi
     for call in (lambda: optimizer.backward(losses), optimizer.scale_loss(losses).backward):
         with pytest.raises(RuntimeError, match="only for scalar outputs"):
             call()
+
+
+def test_torch_distributed_checkpoints_state_dict_functions_take_it(device):
+    """``torch.distributed.checkpoint``'s ``get_state_dict`` and ``set_state_dict`` (how
+    FSDP2 runs save and resume) take a LossScaleOptimizer over a model of
+    mpgemm.Linear layers: its state dict is the wrapped optimizer's format, the loss
+    scaling's entries beside; a fresh one's state is made by their zero-gradient step;
+    and a run resumed so, the scaler's state saved beside as for torch's GradScaler,
+    continues as the original, bit for bit. The format before 2026-11-26 still loads,
+    and the wrapped optimizer's class loads the new one. A step before any scaled loss
+    with gradients (from an unscaled loss) is refused."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make(model):
+        return mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=1e-3))
+
+    model = mpgemm.convert(_mlp(device))
+    first = make(model)
+    _run_wrapper(model, first, 6, device)
+    saved = first.state_dict()
+    assert {"state", "param_groups", "scaler", "skipped_steps", "master_params"} <= set(saved)
+    # Copies, as a checkpoint on disk holds: loaded, a tensor of the right device and
+    # dtype would be the original's own (torch's load_state_dict does not copy).
+    model_state, optim_state = copy.deepcopy(get_state_dict(model, first))
+    scaler_state = first.scaler.state_dict()
+    resumed_model = mpgemm.convert(_mlp(device))
+    with torch.no_grad():
+        for p in resumed_model.parameters():
+            p.add_(1.0)  # other weights: the checkpoint restores them
+    resumed = make(resumed_model)
+    set_state_dict(
+        resumed_model, resumed, model_state_dict=model_state, optim_state_dict=optim_state
+    )
+    resumed.scaler.load_state_dict(scaler_state)
+    for run_model, run in ((resumed_model, resumed), (model, first)):
+        _run_wrapper(run_model, run, 5, device)
+    assert resumed.loss_scale == first.loss_scale
+    for p, q in zip(resumed_model.parameters(), model.parameters(), strict=True):
+        assert_same_bits(p.detach(), q.detach(), "resumed param")
+
+    nested = copy.deepcopy({"optimizer": first.optimizer.state_dict(), **first.state_dict()})
+    for key in ("state", "param_groups"):
+        del nested[key]
+    other = make(mpgemm.convert(_mlp(device)))
+    other.load_state_dict(nested)
+    assert other.loss_scale == first.loss_scale
+    assert other.optimizer.state_dict()["state"].keys() == saved["state"].keys()
+    mpgemm.optim.Adam(_mlp(device).parameters()).load_state_dict(copy.deepcopy(saved))
+
+    unscaled = make(model)
+    _loss(model, *next(_batches(1, device))[1:]).backward()
+    with pytest.raises(RuntimeError, match="no loss has been scaled yet"):
+        unscaled.step()
