@@ -227,7 +227,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         optimizer to make its state, with zero gradients (and lr 0), is the wrapped
         optimizer's. Any other gradient came from a loss that was not scaled, and is
         refused (reading them waits for the GPU: on this path only)."""
-        if any(bool(p.grad.any()) for p in self.master_params() if p.grad is not None):
+        grads = (p.grad for p in (*self.master_params(), *self._low_params))
+        if any(bool(grad.any()) for grad in grads if grad is not None):
             raise RuntimeError(
                 "LossScaleOptimizer.step: no loss has been scaled yet, so the gradients are "
                 "not scaled ones; backward through optimizer.backward(loss) or "

@@ -536,7 +536,9 @@ def test_torch_distributed_checkpoints_state_dict_functions_take_it(device):
     assert other.optimizer.state_dict()["state"].keys() == saved["state"].keys()
     mpgemm.optim.Adam(_mlp(device).parameters()).load_state_dict(copy.deepcopy(saved))
 
-    unscaled = make(model)
-    _loss(model, *next(_batches(1, device))[1:]).backward()
-    with pytest.raises(RuntimeError, match="no loss has been scaled yet"):
-        unscaled.step()
+    for dtype in (torch.float32, torch.float16):  # a 16-bit model's gradients too
+        unscaled_model = _mlp(device, dtype)
+        unscaled = make(unscaled_model)
+        _loss(unscaled_model, *next(_batches(1, device, dtype))[1:]).backward()
+        with pytest.raises(RuntimeError, match="no loss has been scaled yet"):
+            unscaled.step()
