@@ -89,10 +89,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._masters: list[torch.Tensor] = []
         for group in optimizer.param_groups:
             self._install_masters(group)
-        # Step hooks as torch.optim.Optimizer.__init__ sets them up (without its groups):
-        # register_step_pre_hook / register_step_post_hook work on the wrapper.
+        # Hooks as torch.optim.Optimizer.__init__ sets them up (without its groups):
+        # register_step_pre_hook, register_state_dict_post_hook and the others work on
+        # the wrapper.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._patch_step_function()
 
     # -- the wrapped optimizer's face ------------------------------------------------
@@ -257,13 +262,22 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         "param_groups": what ``torch.distributed.checkpoint``'s ``get_state_dict``
         reads, and what the wrapped optimizer's class loads), with the loss scaling's
         beside them: "scaler" (the scale and its growth tracker), "skipped_steps" and
-        "master_params" (the FP32 masters of 16-bit parameters, in order)."""
-        return {
+        "master_params" (the FP32 masters of 16-bit parameters, in order). The hooks
+        registered on this optimizer run as torch's run them
+        (``register_state_dict_pre_hook``, ``register_state_dict_post_hook``)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = {
             **self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
             "master_params": [master.detach().clone() for master in self._masters],
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()``'s, or a wrapped optimizer's alone, which leaves the
@@ -271,7 +285,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         (``torch.distributed.checkpoint``'s ``set_state_dict`` hands over "state" and
         "param_groups" only; the scaler's ``state_dict()`` saves the scale beside), or
         one of the format before 2026-11-26, the wrapped optimizer's under
-        "optimizer"."""
+        "optimizer". The hooks registered on this optimizer run as torch's run them
+        (``register_load_state_dict_pre_hook``, ``register_load_state_dict_post_hook``)."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         if "optimizer" in state_dict:
             nested = {key: value for key, value in state_dict.items() if key != "optimizer"}
             state_dict = {**state_dict["optimizer"], **nested}
@@ -293,6 +313,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 ):
                     master.copy_(saved)
                     param.copy_(saved)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 class _MasterScaler(GradScaler):

@@ -371,7 +371,10 @@ def test_mlp_of_mpgemm_linear_reaches_the_fp32_loss(device, monkeypatch):
     assert mixed_opt.skipped_steps == 0
 
 
-def test_step_hooks_registered_on_the_wrapper_run(device):
+def test_hooks_registered_on_the_wrapper_run(device):
+    """torch.optim.Optimizer's hooks, registered on the wrapper: step hooks around each
+    step; state-dict hooks as torch runs them, a returned state dict replacing the one
+    given (registering one raised AttributeError before 2026-11-26)."""
     model = _mlp(device)
     wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     calls = []
@@ -379,6 +382,24 @@ def test_step_hooks_registered_on_the_wrapper_run(device):
     wrapped.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
     _run_wrapper(model, wrapped, 2, device)
     assert calls == ["pre", "post"] * 2
+
+    def tagged(opt, state_dict):
+        calls.append("saved")
+        return {**state_dict, "tag": 1}
+
+    def untagged(opt, state_dict):
+        calls.append(f"loading tag {state_dict.pop('tag')}")
+
+    calls.clear()
+    wrapped.register_state_dict_pre_hook(lambda opt: calls.append("saving"))
+    wrapped.register_state_dict_post_hook(tagged)
+    wrapped.register_load_state_dict_pre_hook(untagged)
+    wrapped.register_load_state_dict_post_hook(lambda opt: calls.append("loaded"))
+    saved = wrapped.state_dict()
+    assert saved["tag"] == 1
+    wrapped.load_state_dict(saved)
+    assert calls == ["saving", "saved", "loading tag 1", "loaded"]
+    assert "tag" in saved  # the hooks are given a copy, as torch gives them
 
 
 def test_add_param_group_gives_new_16_bit_params_masters(device):
