@@ -133,6 +133,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"LossScaleOptimizer({self.optimizer!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # All of it: torch's Optimizer.__getstate__ keeps defaults, state and
+        # param_groups, the wrapped optimizer's here, and an unpickled or deep-copied
+        # wrapper had no wrapped optimizer (AttributeError). Torch's __setstate__ then
+        # restores the dict and patches step.
+        return self.__dict__.copy()
+
     def _install_masters(self, group: dict[str, Any]) -> None:
         for index, param in enumerate(group["params"]):
             if param.dtype not in _LOW_PRECISION:

@@ -563,3 +563,35 @@ def test_torch_distributed_checkpoints_state_dict_functions_take_it(device):
         _loss(unscaled_model, *next(_batches(1, device, dtype))[1:]).backward()
         with pytest.raises(RuntimeError, match="no loss has been scaled yet"):
             unscaled.step()
+
+
+_STEPPED: list = []
+
+
+def _note_step(optimizer, args, kwargs):  # a step hook that pickles (a lambda does not)
+    _STEPPED.append(optimizer)
+
+
+def test_pickled_or_deep_copied_with_its_model_it_trains_on_as_the_original(device):
+    """As a torch optimizer: ``copy.deepcopy((model, optimizer))`` and a pickle round
+    trip give a wrapper whose wrapped optimizer, scaler, masters and hooks are the
+    copy's own (an unpickled one had no wrapped optimizer before 2026-11-26), and which
+    trains on as the original does, bit for bit."""
+    import pickle
+
+    model = _mlp(device, torch.float16)
+    wrapped = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=1e-3))
+    wrapped.register_step_post_hook(_note_step)
+    _run_wrapper(model, wrapped, 4, device, dtype=torch.float16)
+    copies = [copy.deepcopy((model, wrapped)), pickle.loads(pickle.dumps((model, wrapped)))]
+    for copied_model, copied in copies:
+        assert copied._low_params == list(copied_model.parameters())
+        assert copied.optimizer.param_groups[0]["params"] == copied._masters
+    _STEPPED.clear()
+    for run_model, run in [(model, wrapped), *copies]:
+        _run_wrapper(run_model, run, 3, device, dtype=torch.float16)
+    assert _STEPPED == [wrapped] * 3 + [copies[0][1]] * 3 + [copies[1][1]] * 3
+    for copied_model, copied in copies:
+        assert copied.loss_scale == wrapped.loss_scale
+        for p, q in zip(copied_model.parameters(), model.parameters(), strict=True):
+            assert_same_bits(p.detach(), q.detach(), "param")
