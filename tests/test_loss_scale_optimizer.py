@@ -595,3 +595,37 @@ def test_pickled_or_deep_copied_with_its_model_it_trains_on_as_the_original(devi
         assert copied.loss_scale == wrapped.loss_scale
         for p, q in zip(copied_model.parameters(), model.parameters(), strict=True):
             assert_same_bits(p.detach(), q.detach(), "param")
+
+
+def test_a_run_of_torchs_optimizer_and_scaler_resumes_under_it(device):
+    """A checkpoint of torch's recipe (an optimizer's and a GradScaler's state dicts)
+    loads into a LossScaleOptimizer over the converted model: the wrapped optimizer
+    takes the optimizer's state dict as it is, its scaler torch's scaler's, and the run
+    goes on from the same state and scale."""
+    model = _mlp(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
+    for _, x, y in _batches(3, device):
+        optimizer.zero_grad()
+        scaler.scale(_loss(model, x, y)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    checkpoint = copy.deepcopy(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+        }
+    )
+    converted = mpgemm.convert(_mlp(device))
+    converted.load_state_dict(checkpoint["model"])
+    wrapped = mpgemm.LossScaleOptimizer(mpgemm.optim.AdamW(converted.parameters(), lr=1e-3))
+    wrapped.load_state_dict(checkpoint["optimizer"])
+    wrapped.scaler.load_state_dict(checkpoint["scaler"])
+    assert wrapped.loss_scale == scaler.get_scale()
+    theirs = optimizer.state[next(model.parameters())]
+    ours = wrapped.state[next(converted.parameters())]
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(ours[key].cpu(), theirs[key].cpu()), key
+    _run_wrapper(converted, wrapped, 1, device)
+    assert wrapped.state[next(converted.parameters())]["step"].item() == 4
