@@ -430,6 +430,29 @@ def test_a_layer_cast_to_fp64_computes_as_torch_in_fp64(device):
         layer(inputs.float())
 
 
+@pytest.mark.parametrize("norm", ["spectral_norm", "weight_norm"])
+def test_convert_keeps_the_hook_based_norms_as_it_keeps_pruning(device, norm):
+    """``torch.nn.utils.spectral_norm`` and the older ``weight_norm`` make a layer's
+    weight as pruning does (a forward pre-hook, from Parameters and buffers of their
+    own): converted, the layer keeps them, its state-dict keys, and its gradients'
+    way to them, and computes what the unconverted model does, within 16-bit rounding."""
+    import warnings
+
+    def model():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the older weight_norm's deprecation
+            layer = getattr(nn.utils, norm)(nn.Linear(33, 16))
+        return nn.Sequential(layer, nn.ReLU(), nn.Linear(16, 4)).to(device).eval()
+
+    reference, converted = model(), mpgemm.convert(model())
+    assert type(converted[0]) is mpgemm.Linear
+    assert list(converted.state_dict()) == list(reference.state_dict())
+    assert_computes_like(converted, reference, device)
+    for name, param in converted.named_parameters():
+        assert param.grad is not None, name
+
+
 def test_a_model_made_under_inference_mode_serves_as_one_made_outside(device):
     """A model made (or loaded) under ``torch.inference_mode`` has inference tensors for
     weights, which keep no version counter: its layers cast them at each forward (the
