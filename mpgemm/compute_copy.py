@@ -111,6 +111,13 @@ class ComputeCopy:
         # forward remakes it.
         return {**self.__dict__, "_made": None}
 
+    def __setstate__(self, state: dict) -> None:
+        # A layer pickled before 2026-11-26 kept its copy in three attributes
+        # (_tensor, _made_from, _source): they are dropped, and the copy remade.
+        self.dtype = state["dtype"]
+        self._made = None
+        self._current_at = state.get("_current_at", -1)
+
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` in ``dtype``, laid out like it; cast now only if the copy is stale."""
         identity = (*_storage(weight), weight._version)

@@ -188,6 +188,33 @@ def test_a_saved_or_deep_copied_layer_leaves_its_copy_behind(device):
         assert torch.equal(other(x), out)
 
 
+def test_a_layer_pickled_before_the_copy_was_one_attribute_still_loads(device, monkeypatch):
+    """A layer pickled by an mpgemm before 2026-11-26 holds its copy holder's three
+    attributes of then (``_tensor``, ``_made_from``, ``_source``): it loads, and its
+    first forward remakes the copy."""
+    import pickle
+
+    from mpgemm.compute_copy import ComputeCopy
+
+    layer = _layer(device, activation="relu")
+    x = torch.randn(8, 48, device=device)
+    expected = layer(x)
+    old = {
+        "dtype": layer.compute_dtype,
+        "_tensor": torch.full((32, 48), float("nan"), dtype=layer.compute_dtype),
+        "_made_from": (0,),
+        "_source": torch.zeros(1),
+        "_current_at": 0,
+    }
+    layer._weight_copy.__dict__ = old
+    with monkeypatch.context() as patched:  # pickled as then: the whole dict
+        patched.delattr(ComputeCopy, "__getstate__")
+        data = pickle.dumps(layer)
+    loaded = pickle.loads(data)
+    assert loaded._weight_copy.tensor is None
+    assert torch.equal(loaded(x), expected)
+
+
 def _copy(layer):
     copy = mpgemm.compute_copy.copy_of(layer.weight)
     assert copy is not None and copy.dtype == layer.compute_dtype
