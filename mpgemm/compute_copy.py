@@ -108,15 +108,13 @@ class ComputeCopy:
     def __getstate__(self) -> dict:
         # A pickled or deep-copied layer (torch.save(model), copy.deepcopy for an EMA
         # model) leaves its copy behind, half its weight's bytes again: the next
-        # forward remakes it.
-        return {**self.__dict__, "_made": None}
+        # forward remakes it. The dtype is all a holder without a copy has.
+        return {"dtype": self.dtype}
 
     def __setstate__(self, state: dict) -> None:
-        # A layer pickled before 2026-11-26 kept its copy in three attributes
-        # (_tensor, _made_from, _source): they are dropped, and the copy remade.
-        self.dtype = state["dtype"]
-        self._made = None
-        self._current_at = state.get("_current_at", -1)
+        # A holder without a copy, also from a layer pickled before 2026-11-26, whose
+        # state held the copy in three attributes (_tensor, _made_from, _source).
+        self.__init__(state["dtype"])  # type: ignore[misc]
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` in ``dtype``, laid out like it; cast now only if the copy is stale."""

@@ -227,11 +227,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.scaler.step(self.optimizer)
         self.scaler.update()  # counts a skipped step too
         # A skipped step left the masters as they were, so this rewrites the same values.
+        self._write_back_masters()
+
+    def _write_back_masters(self) -> None:
+        """The 16-bit parameters rewritten from their FP32 masters, in one launch."""
         if self._masters:
             # A replay steps the masters of what its capture saw requiring grad: the
             # 16-bit parameters are checked before each (the scaler notes the masters).
             graphs.note_parameters("LossScaleOptimizer's 16-bit parameters", self._low_params)
-            torch._foreach_copy_(self._low_params, self._masters)  # one launch for them all
+            torch._foreach_copy_(self._low_params, self._masters)
 
     def _step_before_any_scaled_loss(self) -> None:
         """A step before any loss was scaled, so with no scale to unscale by: the one
@@ -247,8 +251,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 "optimizer.scale_loss(loss).backward()"
             )
         self.optimizer.step()
-        if self._masters:
-            torch._foreach_copy_(self._low_params, self._masters)
+        self._write_back_masters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the wrapped optimizer's parameters and of the 16-bit
