@@ -12,7 +12,10 @@ with a fill, itself a launch. Since every launch that counts leaves its counters
 zero, and launches on one stream run one after another, one buffer per stream serves
 all of them (``counters``). Under CUDA graph capture each launch gets fresh zeros
 instead (the fill is captured with it): a graph may be replayed on another stream than
-it was captured on, beside eager launches on that one.
+it was captured on, beside eager launches on that one. A stream's buffer is made by a
+helper thread, outside any memory pool the calling thread allocates from (torch
+inductor's CUDA-graph warm-up, ``torch.cuda.use_mem_pool``): kept for the process, it
+must not be one of a pool's blocks, which the pool's owner takes back.
 
 The kernel's side, ``arrive``: a CTA barrier first, so that the stores of all the
 program's threads precede the atomic (release, GPU scope; Triton's scalar atomic is
@@ -22,6 +25,8 @@ every other program's release.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -42,15 +47,34 @@ def counters(device: torch.device, count: int) -> torch.Tensor:
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return torch.zeros(count, dtype=torch.int32, device=device)
+        index = torch.cuda.current_device() if device.index is None else device.index
         # The launcher's own reading of the stream (triton's driver: one C call).
-        key: tuple = (device.index, driver.active.get_current_stream(device.index))
+        key: tuple = (index, driver.active.get_current_stream(index))
     else:  # the interpreter runs a launch's programs one at a time
         key = (device.type, None)
     buffer = _buffers.get(key)
     if buffer is None or buffer.numel() < count:
-        buffer = torch.zeros(max(count, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        buffer = _lasting_zeros(max(count, _MIN_COUNTERS), device)
         _buffers[key] = buffer
     return buffer
+
+
+def _lasting_zeros(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` int32 zeros on ``device``, allocated outside any pool the calling
+    thread's allocations go to: torch routes a thread's allocations to a private pool
+    (inductor's CUDA-graph warm-up; ``torch.cuda.use_mem_pool``) for that thread only,
+    and a buffer kept there would be a block that the pool's owner counts as freed
+    (inductor refuses the graph: "tensor(s) in the cudagraph pool not tracked")."""
+    if device.type != "cuda":
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    with ThreadPoolExecutor(max_workers=1) as helper:
+        buffer = helper.submit(torch.empty, count, dtype=torch.int32, device=device).result()
+    # The helper allocated on its own current stream, the device's default one: the
+    # caller's stream zeroes and uses it, and must finish with it before the allocator
+    # hands its memory out again (when a larger buffer replaces it).
+    stream = torch.cuda.current_stream(device)
+    buffer.record_stream(stream)
+    return buffer.zero_()
 
 
 @triton.jit

@@ -137,6 +137,20 @@ def test_counters_are_kept_zero_and_grow_on_demand(device):
     assert arrivals.counters(device, 3) is larger
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory pools")
+def test_a_streams_counters_are_not_a_block_of_the_pool_its_thread_allocates_from():
+    # As in torch inductor's CUDA-graph warm-up, which checks that its pool holds only
+    # what it tracks: a buffer kept for the stream must come from outside the pool.
+    device = torch.device("cuda")
+    pool = torch.cuda.MemPool()
+    with torch.cuda.stream(torch.cuda.Stream()), torch.cuda.use_mem_pool(pool):
+        buffer = arrivals.counters(device, 3)
+        in_pool = torch.zeros(3, device=device)  # the pool does take this thread's blocks
+    index = torch.cuda.current_device()
+    assert not buffer.any()
+    assert torch._C._cuda_checkPoolLiveAllocations(index, pool.id, {in_pool.data_ptr()})
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and graph capture")
 def test_each_stream_has_its_counters_and_a_capture_fresh_ones():
     device = torch.device("cuda")
