@@ -219,11 +219,17 @@ def _local_list(
 
 
 def _shards(*lists: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The lists as lists, each DTensor as its local shard, one per DTensor across them
-    (``_local_list``): what the custom ops take under ``torch.compile``, as the kernels
-    do eagerly (``_dispatch``)."""
-    shards: dict[int, torch.Tensor] = {}
-    return [list(_local_list(lst, shards)) for lst in lists]
+    """The lists as lists, each DTensor as its local shard: what the custom ops take
+    under ``torch.compile``, as the kernels do eagerly (``_dispatch``). Unlike the eager
+    path (``_local_list``), no tensor is looked up by ``id``, which dynamo cannot take
+    of a tensor the traced step made (torch 2.11: the state an optimizer's first step
+    creates), and none needs to be: compiled, no tensor is in two of the lists (a step
+    writes no compute copies, ``Optimizer._compute_copies``; an in-place ``unscale_``
+    passes one list)."""
+    return [
+        list(lst) if set(map(type, lst)) <= _PLAIN_SET else [_local(t) for t in lst]
+        for lst in lists
+    ]
 
 
 _PLAIN_SET = frozenset(PLAIN_TYPES)
