@@ -1,6 +1,7 @@
 """mpgemm.optim's fused SGD, Adam and AdamW: the kernels against the references, the
 optimizers against torch's, and a skipped step that leaves every bit in place."""
 
+import contextlib
 import copy
 
 import pytest
@@ -573,6 +574,27 @@ def _sparse_run(device, make_optimizer, make_scaler, hyper, inf_at=None):
     """A sparse embedding's weights and the scales after 4 steps on index batches that
     repeat an index (uncoalesced gradients); the loss squares the rows, so that each
     step's gradient depends on the last step's weights."""
+    # CUDA adds a sparse gradient's repeated rows into a dense tensor with atomics
+    # (index_add_), in any order, so that torch's own SGD differs from itself run to run
+    # there unless deterministic algorithms are asked for (the mismatch seen on the H200).
+    with _deterministic():
+        return _sparse_steps(device, make_optimizer, make_scaler, hyper, inf_at)
+
+
+@contextlib.contextmanager
+def _deterministic():
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def _sparse_steps(device, make_optimizer, make_scaler, hyper, inf_at):
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(12, 5, sparse=True, device=device)
     optimizer = make_optimizer(embedding.parameters(), lr=0.1, **hyper)

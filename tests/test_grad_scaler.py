@@ -382,7 +382,8 @@ def test_torchs_private_helpers_that_scripts_call(device, scaler_class):
     assert scaler._get_scale_async() is scale
     param.grad[1] = float("inf")
     flags = scaler._check_inf_per_device(optimizer)
-    assert {device: flag.tolist() for device, flag in flags.items()} == {device: 1.0}
+    # Keyed by the gradients' device, as torch's scaler keys them (cuda:0, not cuda).
+    assert {device: flag.tolist() for device, flag in flags.items()} == {param.grad.device: 1.0}
     assert scaler._found_inf_per_device(optimizer) is flags
     assert param.grad.tolist() == [8.0, float("inf"), 8.0]  # checked, not unscaled
     scaler.step(optimizer)
