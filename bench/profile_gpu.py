@@ -287,6 +287,13 @@ def idle_rounds(out: Path, rounds: int = 10) -> None:
         "| case | impl | host enqueue | flush | wait after the flush | kernels idle | busy |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+    api_lines = [
+        f"## Host API calls inside each call (us, medians of {rounds}; a second pass, with "
+        "torch.profiler's CPU activity)",
+        "| case | impl | idle: call | API calls | longest API call | busy: call | API calls "
+        "| longest API call |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for size in (2048, 4096, 8192):
         a, b = (torch.randn(size, size, device=DEVICE).half() for _ in range(2))
 
@@ -325,10 +332,80 @@ def idle_rounds(out: Path, rounds: int = 10) -> None:
             flushes, waits, idle, busy = idle_waits(kernels, rounds)
             cells = [median(hosts), median(flushes), median(waits), median(idle), median(busy)]
             lines.append(f"| {size}^3 | {impl} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+            try:
+                api = _api_cells(fn, flush, rounds)
+            except Exception as error:  # the first table stands without this one
+                api = f"failed: {type(error).__name__}: {error}"
+            api_lines.append(f"| {size}^3 | {impl} | {api} |")
+    lines += ["", *api_lines]
     body = "\n".join(lines)
     print(body, flush=True)
     with open(out / "profile.md", "a") as f:
         f.write(body + "\n\n")
+
+
+def _api_cells(fn, flush: torch.Tensor, rounds: int) -> str:
+    """The host API row of ``idle_rounds``: ``rounds`` calls from an idle GPU, then
+    ``rounds`` back to back, each inside a labelled range, under torch.profiler with
+    CPU activity (which adds its own host time to each torch op, so the call spans here
+    run longer than the first table's enqueue), read by ``api_calls_within``."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            flush.zero_()
+            with torch.profiler.record_function("idle call"):
+                fn()
+            torch.cuda.synchronize()
+        for _ in range(rounds):
+            with torch.profiler.record_function("busy call"):
+                fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "api.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    cells = []
+    for label in ("idle call", "busy call"):
+        spans, totals, longest = api_calls_within(events, label)
+        # The call that is most often the longest, and its median duration there.
+        names = [name for name, _ in longest]
+        name = max(set(names), key=names.count) if names else None
+        durations = [duration for n, duration in longest if n == name]
+        cells += [
+            f"{median(spans):.1f}",
+            f"{median(totals):.1f}",
+            f"{name} {median(durations):.1f}" if name else "-",
+        ]
+    return " | ".join(cells)
+
+
+def api_calls_within(
+    events: list[dict], label: str
+) -> tuple[list[float], list[float], list[tuple[str, float]]]:
+    """For each range named ``label`` (torch.profiler's user annotations) in a chrome
+    trace's ``events``: its span (us), the summed duration of the CUDA runtime and driver
+    API calls that start inside it, and its longest such call (name, us), by the
+    range's start."""
+    ranges = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name") == label
+    )
+    calls = sorted(
+        (e["ts"], e["dur"], e["name"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+    )
+    if not ranges:
+        raise ValueError(f"no {label!r} ranges in the trace")
+    spans, totals, longest = [], [], []
+    for start, end in ranges:
+        inside = [(dur, name) for ts, dur, name in calls if start <= ts < end]
+        spans.append(end - start)
+        totals.append(sum(dur for dur, _ in inside))
+        if inside:
+            dur, name = max(inside)
+            longest.append((name, dur))
+    return spans, totals, longest
 
 
 def idle_waits(

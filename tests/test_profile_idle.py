@@ -46,3 +46,38 @@ def test_a_profile_that_is_not_the_rounds_is_refused(idle_waits):
     uneven = [(FILL, 0.0, 1.0), ("gemm", 2.0, 1.0), (FILL, 5.0, 1.0), ("gemm", 7.0, 1.0)]
     with pytest.raises(ValueError, match="do not make 2 idle and busy calls"):
         idle_waits([*uneven, ("gemm", 9.0, 1.0)], rounds=2)
+
+
+@pytest.fixture
+def api_calls_within(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return load("profile_gpu").api_calls_within
+
+
+def _event(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_api_calls_are_summed_within_each_labelled_call(api_calls_within):
+    # Two idle calls: the flush's launch before the first range is left out, as is the
+    # synchronize after each; a busy call's range is another label's.
+    events = [
+        _event("cuda_runtime", "cudaLaunchKernel", 0.0, 5.0),  # the flush's
+        _event("user_annotation", "idle call", 10.0, 100.0),
+        _event("cpu_op", "aten::empty", 12.0, 30.0),
+        _event("cuda_runtime", "cudaMalloc", 15.0, 20.0),
+        _event("cuda_driver", "cuLaunchKernelEx", 60.0, 8.0),
+        _event("cuda_runtime", "cudaDeviceSynchronize", 120.0, 500.0),
+        _event("user_annotation", "idle call", 700.0, 50.0),
+        _event("cuda_driver", "cuLaunchKernelEx", 720.0, 9.0),
+        _event("gpu_user_annotation", "idle call", 725.0, 300.0),  # the GPU's side
+        _event("user_annotation", "busy call", 800.0, 40.0),
+        _event("cuda_driver", "cuLaunchKernelEx", 810.0, 7.0),
+    ]
+    spans, totals, longest = api_calls_within(events, "idle call")
+    assert spans == [100.0, 50.0]
+    assert totals == [28.0, 9.0]
+    assert longest == [("cudaMalloc", 20.0), ("cuLaunchKernelEx", 9.0)]
+    assert api_calls_within(events, "busy call") == ([40.0], [7.0], [("cuLaunchKernelEx", 7.0)])
+    with pytest.raises(ValueError, match="no 'other' ranges"):
+        api_calls_within(events, "other")
