@@ -280,12 +280,16 @@ def idle_rounds(out: Path, rounds: int = 10) -> None:
     under torch.profiler. Medians of the host's enqueue, the GPU's wait from the flush's
     end to the call's first kernel, and the call's kernel time idle and busy: a wait
     near the enqueue less the flush is host time; an idle kernel slower than a busy one
-    is the device's."""
+    is the device's. Then the host's enqueue again with each round's wait a spin on an
+    event's query instead of ``torch.cuda.synchronize`` (which yields the thread once a
+    wait runs long): an enqueue that is shorter spun than synchronized is the host
+    thread's own slowness after a long wait, not the call's work."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=DEVICE)
     lines = [
         f"## GEMMs from an idle GPU (us, medians of {rounds})",
-        "| case | impl | host enqueue | flush | wait after the flush | kernels idle | busy |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| case | impl | host enqueue | flush | wait after the flush | kernels idle | busy "
+        "| host enqueue, rounds spin-waited |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     api_lines = [
         f"## Host API calls inside each call (us, medians of {rounds}; a second pass, with "
@@ -330,7 +334,18 @@ def idle_rounds(out: Path, rounds: int = 10) -> None:
                 key=lambda kernel: kernel[1],
             )
             flushes, waits, idle, busy = idle_waits(kernels, rounds)
+            spun = []
+            for _ in range(rounds):
+                flush.zero_()
+                start = time.perf_counter()
+                fn()
+                spun.append((time.perf_counter() - start) * 1e6)
+                done = torch.cuda.Event()
+                done.record()
+                while not done.query():
+                    pass
             cells = [median(hosts), median(flushes), median(waits), median(idle), median(busy)]
+            cells.append(median(spun))
             lines.append(f"| {size}^3 | {impl} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
             try:
                 api = _api_cells(fn, flush, rounds)
