@@ -281,9 +281,10 @@ def idle_rounds(out: Path, rounds: int = 10) -> None:
     end to the call's first kernel, and the call's kernel time idle and busy: a wait
     near the enqueue less the flush is host time; an idle kernel slower than a busy one
     is the device's. Then the host's enqueue again with each round's wait a spin on an
-    event's query instead of ``torch.cuda.synchronize`` (which yields the thread once a
-    wait runs long): an enqueue that is shorter spun than synchronized is the host
-    thread's own slowness after a long wait, not the call's work."""
+    event's query in Python instead of ``torch.cuda.synchronize`` (the driver's wait,
+    which spins, yields or blocks by the device's schedule flags): an enqueue that is
+    shorter spun than synchronized is the host thread's own slowness after a long wait,
+    not the call's work."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=DEVICE)
     lines = [
         f"## GEMMs from an idle GPU (us, medians of {rounds})",
