@@ -47,9 +47,10 @@ def counters(device: torch.device, count: int) -> torch.Tensor:
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return torch.zeros(count, dtype=torch.int32, device=device)
-        index = torch.cuda.current_device() if device.index is None else device.index
+        if device.index is None:  # the current device (the helper thread has its own)
+            device = torch.device("cuda", torch.cuda.current_device())
         # The launcher's own reading of the stream (triton's driver: one C call).
-        key: tuple = (index, driver.active.get_current_stream(index))
+        key: tuple = (device.index, driver.active.get_current_stream(device.index))
     else:  # the interpreter runs a launch's programs one at a time
         key = (device.type, None)
     buffer = _buffers.get(key)
@@ -63,8 +64,8 @@ def _lasting_zeros(count: int, device: torch.device) -> torch.Tensor:
     """``count`` int32 zeros on ``device``, allocated outside any pool the calling
     thread's allocations go to: torch routes a thread's allocations to a private pool
     (inductor's CUDA-graph warm-up; ``torch.cuda.use_mem_pool``) for that thread only,
-    and a buffer kept there would be a block that the pool's owner counts as freed
-    (inductor refuses the graph: "tensor(s) in the cudagraph pool not tracked")."""
+    and a buffer kept there would be a block in use that the pool's owner does not know
+    of (inductor refuses the graph: "tensor(s) in the cudagraph pool not tracked")."""
     if device.type != "cuda":
         return torch.zeros(count, dtype=torch.int32, device=device)
     with ThreadPoolExecutor(max_workers=1) as helper:
