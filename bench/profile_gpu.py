@@ -326,12 +326,12 @@ def idle_rounds(out: Path, rounds: int = 10) -> None:
                 for _ in range(rounds):
                     fn()
                 torch.cuda.synchronize()
-            with tempfile.TemporaryDirectory() as tmp:
-                trace = Path(tmp) / "idle.json"
-                prof.export_chrome_trace(str(trace))
-                events = json.loads(trace.read_text())["traceEvents"]
             kernels = sorted(
-                ((e["name"], e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel"),
+                (
+                    (e["name"], e["ts"], e["dur"])
+                    for e in _trace_events(prof)
+                    if e.get("cat") == "kernel"
+                ),
                 key=lambda kernel: kernel[1],
             )
             flushes, waits, idle, busy = idle_waits(kernels, rounds)
@@ -345,8 +345,14 @@ def idle_rounds(out: Path, rounds: int = 10) -> None:
                 done.record()
                 while not done.query():
                     pass
-            cells = [median(hosts), median(flushes), median(waits), median(idle), median(busy)]
-            cells.append(median(spun))
+            cells = [
+                median(hosts),
+                median(flushes),
+                median(waits),
+                median(idle),
+                median(busy),
+                median(spun),
+            ]
             lines.append(f"| {size}^3 | {impl} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
             try:
                 api = _api_cells(fn, flush, rounds)
@@ -375,10 +381,7 @@ def _api_cells(fn, flush: torch.Tensor, rounds: int) -> str:
             with torch.profiler.record_function("busy call"):
                 fn()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "api.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
+    events = _trace_events(prof)
     cells = []
     for label in ("idle call", "busy call"):
         spans, totals, longest = api_calls_within(events, label)
@@ -392,6 +395,15 @@ def _api_cells(fn, flush: torch.Tensor, rounds: int) -> str:
             f"{name} {median(durations):.1f}" if name else "-",
         ]
     return " | ".join(cells)
+
+
+def _trace_events(prof: profile) -> list[dict]:
+    """A finished profile's chrome-trace events (written to a temporary file, as
+    torch.profiler exports them, and read back)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return json.loads(trace.read_text())["traceEvents"]
 
 
 def api_calls_within(
