@@ -10,15 +10,22 @@ mpgemm's fused optimizers write the copy in the same kernel pass that updates th
 master (``copy_of``): a kernel's writes leave the version counter alone, so the copy
 stays current and no cast runs in the next forward.
 
-Some writers change a weight without a version bump: FSDP2 all-gathers each unsharded
-weight into the same storage under ``_unsafe_preserve_version_counter``, often at the
-same address. Its new values come from an optimizer step on the shards (or a loaded
-state dict), so a copy is also stale once any optimizer has stepped since it was made,
-unless that step's optimizer wrote it (torch's global step pre-hook counts the steps);
-``mpgemm.Linear`` drops its copy when it loads a state dict. Under ``torch.compile``,
-mpgemm's optimizers count their steps in their custom ops, at run time; any other
-optimizer's step is counted in a graph break (torch's own optimizers break the graph
-there anyway; one compiled with ``fullgraph=True`` would raise there).
+Some writers change a weight without a version bump: mpgemm's fused optimizers
+themselves (a weight tied into two layers has two copies, of which a step writes one),
+and FSDP2, which all-gathers each unsharded weight into the same storage under
+``_unsafe_preserve_version_counter``, often at the same address. Their new values come
+from an optimizer step (on the weight, or on FSDP2's shards) or a loaded state dict, so
+a copy is also stale once any optimizer has stepped since it was last current, unless
+that step's optimizer wrote it (torch's global step pre-hook counts the steps);
+``mpgemm.Linear`` drops its copy when it loads a state dict. Except for a frozen weight
+(``requires_grad`` off when its copy was last handed out, and now) in a process with no
+``torch.distributed`` process group: only a weight with a gradient is stepped, and
+nothing else writes without a bump there, so a frozen backbone's or LoRA's base layers
+keep their copies across the steps of what trains (each was cast at every forward,
+as autocast casts a frozen weight at every use). Under ``torch.compile``, mpgemm's
+optimizers count their steps in their custom ops, at run time; any other optimizer's
+step is counted in a graph break (torch's own optimizers break the graph there anyway;
+one compiled with ``fullgraph=True`` would raise there).
 """
 
 from __future__ import annotations
@@ -77,6 +84,13 @@ def count_step() -> None:
 register_optimizer_step_pre_hook(_count_step)
 
 
+def _distributed() -> bool:
+    """Whether this process has a ``torch.distributed`` process group, without which
+    FSDP2 (and any other sharding that rewrites weights without a version bump) cannot
+    run."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _storage(weight: torch.Tensor) -> tuple:
     return (weight.data_ptr(), weight.device, weight.shape, weight.stride())
 
@@ -102,8 +116,12 @@ class ComputeCopy:
         # weights (nn.DataParallel's replicas share its attributes) each see a copy
         # with what it was made from, never one thread's copy with another's key.
         self._made: _Made | None = None
-        # _steps when the copy was made, or last handed to an optimizer to write.
+        # _steps when the copy was last known current: made, handed out unchanged, or
+        # handed to an optimizer to write.
         self._current_at = -1
+        # Whether the weight required grad when the copy was last handed out: frozen
+        # after its backward, it is still stepped with the gradient it has.
+        self._trainable = True
 
     def __getstate__(self) -> dict:
         # A pickled or deep-copied layer (torch.save(model), copy.deepcopy for an EMA
@@ -120,7 +138,12 @@ class ComputeCopy:
         """``weight`` in ``dtype``, laid out like it; cast now only if the copy is stale."""
         identity = (*_storage(weight), weight._version)
         made = self._made
-        if made is None or made.made_from != identity or self._current_at != _steps:
+        trainable = weight.requires_grad
+        if (
+            made is None
+            or made.made_from != identity
+            or (self._current_at != _steps and self._stepped_maybe(trainable))
+        ):
             # A normal tensor even under inference_mode (an evaluation pass): made there,
             # the kept copy would be an inference tensor, which the next training
             # forward could not save for backward.
@@ -128,7 +151,9 @@ class ComputeCopy:
                 copy = torch.empty_like(weight, dtype=self.dtype)
                 copy.copy_(weight)
             made = self._made = _Made(copy, identity, weight.detach())
-            self._current_at = _steps
+        # Current as of now: made now, or neither changed nor possibly stepped since.
+        self._current_at = _steps
+        self._trainable = trainable
         _register(weight, self)
         # A capture's copy must outlive a remaking of it (after another optimizer's
         # step, a loaded state dict, a cast): the replays read and write it there. It
@@ -136,6 +161,12 @@ class ComputeCopy:
         if graphs.capturing(made.tensor.device):
             graphs.keep_for_replays((made.tensor,))
         return made.tensor
+
+    def _stepped_maybe(self, trainable: bool) -> bool:
+        """Whether the steps taken since the copy was last current may have written the
+        weight without a version bump (the module docstring): where it requires grad
+        now or did then, or where FSDP2 (which needs a process group) may rewrite it."""
+        return trainable or self._trainable or _distributed()
 
     @property
     def tensor(self) -> torch.Tensor | None:

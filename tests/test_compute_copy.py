@@ -17,18 +17,14 @@ def _layer(device, **options):
 
 
 def _assert_forward_uses_the_current_weight(layer, device, in_features=48):
-    # The functional form rounds the FP32 weight in the kernel: the same numbers a
-    # current copy gives, bit for bit; a stale copy would differ by the edit.
+    # The same forward with the copy cast anew: the same kernels on the same operands,
+    # bit for bit, where the kept copy is current; a stale one would differ by the
+    # edit. (The functional form on the FP32 weight may run another kernel, whose FP32
+    # sums can differ in the last bit.)
     x = torch.randn(16, in_features, device=device)
-    expected = mpgemm.linear(
-        x,
-        layer.weight,
-        layer.bias,
-        activation=layer.activation,
-        compute_dtype=layer.compute_dtype,
-        out_dtype=layer.out_dtype,
-    )
-    assert torch.equal(layer(x), expected)
+    kept = layer(x)
+    layer._weight_copy.drop()
+    assert torch.equal(kept, layer(x))
 
 
 def _edit_in_place(layer):
@@ -81,24 +77,111 @@ def _fsdp_load_state_dict(layer):
     layer.load_state_dict({}, strict=False)
 
 
+def _frozen_after_backward_then_stepped(layer):
+    # Frozen between its backward and the step, which still steps it with the gradient
+    # it has: here without a version bump (as FSDP2 rewrites it, or a fused optimizer).
+    layer(torch.randn(4, 48, device=layer.weight.device)).float().sum().backward()
+    layer.requires_grad_(False)
+    _fsdp_step(layer)
+
+
+# Changes that show on any weight, frozen or not: a new storage, a version bump, a
+# loaded state dict.
+_VISIBLE_EDITS = [
+    _edit_in_place,
+    _load_state_dict,
+    _new_parameter,
+    _to_and_back,
+    _data_assignment,
+    _fsdp_load_state_dict,
+]
+
+
 @pytest.mark.parametrize(
     "edit",
-    [
-        _edit_in_place,
-        _load_state_dict,
-        _torch_optimizer_step,
-        _new_parameter,
-        _to_and_back,
-        _data_assignment,
-        _fsdp_step,
-        _fsdp_load_state_dict,
-    ],
+    [*_VISIBLE_EDITS, _torch_optimizer_step, _fsdp_step, _frozen_after_backward_then_stepped],
 )
 def test_the_copy_is_never_stale(device, edit):
     layer = _layer(device, activation="relu")
     _assert_forward_uses_the_current_weight(layer, device)
     edit(layer)
     _assert_forward_uses_the_current_weight(layer, device)
+
+
+@pytest.mark.parametrize("edit", _VISIBLE_EDITS)
+def test_a_frozen_weights_copy_is_never_stale(device, edit):
+    # Kept across other parameters' optimizer steps, and remade by each of these.
+    layer = _layer(device, activation="relu").requires_grad_(False)
+    _assert_forward_uses_the_current_weight(layer, device)
+    _torch_optimizer_step(mpgemm.Linear(48, 32, device=device))  # another layer's step
+    edit(layer)
+    _assert_forward_uses_the_current_weight(layer, device)
+
+
+def test_with_a_process_group_a_frozen_weight_is_remade_after_any_step(device, tmp_path):
+    # FSDP2 (which needs a process group) rewrites a frozen weight's unsharded storage
+    # without a version bump too, with values from its shards (an EMA teacher's update).
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        layer = _layer(device, activation="relu").requires_grad_(False)
+        _assert_forward_uses_the_current_weight(layer, device)
+        _fsdp_step(layer)
+        _assert_forward_uses_the_current_weight(layer, device)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch_adamw", "mpgemm_adamw"])
+def test_a_frozen_backbones_copies_outlive_the_steps_of_what_trains(device, fused):
+    # Fine-tuning a head (or LoRA over frozen layers): the frozen layers' copies are
+    # cast once, not at every step.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+    ).to(device)
+    mpgemm.convert(model)
+    model[:4].requires_grad_(False)
+    head = [p for p in model.parameters() if p.requires_grad]
+    optimizer = (mpgemm.optim.AdamW if fused else torch.optim.AdamW)(head, lr=0.1)
+    x = torch.randn(32, 48, device=device)
+    y = torch.randint(0, 10, (32,), device=device)
+
+    def step():
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    step()
+    # As made (``_copy`` asks as an optimizer does, which marks the copy current).
+    frozen = [model[0]._weight_copy.tensor, model[2]._weight_copy.tensor]
+    for _ in range(2):
+        with _OpLog() as log:
+            step()
+        assert not log.casts_of(model[0].weight) and not log.casts_of(model[2].weight)
+        assert model[0]._weight_copy.tensor is frozen[0]
+        assert model[2]._weight_copy.tensor is frozen[1]
+        # The head's copy: written by mpgemm's step, cast anew after torch's.
+        assert bool(log.casts_of(model[4].weight)) != fused
+    for layer in (model[0], model[2], model[4]):
+        _assert_forward_uses_the_current_weight(layer, device, layer.in_features)
+
+
+def test_a_weight_tied_into_two_layers_is_current_in_both_after_a_fused_step(device):
+    # A fused step writes the weight and one layer's copy without a version bump: the
+    # other layer's copy is remade.
+    torch.manual_seed(0)
+    first, second = mpgemm.Linear(48, 32, device=device), mpgemm.Linear(48, 32, device=device)
+    second.weight = first.weight
+    optimizer = mpgemm.optim.Adam([first.weight], lr=0.1)
+    x = torch.randn(8, 48, device=device)
+    (first(x).float().sum() + second(x).float().sum()).backward()
+    optimizer.step()
+    for layer in (first, second):
+        _assert_forward_uses_the_current_weight(layer, device)
 
 
 def test_an_evaluation_under_inference_mode_leaves_training_as_it_was(device):
