@@ -365,6 +365,9 @@ class LinearFunction(_Function):
         x, weight, bias, _, compute_dtype, _, weight_copy, _, x_rounded = inputs
         if output[1] is not None:
             ctx.mark_non_differentiable(output[1])
+            # Else autograd hands the backward a gradient for G made of zeros: an FP32
+            # tensor of the layer's output shape, filled at every step, that it ignores.
+            ctx.set_materialize_grads(False)
         # What the GEMMs read: x (or its rounding) and W (or its copy).
         ctx.save_for_backward(
             x if x_rounded is None else x_rounded, weight if weight_copy is None else weight_copy

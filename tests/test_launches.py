@@ -137,6 +137,32 @@ def test_a_training_step_launches_no_more_kernels_than_fp32(hidden, batch):
 
 
 @pytest.mark.unpoisoned
+@pytest.mark.parametrize("activation", [torch.nn.GELU, torch.nn.SiLU], ids=["gelu", "silu"])
+def test_a_stored_derivative_costs_the_backward_no_zeros(activation):
+    """A GELU or SiLU layer's forward also returns act'(z) (G, FP32, non-differentiable):
+    its backward gets no gradient of zeros for it, which autograd would otherwise make
+    (an FP32 tensor of the layer's output shape, filled every step). So its step too
+    launches no torch op but the input's cast."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), activation(), torch.nn.Linear(128, 10))
+    mpgemm.convert(model)
+    optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters()))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+    def step():
+        optimizer.zero_grad()
+        optimizer.backward(mpgemm.cross_entropy(model(x), y))
+        optimizer.step()
+
+    with count_launches():
+        step()
+        step()
+    with count_launches() as count:
+        step()
+    assert count.torch == {"aten._to_copy": 1}, count.torch
+
+
+@pytest.mark.unpoisoned
 def test_16_bit_parameters_are_rewritten_from_their_masters_in_one_launch():
     model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4))).half()
     optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.SGD(model.parameters(), lr=0.1))
