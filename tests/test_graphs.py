@@ -62,6 +62,28 @@ def test_replayed_steps_match_eager_steps_bit_for_bit():
         assert torch.equal(p, q)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
+def test_replayed_bfloat16_steps_match_eager_steps_bit_for_bit():
+    # BF16 trains without loss scaling: the graph holds mpgemm's optimizer unwrapped.
+    def run(mode):
+        torch.manual_seed(0)
+        config = TrainConfig(hidden=(128,), batch_size=128, device="cuda", compute_dtype="bfloat16")
+        recipe = Recipe(mode, build_mlp(784, (128,), 10).cuda(), config)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(8):
+            x = torch.randn(128, 784, generator=g)
+            y = torch.randint(0, 10, (128,), generator=g)
+            losses.append(recipe.step(x.cuda(), y.cuda()))
+        return torch.stack(losses), [p.detach().clone() for p in recipe.model.parameters()]
+
+    eager_losses, eager_params = run("mpgemm")
+    losses, params = run("mpgemm_cuda_graph")
+    assert torch.equal(losses, eager_losses)
+    for p, q in zip(params, eager_params, strict=True):
+        assert torch.equal(p, q)
+
+
 def _train_step(model, optimizer):
     """A training step of ``model`` by ``optimizer`` (a LossScaleOptimizer), which keeps
     the gradients' memory (zeroed) from step to step."""

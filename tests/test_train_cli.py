@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import mpgemm
 from mpgemm.app.cli import main
 from mpgemm.app.data import load_digits
 from mpgemm.app.train import TrainConfig, train
@@ -38,6 +39,34 @@ def test_each_mode_trains_and_writes_json_and_png(tmp_path, mode, capsys):
     assert row["ms_per_step"] > 0 and row["skipped_steps"] >= 0
     assert (row["final_loss_scale"] is None) == (mode == "fp32")
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("mode", ["autocast", "mpgemm"])
+def test_bfloat16_modes_train_without_loss_scaling(tmp_path, mode, capsys):
+    # BF16 has FP32's range: no GradScaler, mpgemm's optimizer unwrapped (torch's and
+    # Keras's BF16 recipes), so no loss scale to report and no step to skip.
+    argv = ["train", "--mode", mode, *TINY, "--dtype", "bfloat16", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert ", bfloat16, " in capsys.readouterr().out.splitlines()[0]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["config"]["compute_dtype"] == "bfloat16"
+    (row,) = result["results"]
+    assert row["final_loss_scale"] is None and row["skipped_steps"] == 0
+    assert all(0 < loss < 10 for loss in row["losses"])
+
+
+def test_a_bfloat16_recipe_computes_in_bfloat16_unscaled():
+    from mpgemm.app.train import Recipe, build_mlp
+
+    config = TrainConfig(hidden=(16,), compute_dtype="bfloat16")
+    mixed = Recipe("mpgemm", build_mlp(8, (16,), 4), config)
+    assert [layer.compute_dtype for layer in mixed.model[::2]] == [torch.bfloat16] * 2
+    assert isinstance(mixed.optimizer, mpgemm.optim.Adam) and mixed.loss_scale() is None
+    autocast = Recipe("autocast", build_mlp(8, (16,), 4), config)
+    assert autocast.scaler is None and autocast.compute_dtype == torch.bfloat16
+    assert Recipe("mpgemm", build_mlp(8, (16,), 4), TrainConfig()).scales_loss
+    with pytest.raises(ValueError, match="compute_dtype must be one of float16, bfloat16"):
+        TrainConfig(compute_dtype="float32")
 
 
 def test_all_modes_on_synthetic_data_through_python_m(tmp_path):

@@ -18,7 +18,15 @@ from typing import NoReturn
 import torch
 
 from mpgemm.app.data import Dataset, load
-from mpgemm.app.train import MODES, OPTIMIZERS, TrainConfig, check_modes, modes_on, train
+from mpgemm.app.train import (
+    COMPUTE_DTYPES,
+    MODES,
+    OPTIMIZERS,
+    TrainConfig,
+    check_modes,
+    modes_on,
+    train,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    t.add_argument(
+        "--dtype",
+        choices=list(COMPUTE_DTYPES),
+        default="float16",
+        help="the mixed-precision modes' 16-bit dtype (default float16, with loss "
+        "scaling; bfloat16 has FP32's range and trains without)",
+    )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--device",
@@ -126,6 +141,7 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, Dataset]:
         seed=args.seed,
         device=args.device,
         warmup_steps=args.warmup_steps,
+        compute_dtype=args.dtype,
     )
     if args.mode != "all":
         check_modes((args.mode,), config.device)
@@ -149,7 +165,10 @@ def _train(args: argparse.Namespace, config: TrainConfig, data: Dataset) -> None
         if config.device == "cuda"
         else f"cpu, {_threads(torch.get_num_threads())}"
     )
-    title = f"{data.name}: MLP {widths}, batch {config.batch_size}, {config.optimizer}, {device}"
+    title = (
+        f"{data.name}: MLP {widths}, batch {config.batch_size}, {config.optimizer}, "
+        f"{config.compute_dtype}, {device}"
+    )
     print(title, flush=True)
     results = train(data, config, modes, progress=not args.no_progress)
     from mpgemm.app.report import format_table, write_figure, write_json

@@ -1,12 +1,16 @@
 """Train one MLP in several modes, from the same initial weights on the same data order:
 
 - ``fp32``: plain FP32 training;
-- ``autocast``: ``torch.autocast`` (FP16) + ``torch.amp.GradScaler`` + the same optimizer;
-- ``mpgemm``: ``mpgemm.convert`` (FP16 operands, FP32 weights, FP32 logits) +
+- ``autocast``: ``torch.autocast`` + ``torch.amp.GradScaler`` + the same optimizer;
+- ``mpgemm``: ``mpgemm.convert`` (16-bit operands, FP32 weights, FP32 logits) +
   ``mpgemm.LossScaleOptimizer`` around mpgemm's fused optimizer;
 - ``mpgemm_cuda_graph`` (CUDA only): the ``mpgemm`` step captured as a CUDA graph after
   3 eager steps and replayed (``mpgemm.graphs.GraphedStep``), the same arithmetic
   without the host's time per launch.
+
+The mixed-precision modes compute in ``TrainConfig.compute_dtype``: FP16 (the default)
+with loss scaling as above, or BF16, which has FP32's range and so, as torch's and
+Keras's BF16 recipes do, no loss scaling (no GradScaler; mpgemm's optimizer unwrapped).
 
 Each run reports test accuracy, the final training loss, milliseconds per step after a
 warm-up (the modes take turns, a window of steps each, each window timed between two
@@ -30,6 +34,7 @@ from mpgemm.app.data import Dataset
 from mpgemm.graphs import GraphedStep
 
 __all__ = [
+    "COMPUTE_DTYPES",
     "MODES",
     "ModeResult",
     "Recipe",
@@ -45,6 +50,8 @@ MODES = ("fp32", "autocast", "mpgemm", "mpgemm_cuda_graph")
 _MPGEMM_MODES = ("mpgemm", "mpgemm_cuda_graph")
 _CUDA_MODES = ("mpgemm_cuda_graph",)
 OPTIMIZERS = ("adam", "sgd")
+# The mixed-precision modes' dtypes, by name; only FP16's range needs loss scaling.
+COMPUTE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     warmup_steps: int = 10
+    # The mixed-precision modes' 16-bit dtype: "float16" (loss scaled) or "bfloat16".
+    compute_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         if not self.hidden or any(not isinstance(w, int) or w < 1 for w in self.hidden):
@@ -78,6 +87,11 @@ class TrainConfig:
             )
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
+                f"got {self.compute_dtype!r}"
+            )
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: CUDA is not available on this machine")
@@ -173,17 +187,20 @@ class Recipe:
         self.optimizer_steps = 0
         self._step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._eager_step
         self.uses_mpgemm = mode in _MPGEMM_MODES
+        self.compute_dtype = COMPUTE_DTYPES[config.compute_dtype]
+        # Loss scaling where the 16-bit dtype is FP16, whose gradients underflow.
+        self.scales_loss = mode != "fp32" and self.compute_dtype == torch.float16
         if self.uses_mpgemm:
-            mpgemm.convert(model)
-            self.optimizer = mpgemm.LossScaleOptimizer(
-                _optimizer(mpgemm.optim, config, model.parameters())
-            )
+            mpgemm.convert(model, compute_dtype=self.compute_dtype)
+            self.optimizer = _optimizer(mpgemm.optim, config, model.parameters())
+            if self.scales_loss:
+                self.optimizer = mpgemm.LossScaleOptimizer(self.optimizer)
             if mode == "mpgemm_cuda_graph":
                 self._step = GraphedStep(self._eager_step)
             return
         options = {"fused": True} if fused_torch_optimizer else {}
         self.optimizer = _optimizer(torch.optim, config, model.parameters(), **options)
-        if mode == "autocast":
+        if self.scales_loss:
             self.scaler = torch.amp.GradScaler(self.device.type)
             # torch's scaler skips by not calling step(): count the calls (on the host,
             # where the scaler has already read the flag).
@@ -195,7 +212,7 @@ class Recipe:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output in FP32 (mpgemm's head writes FP32 already)."""
         if self.mode == "autocast":
-            with torch.autocast(self.device.type, dtype=torch.float16):
+            with torch.autocast(self.device.type, dtype=self.compute_dtype):
                 return self.model(x).float()
         return self.model(x)
 
@@ -213,7 +230,7 @@ class Recipe:
         # their addresses, so the kernels' tensor tables are the ones built in warm-up.
         self.optimizer.zero_grad(set_to_none=not isinstance(self._step, GraphedStep))
         loss = self.loss(x, y)
-        if self.uses_mpgemm:
+        if self.uses_mpgemm and self.scales_loss:
             self.optimizer.backward(loss)  # scale_loss(loss).backward(), 3 launches fewer
             self.optimizer.step()
         elif self.scaler is not None:
@@ -226,14 +243,14 @@ class Recipe:
         return loss.detach()
 
     def skipped_steps(self, steps: int) -> int:
-        if self.uses_mpgemm:
+        if isinstance(self.optimizer, mpgemm.LossScaleOptimizer):
             return self.optimizer.skipped_steps
         if self.scaler is not None:
             return steps - self.optimizer_steps
         return 0
 
     def loss_scale(self) -> float | None:
-        if self.uses_mpgemm:
+        if isinstance(self.optimizer, mpgemm.LossScaleOptimizer):
             return self.optimizer.loss_scale
         return self.scaler.get_scale() if self.scaler is not None else None
 
