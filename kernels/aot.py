@@ -247,6 +247,12 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
         f"sgd {name}, dampening",
         functools.partial(_sgd_step, f32, f32, f16, aligned, dampening=0.5),
     )
+    # Param groups in one launch: each program reads its tensor's row of the FP64 table.
+    yield f"sgd {name}, param groups", functools.partial(_sgd_step, f32, f32, f16, aligned, True)
+    yield (
+        f"adamw {name}, param groups",
+        functools.partial(_adam_step, f32, f32, f16, aligned, True, grouped=True),
+    )
     # AMSGrad: a fourth tensor streamed (the maxima), with a copy written and without.
     for param, grad, copy in ((f32, f32, f16), (f32, f16, None)):
         name = f"{param} <- {grad}" + (f", copy {copy}" if copy else "")
@@ -289,11 +295,17 @@ def _hyperparameter(value: float, tensor: bool) -> float | torch.Tensor:
     return torch.tensor(value) if tensor else value
 
 
+def _per_group(value: float, grouped: bool) -> float | list[float]:
+    # Two param groups, one tensor each, with values of their own.
+    return [value, value / 2] if grouped else value
+
+
 def _sgd_step(
     param,
     grad,
     copy,
     aligned: bool,
+    grouped: bool = False,
     tensor_hyperparameters: bool = False,
     dampening: float = 0.0,
 ) -> None:
@@ -303,10 +315,10 @@ def _sgd_step(
     triton_sgd_step_(
         *lists,
         steps=[torch.ones(()) for _ in range(2)] if dampening else None,
-        lr=_hyperparameter(0.1, tensor_hyperparameters),
-        momentum=0.9,
+        lr=_per_group(0.1, grouped) if grouped else _hyperparameter(0.1, tensor_hyperparameters),
+        momentum=_per_group(0.9, grouped),
         dampening=dampening,
-        weight_decay=0.0,
+        weight_decay=_per_group(1e-4, grouped),
         nesterov=False,
         maximize=False,
         compute_copies=copies,
@@ -322,6 +334,7 @@ def _adam_step(
     decoupled: bool,
     tensor_hyperparameters: bool = False,
     amsgrad: bool = False,
+    grouped: bool = False,
 ) -> None:
     from mpgemm.kernels.fused_optim import triton_adam_step_
 
@@ -330,11 +343,11 @@ def _adam_step(
         *lists[:4],
         [torch.ones(()) for _ in range(2)],
         max_exp_avg_sqs=lists[4] if amsgrad else None,
-        lr=_hyperparameter(1e-3, tensor_hyperparameters),
+        lr=_per_group(1e-3, grouped) if grouped else _hyperparameter(1e-3, tensor_hyperparameters),
         beta1=_hyperparameter(0.9, tensor_hyperparameters),
         beta2=_hyperparameter(0.999, tensor_hyperparameters),
-        eps=1e-8,
-        weight_decay=0.01,
+        eps=_per_group(1e-8, grouped),
+        weight_decay=_per_group(0.01, grouped),
         decoupled_weight_decay=decoupled,
         maximize=False,
         compute_copies=copies,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +54,7 @@ from mpgemm.kernels.tensor_table import (
     table_pointer,
     tensor_table,
 )
+from mpgemm.scaling import nonzero
 
 # Elements per program of the optimizer steps: 8 per thread for 8 warps, half the tensor
 # table's BLOCK. Under Triton 3.6 Adam takes 88 registers a thread (102 writing a copy),
@@ -120,6 +122,24 @@ def _store_count(
     if arrive(counter_ptr + tensor, table_blocks(table_ptr, num_tensors, tensor, NUM_LISTS, BLOCK)):
         tl.store(step_ptr, step)
         leave(counter_ptr + tensor)
+
+
+@triton.jit
+def _group_row(
+    hyper_ptr,
+    table_ptr,
+    num_tensors,
+    tensor,
+    GROUP_LIST: tl.constexpr,
+    NUM_HYPER: tl.constexpr,
+    GROUPED: tl.constexpr,
+):
+    """The FP64 table's row of hyperparameters for ``tensor``: with ``GROUPED``, the
+    table holds one row of ``NUM_HYPER`` per param group of the launch, and the tensor
+    table each tensor's group in the row after its lists (``GROUP_LIST``)."""
+    if GROUPED:
+        hyper_ptr += table_address(table_ptr, num_tensors, tensor, GROUP_LIST) * NUM_HYPER
+    return hyper_ptr
 
 
 @triton.jit
@@ -262,6 +282,8 @@ def _sgd_kernel(
     NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     TENSOR_LR: tl.constexpr,
+    # the table has a group row: each tensor's row of the FP64 table
+    GROUPED: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -270,7 +292,9 @@ def _sgd_kernel(
 ):
     take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
     # (The copies move one place along with the step counts.)
-    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 4 + DAMPENING, BLOCK)
+    num_lists: tl.constexpr = 4 + DAMPENING + GROUPED
+    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, num_lists, BLOCK)
+    hyper_ptr = _group_row(hyper_ptr, table_ptr, num_tensors, tensor, 4 + DAMPENING, 4, GROUPED)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
     buf_ptr = (
@@ -345,7 +369,7 @@ def _sgd_kernel(
             )
         if DAMPENING:
             _store_count(
-                table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, 4 + DAMPENING, BLOCK
+                table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, num_lists, BLOCK
             )
 
 
@@ -448,6 +472,8 @@ def _adam_kernel(
     TENSOR_LR: tl.constexpr,
     TENSOR_BETA1: tl.constexpr,
     TENSOR_BETA2: tl.constexpr,
+    # the table has a group row: each tensor's row of the FP64 table
+    GROUPED: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -456,7 +482,9 @@ def _adam_kernel(
 ):
     take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
     # (The lists after exp_avg_sq move one place along with AMSGrad's maxima.)
-    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 6 + AMSGRAD, BLOCK)
+    num_lists: tl.constexpr = 6 + AMSGRAD + GROUPED
+    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, num_lists, BLOCK)
+    hyper_ptr = _group_row(hyper_ptr, table_ptr, num_tensors, tensor, 6 + AMSGRAD, 5, GROUPED)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
     m_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
@@ -533,9 +561,7 @@ def _adam_kernel(
                 HAS_GRAD_SCALE,
                 INTERPRETED,
             )
-        _store_count(
-            table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, 6 + AMSGRAD, BLOCK
-        )
+        _store_count(table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, num_lists, BLOCK)
 
 
 def _launch(
@@ -569,8 +595,9 @@ def _launch(
     # The first compute copy that is a tensor of its own, whose dtype all such share.
     first_copy = next(itertools.compress(copies, map(operator.is_not, copies, params)), None)
     has_copy = first_copy is not None
+    rows, groups = _hyper_rows(hyper, len(params))
     table, num_tensors, num_blocks, aligned = tensor_table(
-        [*lists, copies], block, every_tensor=counts_steps
+        [*lists, copies], block, every_tensor=counts_steps, groups=groups
     )
     if num_blocks == 0:
         return
@@ -578,9 +605,7 @@ def _launch(
     walked = [*aligned[:strided], *(aligned[-1:] if has_copy else ())]
     from_tensors = [isinstance(value, torch.Tensor) for value in hyper[: len(tensor_flags)]]
     # A tensor's slot of the FP64 table is not read: 0 keeps the table's cache key.
-    values = list(hyper)
-    for index in itertools.compress(range(len(values)), from_tensors):
-        values[index] = 0.0
+    values = [0.0 if isinstance(value, torch.Tensor) else value for row in rows for value in row]
     hyper_table = scalar_table(values, table.device)
     launch(
         kernel,
@@ -599,6 +624,7 @@ def _launch(
         HAS_FOUND_INF=found_inf is not None,
         HAS_GRAD_SCALE=grad_scale is not None,
         ALIGNED=all(walked),
+        GROUPED=bool(groups),
         INTERPRETED=INTERPRET,
         BLOCK=block,
         num_warps=num_warps,
@@ -607,17 +633,33 @@ def _launch(
     )
 
 
+def _hyper_rows(hyper: Sequence, count: int) -> tuple[list[tuple], bytes]:
+    """The FP64 table's rows and the tensor table's group row for ``hyper``, whose
+    values are each one for all ``count`` tensors (a float, or a tensor read by the
+    kernel), or a list of floats, one per tensor (the param groups of one launch): one
+    row and no group row, or one row per distinct tuple of values and each tensor's row
+    index as int64s."""
+    if list not in map(type, hyper):  # (asked at every step)
+        return [tuple(hyper)], b""
+    columns = [value if isinstance(value, list) else [value] * count for value in hyper]
+    per_tensor = list(zip(*columns, strict=True))
+    index = {row: i for i, row in enumerate(dict.fromkeys(per_tensor))}
+    if len(index) == 1:
+        return list(index), b""
+    return list(index), array("q", map(index.__getitem__, per_tensor)).tobytes()
+
+
 def triton_sgd_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor] | None,
     *,
-    lr: float | torch.Tensor,
-    momentum: float,
-    weight_decay: float,
+    lr: float | torch.Tensor | list[float],
+    momentum: float | list[float],
+    weight_decay: float | list[float],
     nesterov: bool,
     maximize: bool,
-    dampening: float = 0.0,
+    dampening: float | list[float] = 0.0,
     steps: Sequence[torch.Tensor] | None = None,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
@@ -628,11 +670,13 @@ def triton_sgd_step_(
     parameter's own tensor: none); all flat, one device, parallel tensors with equal
     strides. ``steps`` (FP32 one-element tensors, each parameter's count of steps taken
     before this one, advanced where it is taken) only with momentum and dampening. A
-    tensor ``lr`` (one element, on that device) is read by the kernel."""
+    tensor ``lr`` (one element, on that device) is read by the kernel. A hyperparameter
+    given as a list has one value per parameter (the param groups of one launch); a
+    nonzero ``momentum`` and ``dampening`` must then be nonzero for every parameter."""
     if not params:
         return
-    buffers = momentum_buffers if momentum != 0 else params
-    damped = momentum != 0 and dampening != 0
+    buffers = momentum_buffers if nonzero(momentum) else params
+    damped = nonzero(momentum) and nonzero(dampening)
     _launch(
         _sgd_kernel,
         # (mpgemm.scaling.sgd_step_ has checked that a damped step has its counts)
@@ -644,7 +688,7 @@ def triton_sgd_step_(
         strided=3,
         tensor_flags=("TENSOR_LR",),
         counts_steps=damped,
-        HAS_MOMENTUM=momentum != 0,
+        HAS_MOMENTUM=nonzero(momentum),
         DAMPENING=damped,
         NESTEROV=nesterov,
         MAXIMIZE=maximize,
@@ -658,11 +702,11 @@ def triton_adam_step_(
     exp_avg_sqs: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     *,
-    lr: float | torch.Tensor,
-    beta1: float | torch.Tensor,
-    beta2: float | torch.Tensor,
-    eps: float,
-    weight_decay: float,
+    lr: float | torch.Tensor | list[float],
+    beta1: float | torch.Tensor | list[float],
+    beta2: float | torch.Tensor | list[float],
+    eps: float | list[float],
+    weight_decay: float | list[float],
     decoupled_weight_decay: bool,
     maximize: bool,
     grad_scale: torch.Tensor | None = None,
@@ -675,7 +719,8 @@ def triton_adam_step_(
     are not their parameter share a dtype (a parameter's own tensor: none), ``steps``
     are FP32 one-element tensors (each parameter's count of steps taken before this
     one, advanced where it is taken); all on one device. A tensor ``lr``, ``beta1`` or
-    ``beta2`` (one element, on that device) is read by the kernel."""
+    ``beta2`` (one element, on that device) is read by the kernel. A hyperparameter
+    given as a list has one value per parameter (the param groups of one launch)."""
     if not params:
         return
     maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]

@@ -4,11 +4,13 @@ The elementwise kernels of loss scaling (unscale, the optimizer steps) run over 
 gradient of a model. One launch per tensor would cost a launch each for hundreds of
 small tensors; instead a launch gets an int64 table, on the device, laid out as
 
-    [ addresses of list 0 (T) | ... | addresses of list L-1 (T)
+    [ addresses of list 0 (T) | ... | addresses of list L-1 (T) | (group (T))
       | numel (T) | first block (T) | tensor of each block (P) ]
 
 for T tensors in each of L parallel lists (for example params, grads and moments) and
-P blocks of BLOCK elements. Program ``p`` handles block ``p``: elements
+P blocks of BLOCK elements; with ``groups``, a row of one integer per tensor after the
+lists (the optimizer steps' row of hyperparameters for each tensor: its param group's),
+read as list L's "address" (``table_address``). Program ``p`` handles block ``p``: elements
 ``(p - first_block[t]) * BLOCK + arange(BLOCK)`` of tensor ``t = block_tensor[p]`` in
 every list. The tensors of a list share one dtype; a tensor is taken as its flat
 storage, so parallel tensors must have equal strides and be dense
@@ -46,7 +48,11 @@ _cache: OrderedDict[tuple, object] = OrderedDict()
 
 
 def tensor_table(
-    lists: Sequence[Sequence[torch.Tensor]], block: int = BLOCK, *, every_tensor: bool = False
+    lists: Sequence[Sequence[torch.Tensor]],
+    block: int = BLOCK,
+    *,
+    every_tensor: bool = False,
+    groups: bytes = b"",
 ) -> tuple[torch.Tensor, int, int, tuple[bool, ...]]:
     """The launch table for parallel ``lists`` of tensors, in blocks of ``block``
     elements: ``(table, T, P, aligned)``, ``aligned[l]`` whether every tensor of list
@@ -55,8 +61,9 @@ def tensor_table(
 
     ``lists[l][t]`` is tensor ``t`` of list ``l``; the numels come from list 0.
     Zero-size tensors get no blocks, or, ``every_tensor``, one with no element in it
-    (for kernels that also do something once per tensor: ``table_blocks``). The table
-    lives on the tensors' device."""
+    (for kernels that also do something once per tensor: ``table_blocks``). ``groups``:
+    none, or one int64 per tensor (native byte order), the row after the lists'. The
+    table lives on the tensors' device."""
     tensors = lists[0]
     device = tensors[0].device
     # An in-place op passes one list twice: each distinct list is read once (its
@@ -82,6 +89,7 @@ def tensor_table(
         rows = array("q")
         for i in which:
             rows += addresses[i]
+        rows.frombytes(groups)
         rows += numels
         rows += array("q", first_blocks[:-1])
         # The per-block column, one entry per block (5,000 for the guide MLP's 20M
@@ -97,7 +105,7 @@ def tensor_table(
     # What determines the table, as bytes (they hash and compare as one block of
     # memory, where a tuple of 600 Python ints took 20 us a lookup).
     known = b"".join(f.addresses for f in facts) + facts[0].numels
-    key = (device, block, every_tensor, which, known)
+    key = (device, block, every_tensor, which, known, groups)
     return _cached(key, build)
 
 

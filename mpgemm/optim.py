@@ -2,7 +2,9 @@
 
 Subclasses of torch's optimizers (same arguments, param groups, state and state_dict,
 so LR schedulers and checkpoints work unchanged) whose ``step`` runs one fused kernel
-per parameter dtype (``mpgemm.scaling.sgd_step_`` / ``adam_step_``). They follow
+per parameter dtype (``mpgemm.scaling.sgd_step_`` / ``adam_step_``), for all the param
+groups that differ only in float hyperparameters (decay and no-decay, a learning rate
+per layer): each parameter reads its group's values in the kernel. They follow
 torch's protocol for scaler-aware optimizers (``_step_supports_amp_scaling``): a
 scaler hands ``step`` ``grad_scale`` and ``found_inf`` tensors (``mpgemm.GradScaler`` as
 its keyword arguments, torch's as attributes set on the optimizer), and the kernels
@@ -85,6 +87,23 @@ def _by_device(
     return out
 
 
+def _per_parameter(parts: list[tuple[dict, list]], **names) -> dict[str, Any]:
+    """Hyperparameters for one launch over ``parts`` ((group, params) pairs): each
+    ``name=key`` (a group's key, or (key, index) into a group's tuple such as "betas")
+    as the group's value, or, over several groups, a list of one value per parameter."""
+
+    def value(group: dict, key) -> Any:
+        return group[key[0]][key[1]] if type(key) is tuple else group[key]
+
+    if len(parts) == 1:
+        group = parts[0][0]
+        return {name: value(group, key) for name, key in names.items()}
+    return {
+        name: [v for group, part in parts for v in [value(group, key)] * len(part)]
+        for name, key in names.items()
+    }
+
+
 class _ScaledStep(torch.optim.Optimizer):
     """The shared part of ``step``: read the scaler's tensors, group the parameters.
     Comes before a torch optimizer class in its subclasses' bases, whose ``__init__``
@@ -95,8 +114,12 @@ class _ScaledStep(torch.optim.Optimizer):
     _step_takes_scaling_tensors = True
     # A compiled step counts itself for mpgemm.compute_copy, in the custom op it calls.
     _counts_own_compiled_steps = True
-    # The subclass's kernel for one param group's parameters with a gradient.
-    _step_group: Callable[[dict, list[torch.Tensor], Any, Any], None]
+    # The subclass's launch for param groups' parameters with a gradient, on one device:
+    # ``_step_groups([(group, params), ...], grad_scale, found_inf)``, one launch per
+    # dtype for all of them; and what groups must share to be stepped in one launch
+    # (None: stepped alone), ``_merge_key(group)``.
+    _step_groups: Callable[[list[tuple[dict, list[torch.Tensor]]], Any, Any], None]
+    _merge_key: Callable[[dict], tuple | None]
 
     def _scaling_tensors(
         self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
@@ -140,8 +163,9 @@ class _ScaledStep(torch.optim.Optimizer):
         grad_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> Any:
-        """One step of every param group (``_step_group``, the subclass's kernel);
-        ``grad_scale`` and ``found_inf`` are a scaler's (module docstring)."""
+        """One step of every param group (``_step_groups``, the subclass's launch, which
+        takes the groups that share its flags on a device together); ``grad_scale`` and
+        ``found_inf`` are a scaler's (module docstring)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -149,12 +173,26 @@ class _ScaledStep(torch.optim.Optimizer):
         note_host_values(self.param_groups)  # for a GraphedStep's replays
         grad_scale, found_inf = self._scaling_tensors(grad_scale, found_inf)
         others = []
+        # Param groups that differ in float hyperparameters only (decay and no-decay,
+        # a learning rate per layer) take one launch per device: each group took its
+        # own, some 80 us of host time each here (bench/NOTES.md). Compiled, each group
+        # is its own op call (the ops take one value of each hyperparameter).
+        # (device, merge key) -> (the device's scale and flag, [(group, params), ...])
+        merged: dict[tuple, tuple[Any, Any, list]] = {}
+        alone = len(self.param_groups) == 1 or torch.compiler.is_compiling()
         with torch.no_grad():
             for group in self.param_groups:
                 params, rest = self._params_with_grad(group)
-                for on_device in _by_device(params, grad_scale, found_inf):
-                    self._step_group(group, *on_device)
                 others.append(rest)
+                key = None if alone else self._merge_key(group)
+                for part, scale, flag in _by_device(params, grad_scale, found_inf):
+                    if key is None:
+                        self._step_groups([(group, part)], scale, flag)
+                    else:
+                        entry = merged.setdefault((part[0].device, key), (scale, flag, []))
+                        entry[2].append((group, part))
+            for scale, flag, parts in merged.values():
+                self._step_groups(parts, scale, flag)
         if any(others):
             self._torch_step(others, grad_scale, found_inf)
         return loss
@@ -236,7 +274,17 @@ class SGD(_ScaledStep, torch.optim.SGD):
             maximize=maximize,
         )
 
-    def _step_group(self, group, params, grad_scale, found_inf) -> None:
+    @staticmethod
+    def _merge_key(group: dict) -> tuple | None:
+        # The kernel's flags; a tensor lr is read from its own tensor.
+        if isinstance(group["lr"], torch.Tensor):
+            return None
+        momentum = group["momentum"] != 0
+        return momentum, momentum and group["dampening"] != 0, group["nesterov"], group["maximize"]
+
+    def _step_groups(self, parts, grad_scale, found_inf) -> None:
+        group = parts[0][0]  # (the merged groups share the flags)
+        params = parts[0][1] if len(parts) == 1 else [p for _, part in parts for p in part]
         buffers: list[torch.Tensor] | None = None
         steps: list[torch.Tensor] | None = None
         if group["momentum"] != 0:
@@ -258,10 +306,13 @@ class SGD(_ScaledStep, torch.optim.SGD):
             [p.grad for p in params],
             buffers,
             steps=steps,
-            lr=group["lr"],
-            momentum=group["momentum"],
-            dampening=group["dampening"],
-            weight_decay=group["weight_decay"],
+            **_per_parameter(
+                parts,
+                lr="lr",
+                momentum="momentum",
+                dampening="dampening",
+                weight_decay="weight_decay",
+            ),
             nesterov=group["nesterov"],
             maximize=group["maximize"],
             grad_scale=grad_scale,
@@ -306,7 +357,18 @@ class _FusedAdamStep(_ScaledStep):
             **extra,
         )
 
-    def _step_group(self, group, params, grad_scale, found_inf) -> None:
+    def _merge_key(self, group: dict) -> tuple | None:
+        # The kernel's flags; a tensor lr or beta is read from its own tensor.
+        if any(isinstance(v, torch.Tensor) for v in (group["lr"], *group["betas"])):
+            return None
+        return group["amsgrad"], group["maximize"], self._decoupled(group)
+
+    def _decoupled(self, group: dict) -> bool:
+        return group.get("decoupled_weight_decay", self._decoupled_weight_decay)
+
+    def _step_groups(self, parts, grad_scale, found_inf) -> None:
+        group = parts[0][0]  # (the merged groups share the flags)
+        params = parts[0][1] if len(parts) == 1 else [p for _, part in parts for p in part]
         exp_avgs, exp_avg_sqs, steps = [], [], []
         max_exp_avg_sqs: list[torch.Tensor] | None = [] if group["amsgrad"] else None
         for p in params:
@@ -329,21 +391,21 @@ class _FusedAdamStep(_ScaledStep):
                         p, memory_format=torch.preserve_format
                     )
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-        beta1, beta2 = group["betas"]
         adam_step_(
             params,
             [p.grad for p in params],
             exp_avgs,
             exp_avg_sqs,
             steps,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled_weight_decay=group.get(
-                "decoupled_weight_decay", self._decoupled_weight_decay
+            **_per_parameter(
+                parts,
+                lr="lr",
+                beta1=("betas", 0),
+                beta2=("betas", 1),
+                eps="eps",
+                weight_decay="weight_decay",
             ),
+            decoupled_weight_decay=self._decoupled(group),
             maximize=group["maximize"],
             grad_scale=grad_scale,
             found_inf=found_inf,

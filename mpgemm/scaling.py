@@ -98,8 +98,11 @@ def _dispatch(
     *,
     strided: int,
     copies: int | None = None,
+    riders: Sequence[Sequence] = (),
 ) -> None:
     """Call ``call(impl, sublists)`` once per dtype group of the parallel ``lists``.
+    ``riders``: lists of other values, one per position (an optimizer's per-parameter
+    hyperparameters), split as the lists are and passed after them in ``sublists``.
 
     The first ``strided`` lists are addressed elementwise; a position whose tensors are
     not all flat with equal strides, or of a dtype the kernels do not take, goes to the
@@ -139,7 +142,7 @@ def _dispatch(
         dtypes = _dtype_sets(lists, copies, facts)
         take_all = use_kernels and _kernels_take_all(lists[:strided], dtypes[:strided], facts)
         if take_all and all(len(held) <= 1 for held in dtypes):
-            call(kernels()[name], lists)  # one group
+            call(kernels()[name], [*lists, *riders] if riders else lists)  # one group
             return
         if take_all:
             kernel_ok: Iterable[bool] = itertools.repeat(True, len(lists[0]))
@@ -154,7 +157,8 @@ def _dispatch(
             _merge_own_copies(groups, 1 + copies)  # (the key's first entry is kernel_ok)
         for (ok, *_), indices in groups.items():
             impl = kernels()[name] if ok else REFERENCES[name]
-            call(impl, lists if len(groups) == 1 else [[lst[i] for i in indices] for lst in lists])
+            split = [*lists, *riders]
+            call(impl, split if len(groups) == 1 else [[lst[i] for i in indices] for lst in split])
 
 
 def _copy_dtype(param: torch.Tensor, copy: torch.Tensor) -> torch.dtype | None:
@@ -273,13 +277,58 @@ def _kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
     return all(is_flat(t) and t.stride() == stride for t in tensors)
 
 
+# The optimizer steps' hyperparameters, which may come as lists of one value per
+# parameter, and their keyword arguments that are lists of tensors.
+_HYPERPARAMETERS = frozenset(
+    {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening"}
+)
+_TENSOR_LISTS = frozenset({"compute_copies", "steps", "max_exp_avg_sqs"})
+
+
+def nonzero(value: float | torch.Tensor | list[float]) -> bool:
+    """Whether an optimizer's hyperparameter is nonzero; given as a list of one value
+    per parameter (param groups that share the kernel's flags), whether any is."""
+    return any(v != 0 for v in value) if isinstance(value, list) else bool(value != 0)
+
+
+def _picked(seq: Sequence | None, indices: list[int]) -> list | None:
+    return None if seq is None else [seq[i] for i in indices]
+
+
+def _per_value_set(reference: Callable) -> Callable:
+    """``reference`` (an optimizer step's, which takes one value of each hyperparameter)
+    taking hyperparameters as lists of one value per parameter too: run on each set of
+    positions that share their values, with those values."""
+
+    @functools.wraps(reference)
+    def run(*lists, **kwargs):
+        names = [n for n in _HYPERPARAMETERS & kwargs.keys() if isinstance(kwargs[n], list)]
+        if not names:
+            return reference(*lists, **kwargs)
+        positions: dict[tuple, list[int]] = defaultdict(list)
+        for index, values in enumerate(zip(*(kwargs[n] for n in names), strict=True)):
+            positions[values].append(index)
+        for values, indices in positions.items():
+            reference(
+                *(_picked(seq, indices) for seq in lists),
+                **{
+                    n: _picked(v, indices) if n in _TENSOR_LISTS else v
+                    for n, v in kwargs.items()
+                    if n not in names
+                },
+                **dict(zip(names, values, strict=True)),
+            )
+
+    return run
+
+
 # Each op's two implementations, by the op's name: the reference (torch ops, any
 # device) and the Triton kernel launcher.
 REFERENCES: dict[str, Callable] = {
     "unscale": scaling_ref.unscale_ref_,
     "update_scale": scaling_ref.update_scale_ref_,
-    "sgd_step": scaling_ref.sgd_step_ref_,
-    "adam_step": scaling_ref.adam_step_ref_,
+    "sgd_step": _per_value_set(scaling_ref.sgd_step_ref_),
+    "adam_step": _per_value_set(scaling_ref.adam_step_ref_),
 }
 
 
@@ -470,6 +519,16 @@ def _as_op_arguments(hyper: dict) -> dict:
     return arguments
 
 
+def _per_parameter(hyper: dict) -> tuple[list[str], list[list]]:
+    """The hyperparameters given as lists, one value per parameter (the param groups of
+    one launch), taken out of ``hyper``: their names, and the lists, which
+    ``_dispatch`` splits with the tensors."""
+    if list not in map(type, hyper.values()):  # (asked at every step)
+        return [], []
+    names = [name for name, value in hyper.items() if type(value) is list]
+    return names, [hyper.pop(name) for name in names]
+
+
 def _hyperparameters_on(hyper: dict, params: Sequence[torch.Tensor]) -> dict:
     """``hyper`` with each tensor hyperparameter where the step reads it: on the
     parameters' device as it is; on the CPU for another device, its value (as torch's
@@ -505,10 +564,13 @@ def sgd_step_(
     momentum and ``dampening``, each parameter's count of steps taken before this one
     (FP32, one element, on its device), which tells a buffer's first step; the step
     advances it where it is taken. ``lr`` may be a one-element tensor, read on the
-    device at each step (``_hyperparameters_on``).
+    device at each step (``_hyperparameters_on``). Eagerly, any float hyperparameter
+    may also be a list of one value per parameter (param groups stepped in one launch,
+    ``mpgemm.optim``), with a nonzero ``momentum`` (and ``dampening``) nonzero for all.
 
     Raises ValueError for momentum with dampening and no ``steps``."""
-    if hyper.get("momentum", 0.0) != 0 and hyper.get("dampening", 0.0) != 0 and steps is None:
+    damped = nonzero(hyper.get("momentum", 0.0)) and nonzero(hyper.get("dampening", 0.0))
+    if damped and steps is None:
         raise ValueError(
             "mpgemm.scaling.sgd_step_: momentum with dampening needs the parameters' step "
             "counts (steps=)"
@@ -526,20 +588,22 @@ def sgd_step_(
     # come last.
     buffers = [] if momentum_buffers is None else [momentum_buffers]
     counts = [] if steps is None else [steps]
-    _dispatch(
-        "sgd_step",
-        [params, grads, copies, *buffers, *counts],
-        lambda impl, ls: impl(
+    lists = [params, grads, copies, *buffers, *counts]
+    names, riders = _per_parameter(hyper)
+
+    def call(impl, split):
+        ls, per_parameter = (split[: len(lists)], split[len(lists) :]) if names else (split, ())
+        impl(
             ls[0],
             ls[1],
             ls[3] if buffers else None,
             compute_copies=ls[2],
             steps=ls[-1] if counts else None,
             **hyper,
-        ),
-        strided=3 + len(buffers),
-        copies=2,
-    )
+            **(dict(zip(names, per_parameter, strict=True)) if names else {}),
+        )
+
+    _dispatch("sgd_step", lists, call, strided=3 + len(buffers), copies=2, riders=riders)
 
 
 def adam_step_(
@@ -558,7 +622,8 @@ def adam_step_(
     element, on its device), advanced by the step where it is taken.
     ``compute_copies`` as for ``sgd_step_``; ``max_exp_avg_sqs``: AMSGrad's maxima of
     the second moments (None: plain Adam); ``lr``, ``beta1`` and ``beta2`` may be
-    one-element tensors, as ``sgd_step_``'s ``lr``."""
+    one-element tensors, as ``sgd_step_``'s ``lr``, and, eagerly, any float
+    hyperparameter a list of one value per parameter, as ``sgd_step_``'s."""
     if torch.compiler.is_compiling():
         ops.adam_step_(
             *_shards(
@@ -578,16 +643,25 @@ def adam_step_(
     copies = params if compute_copies is None else compute_copies
     # AMSGrad's maxima are walked with the moments, before the copies and step counts.
     maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]
-    _dispatch(
-        "adam_step",
-        [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps],
-        lambda impl, ls: impl(
+    lists = [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps]
+    names, riders = _per_parameter(hyper)
+
+    def call(impl, split):
+        ls, per_parameter = (split[: len(lists)], split[len(lists) :]) if names else (split, ())
+        impl(
             *ls[:4],
             ls[-1],
             compute_copies=ls[-2],
             max_exp_avg_sqs=ls[4] if maxima else None,
             **hyper,
-        ),
+            **(dict(zip(names, per_parameter, strict=True)) if names else {}),
+        )
+
+    _dispatch(
+        "adam_step",
+        lists,
+        call,
         strided=5 + len(maxima),
         copies=4 + len(maxima),
+        riders=riders,
     )

@@ -3,6 +3,7 @@ optimizers against torch's, and a skipped step that leaves every bit in place.""
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -497,6 +498,73 @@ def test_fused_optimizer_tracks_torch_over_100_steps(device, name):
     ):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert (p - initial).abs().max() > 1e-3, "training moved the parameters"
+
+
+def _param_groups(model, name):
+    """A group per parameter, as recipes split them (decay and no-decay, a learning
+    rate per layer): each with float hyperparameters of its own, and the flags (Adam's
+    amsgrad and maximize, SGD's nonzero momentum and dampening, nesterov) of ``name``'s
+    optimizer."""
+    floats = (
+        [{"betas": (0.8, 0.99), "eps": 1e-6}, {"betas": (0.85, 0.9)}, {}, {"eps": 1e-7}]
+        if name in ("adam", "adamw", "amsgrad")
+        else [{"momentum": 0.8}, {}, {"momentum": 0.7}, {}]
+    )
+    rates = [{"lr": 0.03, "weight_decay": 1e-2}, {"lr": 0.01, "weight_decay": 0.0}, {"lr": 0.02}]
+    return [
+        {"params": [p], **rate, **other}
+        for p, rate, other in zip(model.parameters(), [*rates, {}], floats, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_param_groups_that_differ_in_floats_step_in_one_launch(device, name):
+    # Each parameter reads its group's values in the kernel (a group took a launch of
+    # its own, some 80 us of host time each).
+    ours_make, torch_make = OPTIMIZERS[name]
+    ours, theirs = _mlp(device), _mlp(device)
+    optimizer = ours_make(_param_groups(ours, name))
+    names, _ = launched_kernels(lambda: _train(ours, optimizer, 3, device))
+    kernel = "_adam_kernel" if name in ("adam", "adamw", "amsgrad") else "_sgd_kernel"
+    assert names.count(kernel) == 3, names
+    _train(ours, optimizer, 17, device, seed=2)
+    reference = torch_make(_param_groups(theirs, name))
+    _train(theirs, reference, 3, device)
+    _train(theirs, reference, 17, device, seed=2)
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_groups_that_differ_in_a_flag_or_read_a_tensor_lr_step_apart(device, monkeypatch):
+    # A flag is the kernel's (AMSGrad's maxima, another list); a tensor lr is read from
+    # its own tensor. The kernels' steps and the reference's (torch ops, which take one
+    # value of each hyperparameter) step the merged groups alike.
+    def groups(model):
+        a, b, c, d = model.parameters()
+        lr = torch.tensor(0.02, device=device)
+        return [
+            {"params": [a], "lr": 0.03, "amsgrad": True},
+            {"params": [b], "lr": 0.01, "weight_decay": 0.1},
+            {"params": [c], "lr": lr},
+            {"params": [d], "betas": (0.8, 0.9)},
+        ]
+
+    runs = []
+    for make in (mpgemm.optim.Adam, torch.optim.Adam):
+        model = _mlp(device)
+        optimizer = make(groups(model), lr=1e-2)
+        names, _ = launched_kernels(functools.partial(_train, model, optimizer, 4, device))
+        runs.append((model, names))
+    (ours, names), (theirs, _) = runs
+    assert names.count("_adam_kernel") == 3 * 4, names  # amsgrad, tensor lr, the rest
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    if device.type == "cpu":  # the reference path, where the kernels are interpreted
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        model = _mlp(device)
+        _train(model, mpgemm.optim.Adam(groups(model), lr=1e-2), 4, device)
+        for p, q in zip(model.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_state_dict_round_trip_continues_exactly(device):

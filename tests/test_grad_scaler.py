@@ -243,14 +243,14 @@ def test_mpgemm_optimizers_get_the_scale_and_flag_as_step_arguments(device, monk
     for p in params:
         p.grad = scaler.scale(torch.randn(p.shape, device=device))
     seen = []
-    step_group = optimizer._step_group
+    step_groups = optimizer._step_groups
 
-    def spy(group, params, grad_scale, found_inf):
+    def spy(parts, grad_scale, found_inf):
         attributes = {n for n in ("grad_scale", "found_inf") if n in vars(optimizer)}
         seen.append((attributes, grad_scale.item(), found_inf.item()))
-        step_group(group, params, grad_scale, found_inf)
+        step_groups(parts, grad_scale, found_inf)
 
-    monkeypatch.setattr(optimizer, "_step_group", spy)
+    monkeypatch.setattr(optimizer, "_step_groups", spy)
     scaler.step(optimizer)
     assert seen == [(set(), 2.0**10, 0.0)]
 
