@@ -15,7 +15,8 @@ small MLP's training step (784-128-10, batch 128, Adam), the guide MLP's
 (784-4096-4096-10) at batch 64, ``mpgemm.scaling.unscale_``
 over 200 gradients, and a ``LossScaleOptimizer(Adam)`` step (the inf check, the fused
 step, the scale update) over 100 ``mpgemm.Linear(64, 64)`` layers: 100 weights with
-16-bit copies and 100 biases. Then a tiny MLP's step (8-8-10, batch 4, so that the
+16-bit copies and 100 biases; then the same parameters under ``AdamW`` in two param
+groups, weights decayed and biases not. Then a tiny MLP's step (8-8-10, batch 4, so that the
 CPU's arithmetic hardly counts) split into its phases (``phase_times``: medians of 300
 steps), mpgemm's and FP32's (torch's Adam runs its for-loop implementation on a CPU,
 foreach on a GPU). On a shared machine compare two trees by alternating runs and
@@ -214,6 +215,10 @@ def main() -> None:
     found, inv_scale = torch.zeros(()), torch.ones(())
     layers = torch.nn.Sequential(*(mpgemm.Linear(64, 64) for _ in range(100)))
     optimizer = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(layers.parameters()))
+    # The same parameters in a recipe's two groups: weights decayed, biases not.
+    decay = [{"params": [p for p in layers.parameters() if p.dim() == dim]} for dim in (2, 1)]
+    decay[0]["weight_decay"] = 0.01
+    grouped = mpgemm.LossScaleOptimizer(mpgemm.optim.AdamW(decay, weight_decay=0.0))
     # The guide's MLP at batch 64: its launches, little of the CPU's arithmetic.
     guide = Recipe("mpgemm", build_mlp(784, (4096, 4096), 10), TrainConfig(hidden=(4096, 4096)))
     xg, yg = torch.randn(64, 784), torch.randint(0, 10, (64,))
@@ -233,6 +238,7 @@ def main() -> None:
         **gemms,
         "unscale_ 200 tensors": (lambda: unscale_(grads, found, inv_scale), 500),
         "LossScaleOptimizer(Adam) step, 100 layers": (optimizer.step, 100),
+        "LossScaleOptimizer(AdamW) step, 100 layers, 2 param groups": (grouped.step, 100),
     }
     # An MLP too small for the CPU's arithmetic to count, for the phases.
     tiny = TrainConfig(hidden=(8,), batch_size=4)
@@ -244,6 +250,7 @@ def main() -> None:
     with triton_stubbed():
         # The layers' gradients and 16-bit weight copies, which every step then reads.
         optimizer.scale_loss(layers(torch.randn(8, 64)).float().sum()).backward()
+        grouped.scale_loss(torch.ones(()))  # (its scale, made at its first scaled loss)
         for name, (fn, calls) in cases.items():
             print(f"{name}: {best_us(fn, calls):.1f} us", flush=True)
         for mode in ("mpgemm", "fp32"):

@@ -295,9 +295,13 @@ def _hyperparameter(value: float, tensor: bool) -> float | torch.Tensor:
     return torch.tensor(value) if tensor else value
 
 
-def _per_group(value: float, grouped: bool) -> float | list[float]:
-    # Two param groups, one tensor each, with values of their own.
-    return [value, value / 2] if grouped else value
+def _two_groups(**values: float) -> dict:
+    """``groups``: two param groups of one tensor each, the second with half of each of
+    ``values`` (as the launch takes them: mpgemm.scaling.ParamGroups)."""
+    from mpgemm.scaling import ParamGroups
+
+    halves = {name: value / 2 for name, value in values.items()}
+    return {"groups": ParamGroups((values, halves), (1, 1))}
 
 
 def _sgd_step(
@@ -315,14 +319,15 @@ def _sgd_step(
     triton_sgd_step_(
         *lists,
         steps=[torch.ones(()) for _ in range(2)] if dampening else None,
-        lr=_per_group(0.1, grouped) if grouped else _hyperparameter(0.1, tensor_hyperparameters),
-        momentum=_per_group(0.9, grouped),
+        lr=_hyperparameter(0.1, tensor_hyperparameters),
+        momentum=0.9,
         dampening=dampening,
-        weight_decay=_per_group(1e-4, grouped),
+        weight_decay=0.0,
         nesterov=False,
         maximize=False,
         compute_copies=copies,
         **_scaling_tensors(),
+        **(_two_groups(lr=0.1, momentum=0.9) if grouped else {}),
     )
 
 
@@ -343,15 +348,16 @@ def _adam_step(
         *lists[:4],
         [torch.ones(()) for _ in range(2)],
         max_exp_avg_sqs=lists[4] if amsgrad else None,
-        lr=_per_group(1e-3, grouped) if grouped else _hyperparameter(1e-3, tensor_hyperparameters),
+        lr=_hyperparameter(1e-3, tensor_hyperparameters),
         beta1=_hyperparameter(0.9, tensor_hyperparameters),
         beta2=_hyperparameter(0.999, tensor_hyperparameters),
-        eps=_per_group(1e-8, grouped),
-        weight_decay=_per_group(0.01, grouped),
+        eps=1e-8,
+        weight_decay=0.01,
         decoupled_weight_decay=decoupled,
         maximize=False,
         compute_copies=copies,
         **_scaling_tensors(),
+        **(_two_groups(lr=1e-3, eps=1e-8, weight_decay=0.01) if grouped else {}),
     )
 
 

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -54,7 +54,9 @@ from mpgemm.kernels.tensor_table import (
     table_pointer,
     tensor_table,
 )
-from mpgemm.scaling import nonzero
+
+if TYPE_CHECKING:
+    from mpgemm.scaling import ParamGroups
 
 # Elements per program of the optimizer steps: 8 per thread for 8 warps, half the tensor
 # table's BLOCK. Under Triton 3.6 Adam takes 88 registers a thread (102 writing a copy),
@@ -571,6 +573,8 @@ def _launch(
     found_inf,
     grad_scale,
     hyper,
+    names: Sequence[str],
+    groups: ParamGroups | None,
     *,
     strided,
     tensor_flags: Sequence[str],
@@ -581,9 +585,10 @@ def _launch(
 ) -> None:
     """One launch over the parallel ``lists`` and the compute ``copies`` (the table's last
     list); the first ``strided`` lists, and the copies, are walked element by element.
-    ``hyper``: the hyperparameters, of which the first ``len(tensor_flags)`` may be
-    one-element tensors on the lists' device (torch's optimizers take a tensor lr and
-    betas), each passed after the table and read from there when its flag is set.
+    ``hyper``: the hyperparameters, by ``names``, of which the first
+    ``len(tensor_flags)`` may be one-element tensors on the lists' device (torch's
+    optimizers take a tensor lr and betas), each passed after the table and read from
+    there when its flag is set; ``groups``: their values per run of tensors, if any.
     ``counts_steps``: the last of ``lists`` holds step counts that the kernel advances
     where the step is taken (every tensor gets a program then, a zero-size one too,
     and the programs of a tensor arrive on a counter of their own: the last stores
@@ -595,9 +600,9 @@ def _launch(
     # The first compute copy that is a tensor of its own, whose dtype all such share.
     first_copy = next(itertools.compress(copies, map(operator.is_not, copies, params)), None)
     has_copy = first_copy is not None
-    rows, groups = _hyper_rows(hyper, len(params))
+    rows, run_of_each = _hyper_rows(hyper, names, groups)
     table, num_tensors, num_blocks, aligned = tensor_table(
-        [*lists, copies], block, every_tensor=counts_steps, groups=groups
+        [*lists, copies], block, every_tensor=counts_steps, groups=run_of_each
     )
     if num_blocks == 0:
         return
@@ -624,7 +629,7 @@ def _launch(
         HAS_FOUND_INF=found_inf is not None,
         HAS_GRAD_SCALE=grad_scale is not None,
         ALIGNED=all(walked),
-        GROUPED=bool(groups),
+        GROUPED=bool(run_of_each),
         INTERPRETED=INTERPRET,
         BLOCK=block,
         num_warps=num_warps,
@@ -633,20 +638,16 @@ def _launch(
     )
 
 
-def _hyper_rows(hyper: Sequence, count: int) -> tuple[list[tuple], bytes]:
-    """The FP64 table's rows and the tensor table's group row for ``hyper``, whose
-    values are each one for all ``count`` tensors (a float, or a tensor read by the
-    kernel), or a list of floats, one per tensor (the param groups of one launch): one
-    row and no group row, or one row per distinct tuple of values and each tensor's row
-    index as int64s."""
-    if list not in map(type, hyper):  # (asked at every step)
+def _hyper_rows(
+    hyper: Sequence, names: Sequence[str], groups: ParamGroups | None
+) -> tuple[list[tuple], bytes]:
+    """The FP64 table's rows and the tensor table's group row: ``hyper`` (by ``names``)
+    as one row and no group row, or, with ``groups``, a row per run (its values in
+    place of ``hyper``'s) and each tensor's run index."""
+    if groups is None:
         return [tuple(hyper)], b""
-    columns = [value if isinstance(value, list) else [value] * count for value in hyper]
-    per_tensor = list(zip(*columns, strict=True))
-    index = {row: i for i, row in enumerate(dict.fromkeys(per_tensor))}
-    if len(index) == 1:
-        return list(index), b""
-    return list(index), array("q", map(index.__getitem__, per_tensor)).tobytes()
+    rows = [tuple(row.get(n, v) for n, v in zip(names, hyper, strict=True)) for row in groups.rows]
+    return rows, groups.run_of_each() if len(rows) > 1 else b""
 
 
 def triton_sgd_step_(
@@ -654,29 +655,31 @@ def triton_sgd_step_(
     grads: Sequence[torch.Tensor],
     momentum_buffers: Sequence[torch.Tensor] | None,
     *,
-    lr: float | torch.Tensor | list[float],
-    momentum: float | list[float],
-    weight_decay: float | list[float],
+    lr: float | torch.Tensor,
+    momentum: float,
+    weight_decay: float,
     nesterov: bool,
     maximize: bool,
-    dampening: float | list[float] = 0.0,
+    dampening: float = 0.0,
     steps: Sequence[torch.Tensor] | None = None,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
+    groups: ParamGroups | None = None,
 ) -> None:
     """``sgd_step_ref_`` in one launch. ``params`` (and buffers) share a dtype, ``grads``
     share a dtype, ``compute_copies`` that are not their parameter share a dtype (a
     parameter's own tensor: none); all flat, one device, parallel tensors with equal
     strides. ``steps`` (FP32 one-element tensors, each parameter's count of steps taken
     before this one, advanced where it is taken) only with momentum and dampening. A
-    tensor ``lr`` (one element, on that device) is read by the kernel. A hyperparameter
-    given as a list has one value per parameter (the param groups of one launch); a
-    nonzero ``momentum`` and ``dampening`` must then be nonzero for every parameter."""
+    tensor ``lr`` (one element, on that device) is read by the kernel. ``groups``: the
+    float hyperparameters per run of parameters (``mpgemm.scaling.ParamGroups``), each
+    parameter reading its run's; a nonzero ``momentum`` and ``dampening`` must then be
+    nonzero in every run."""
     if not params:
         return
-    buffers = momentum_buffers if nonzero(momentum) else params
-    damped = nonzero(momentum) and nonzero(dampening)
+    buffers = momentum_buffers if momentum != 0 else params
+    damped = momentum != 0 and dampening != 0
     _launch(
         _sgd_kernel,
         # (mpgemm.scaling.sgd_step_ has checked that a damped step has its counts)
@@ -685,10 +688,12 @@ def triton_sgd_step_(
         found_inf,
         grad_scale,
         (lr, momentum, weight_decay, dampening),
+        ("lr", "momentum", "weight_decay", "dampening"),
+        groups,
         strided=3,
         tensor_flags=("TENSOR_LR",),
         counts_steps=damped,
-        HAS_MOMENTUM=nonzero(momentum),
+        HAS_MOMENTUM=momentum != 0,
         DAMPENING=damped,
         NESTEROV=nesterov,
         MAXIMIZE=maximize,
@@ -702,25 +707,26 @@ def triton_adam_step_(
     exp_avg_sqs: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     *,
-    lr: float | torch.Tensor | list[float],
-    beta1: float | torch.Tensor | list[float],
-    beta2: float | torch.Tensor | list[float],
-    eps: float | list[float],
-    weight_decay: float | list[float],
+    lr: float | torch.Tensor,
+    beta1: float | torch.Tensor,
+    beta2: float | torch.Tensor,
+    eps: float,
+    weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
     max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
+    groups: ParamGroups | None = None,
 ) -> None:
     """``adam_step_ref_`` in one launch. ``params`` and moments (and AMSGrad's
     ``max_exp_avg_sqs``) share a dtype, ``grads`` share a dtype, ``compute_copies`` that
     are not their parameter share a dtype (a parameter's own tensor: none), ``steps``
     are FP32 one-element tensors (each parameter's count of steps taken before this
     one, advanced where it is taken); all on one device. A tensor ``lr``, ``beta1`` or
-    ``beta2`` (one element, on that device) is read by the kernel. A hyperparameter
-    given as a list has one value per parameter (the param groups of one launch)."""
+    ``beta2`` (one element, on that device) is read by the kernel. ``groups`` as
+    ``triton_sgd_step_``'s."""
     if not params:
         return
     maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]
@@ -731,6 +737,8 @@ def triton_adam_step_(
         found_inf,
         grad_scale,
         (lr, beta1, beta2, eps, weight_decay),
+        ("lr", "beta1", "beta2", "eps", "weight_decay"),
+        groups,
         strided=4 + len(maxima),
         tensor_flags=("TENSOR_LR", "TENSOR_BETA1", "TENSOR_BETA2"),
         counts_steps=True,

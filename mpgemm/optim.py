@@ -40,7 +40,7 @@ import torch
 
 from mpgemm.compute_copy import copies_of
 from mpgemm.graphs import note_host_values
-from mpgemm.scaling import KERNEL_DTYPES, adam_step_, by_device, sgd_step_
+from mpgemm.scaling import KERNEL_DTYPES, ParamGroups, adam_step_, by_device, sgd_step_
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -87,21 +87,23 @@ def _by_device(
     return out
 
 
-def _per_parameter(parts: list[tuple[dict, list]], **names) -> dict[str, Any]:
-    """Hyperparameters for one launch over ``parts`` ((group, params) pairs): each
-    ``name=key`` (a group's key, or (key, index) into a group's tuple such as "betas")
-    as the group's value, or, over several groups, a list of one value per parameter."""
+def _hyperparameters(parts: list[tuple[dict, list]], **keys) -> dict[str, Any]:
+    """The float hyperparameters of one launch over ``parts`` ((group, params) pairs),
+    each ``name=key`` (a group's key, or (key, index) into a tuple such as "betas"):
+    the first group's values, and over several groups ``groups``, a
+    ``mpgemm.scaling.ParamGroups`` of every group's."""
 
-    def value(group: dict, key) -> Any:
-        return group[key[0]][key[1]] if type(key) is tuple else group[key]
+    def row(group: dict) -> dict[str, Any]:
+        return {
+            name: group[key[0]][key[1]] if type(key) is tuple else group[key]
+            for name, key in keys.items()
+        }
 
+    first = row(parts[0][0])
     if len(parts) == 1:
-        group = parts[0][0]
-        return {name: value(group, key) for name, key in names.items()}
-    return {
-        name: [v for group, part in parts for v in [value(group, key)] * len(part)]
-        for name, key in names.items()
-    }
+        return first
+    rows = tuple(row(group) for group, _ in parts)
+    return {**first, "groups": ParamGroups(rows, tuple(len(part) for _, part in parts))}
 
 
 class _ScaledStep(torch.optim.Optimizer):
@@ -306,7 +308,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
             [p.grad for p in params],
             buffers,
             steps=steps,
-            **_per_parameter(
+            **_hyperparameters(
                 parts,
                 lr="lr",
                 momentum="momentum",
@@ -397,7 +399,7 @@ class _FusedAdamStep(_ScaledStep):
             exp_avgs,
             exp_avg_sqs,
             steps,
-            **_per_parameter(
+            **_hyperparameters(
                 parts,
                 lr="lr",
                 beta1=("betas", 0),

@@ -15,9 +15,10 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, TypeGuard, cast
+from typing import TYPE_CHECKING, NamedTuple, TypeGuard, cast
 
 import torch
 
@@ -98,11 +99,11 @@ def _dispatch(
     *,
     strided: int,
     copies: int | None = None,
-    riders: Sequence[Sequence] = (),
+    groups: ParamGroups | None = None,
 ) -> None:
-    """Call ``call(impl, sublists)`` once per dtype group of the parallel ``lists``.
-    ``riders``: lists of other values, one per position (an optimizer's per-parameter
-    hyperparameters), split as the lists are and passed after them in ``sublists``.
+    """Call ``call(impl, sublists, subgroups)`` once per dtype group of the parallel
+    ``lists``, with ``groups`` (an optimizer's hyperparameters per run of parameters)
+    split as the lists are (None stays None).
 
     The first ``strided`` lists are addressed elementwise; a position whose tensors are
     not all flat with equal strides, or of a dtype the kernels do not take, goes to the
@@ -142,7 +143,7 @@ def _dispatch(
         dtypes = _dtype_sets(lists, copies, facts)
         take_all = use_kernels and _kernels_take_all(lists[:strided], dtypes[:strided], facts)
         if take_all and all(len(held) <= 1 for held in dtypes):
-            call(kernels()[name], [*lists, *riders] if riders else lists)  # one group
+            call(kernels()[name], lists, groups)  # one group
             return
         if take_all:
             kernel_ok: Iterable[bool] = itertools.repeat(True, len(lists[0]))
@@ -150,15 +151,18 @@ def _dispatch(
             kernel_ok = (
                 use_kernels and _kernel_takes(ts[:strided]) for ts in zip(*lists, strict=True)
             )
-        groups: dict[tuple, list[int]] = defaultdict(list)
+        positions: dict[tuple, list[int]] = defaultdict(list)
         for index, key in enumerate(zip(kernel_ok, *_dtype_keys(lists, copies), strict=True)):
-            groups[key].append(index)
+            positions[key].append(index)
         if copies is not None:
-            _merge_own_copies(groups, 1 + copies)  # (the key's first entry is kernel_ok)
-        for (ok, *_), indices in groups.items():
+            _merge_own_copies(positions, 1 + copies)  # (the key's first entry is kernel_ok)
+        for (ok, *_), indices in positions.items():
             impl = kernels()[name] if ok else REFERENCES[name]
-            split = [*lists, *riders]
-            call(impl, split if len(groups) == 1 else [[lst[i] for i in indices] for lst in split])
+            if len(positions) == 1:
+                call(impl, lists, groups)
+            else:
+                taken = None if groups is None else groups.take(indices)
+                call(impl, [[lst[i] for i in indices] for lst in lists], taken)
 
 
 def _copy_dtype(param: torch.Tensor, copy: torch.Tensor) -> torch.dtype | None:
@@ -277,49 +281,58 @@ def _kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
     return all(is_flat(t) and t.stride() == stride for t in tensors)
 
 
-# The optimizer steps' hyperparameters, which may come as lists of one value per
-# parameter, and their keyword arguments that are lists of tensors.
-_HYPERPARAMETERS = frozenset(
-    {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening"}
-)
-_TENSOR_LISTS = frozenset({"compute_copies", "steps", "max_exp_avg_sqs"})
+class ParamGroups(NamedTuple):
+    """Float hyperparameters that differ between runs of consecutive parameters (the
+    param groups of one optimizer launch, ``mpgemm.optim``): ``rows[i]`` (name -> value)
+    holds for the ``sizes[i]`` parameters of run ``i``, in place of the values given
+    for all. Per run, not per parameter, so that a step's host work grows with its
+    groups, not its parameters."""
+
+    rows: tuple[dict[str, float], ...]
+    sizes: tuple[int, ...]
+
+    def take(self, indices: Sequence[int]) -> ParamGroups:
+        """The runs of the parameters at ``indices``, in their order."""
+        run_of = [run for run, size in enumerate(self.sizes) for _ in range(size)]
+        rows: list[dict[str, float]] = []
+        sizes: list[int] = []
+        for index in indices:
+            row = self.rows[run_of[index]]
+            if rows and rows[-1] is row:
+                sizes[-1] += 1
+            else:
+                rows.append(row)
+                sizes.append(1)
+        return ParamGroups(tuple(rows), tuple(sizes))
+
+    def run_of_each(self) -> bytes:
+        """Each parameter's run index, as int64s in native byte order."""
+        return b"".join(array("q", [run]).tobytes() * size for run, size in enumerate(self.sizes))
 
 
-def nonzero(value: float | torch.Tensor | list[float]) -> bool:
-    """Whether an optimizer's hyperparameter is nonzero; given as a list of one value
-    per parameter (param groups that share the kernel's flags), whether any is."""
-    return any(v != 0 for v in value) if isinstance(value, list) else bool(value != 0)
-
-
-def _picked(seq: Sequence | None, indices: list[int]) -> list | None:
-    return None if seq is None else [seq[i] for i in indices]
-
-
-def _per_value_set(reference: Callable) -> Callable:
+def _per_run(reference: Callable) -> Callable:
     """``reference`` (an optimizer step's, which takes one value of each hyperparameter)
-    taking hyperparameters as lists of one value per parameter too: run on each set of
-    positions that share their values, with those values."""
+    taking ``groups`` too: run on each run of parameters with its row's values."""
 
     @functools.wraps(reference)
-    def run(*lists, **kwargs):
-        names = [n for n in _HYPERPARAMETERS & kwargs.keys() if isinstance(kwargs[n], list)]
-        if not names:
+    def run(*lists, groups: ParamGroups | None = None, **kwargs):
+        if groups is None:
             return reference(*lists, **kwargs)
-        positions: dict[tuple, list[int]] = defaultdict(list)
-        for index, values in enumerate(zip(*(kwargs[n] for n in names), strict=True)):
-            positions[values].append(index)
-        for values, indices in positions.items():
-            reference(
-                *(_picked(seq, indices) for seq in lists),
-                **{
-                    n: _picked(v, indices) if n in _TENSOR_LISTS else v
-                    for n, v in kwargs.items()
-                    if n not in names
-                },
-                **dict(zip(names, values, strict=True)),
-            )
+        start = 0
+        for row, size in zip(groups.rows, groups.sizes, strict=True):
+            part = slice(start, start + size)
+            start += size
+            per_run = {
+                name: value[part] if name in _TENSOR_LISTS and value is not None else value
+                for name, value in kwargs.items()
+            }
+            reference(*(None if seq is None else seq[part] for seq in lists), **(per_run | row))
 
     return run
+
+
+# An optimizer step's keyword arguments that are lists of tensors, one per parameter.
+_TENSOR_LISTS = frozenset({"compute_copies", "steps", "max_exp_avg_sqs"})
 
 
 # Each op's two implementations, by the op's name: the reference (torch ops, any
@@ -327,8 +340,8 @@ def _per_value_set(reference: Callable) -> Callable:
 REFERENCES: dict[str, Callable] = {
     "unscale": scaling_ref.unscale_ref_,
     "update_scale": scaling_ref.update_scale_ref_,
-    "sgd_step": _per_value_set(scaling_ref.sgd_step_ref_),
-    "adam_step": _per_value_set(scaling_ref.adam_step_ref_),
+    "sgd_step": _per_run(scaling_ref.sgd_step_ref_),
+    "adam_step": _per_run(scaling_ref.adam_step_ref_),
 }
 
 
@@ -379,7 +392,9 @@ def unscale_(
         _dispatch(
             "unscale",
             lists,
-            lambda impl, ls: impl(ls[0], found_inf, inv_scale, dst=None if dst is None else ls[1]),
+            lambda impl, ls, _: impl(
+                ls[0], found_inf, inv_scale, dst=None if dst is None else ls[1]
+            ),
             strided=2,
         )
     _reduce_over_shards(src, src_types, found_inf)
@@ -519,16 +534,6 @@ def _as_op_arguments(hyper: dict) -> dict:
     return arguments
 
 
-def _per_parameter(hyper: dict) -> tuple[list[str], list[list]]:
-    """The hyperparameters given as lists, one value per parameter (the param groups of
-    one launch), taken out of ``hyper``: their names, and the lists, which
-    ``_dispatch`` splits with the tensors."""
-    if list not in map(type, hyper.values()):  # (asked at every step)
-        return [], []
-    names = [name for name, value in hyper.items() if type(value) is list]
-    return names, [hyper.pop(name) for name in names]
-
-
 def _hyperparameters_on(hyper: dict, params: Sequence[torch.Tensor]) -> dict:
     """``hyper`` with each tensor hyperparameter where the step reads it: on the
     parameters' device as it is; on the CPU for another device, its value (as torch's
@@ -556,6 +561,7 @@ def sgd_step_(
     *,
     compute_copies: Sequence[torch.Tensor] | None = None,
     steps: Sequence[torch.Tensor] | None = None,
+    groups: ParamGroups | None = None,
     **hyper,
 ) -> None:
     """One SGD step of ``mpgemm.scaling_ref.sgd_step_ref_``'s math, fused per dtype.
@@ -564,13 +570,13 @@ def sgd_step_(
     momentum and ``dampening``, each parameter's count of steps taken before this one
     (FP32, one element, on its device), which tells a buffer's first step; the step
     advances it where it is taken. ``lr`` may be a one-element tensor, read on the
-    device at each step (``_hyperparameters_on``). Eagerly, any float hyperparameter
-    may also be a list of one value per parameter (param groups stepped in one launch,
-    ``mpgemm.optim``), with a nonzero ``momentum`` (and ``dampening``) nonzero for all.
+    device at each step (``_hyperparameters_on``). ``groups`` (eagerly): float
+    hyperparameters per run of parameters (``ParamGroups``: param groups stepped in one
+    launch, ``mpgemm.optim``), which must agree with those given on whether momentum
+    and dampening are nonzero.
 
     Raises ValueError for momentum with dampening and no ``steps``."""
-    damped = nonzero(hyper.get("momentum", 0.0)) and nonzero(hyper.get("dampening", 0.0))
-    if damped and steps is None:
+    if hyper.get("momentum", 0.0) != 0 and hyper.get("dampening", 0.0) != 0 and steps is None:
         raise ValueError(
             "mpgemm.scaling.sgd_step_: momentum with dampening needs the parameters' step "
             "counts (steps=)"
@@ -588,22 +594,22 @@ def sgd_step_(
     # come last.
     buffers = [] if momentum_buffers is None else [momentum_buffers]
     counts = [] if steps is None else [steps]
-    lists = [params, grads, copies, *buffers, *counts]
-    names, riders = _per_parameter(hyper)
-
-    def call(impl, split):
-        ls, per_parameter = (split[: len(lists)], split[len(lists) :]) if names else (split, ())
-        impl(
+    _dispatch(
+        "sgd_step",
+        [params, grads, copies, *buffers, *counts],
+        lambda impl, ls, runs: impl(
             ls[0],
             ls[1],
             ls[3] if buffers else None,
             compute_copies=ls[2],
             steps=ls[-1] if counts else None,
             **hyper,
-            **(dict(zip(names, per_parameter, strict=True)) if names else {}),
-        )
-
-    _dispatch("sgd_step", lists, call, strided=3 + len(buffers), copies=2, riders=riders)
+            **({} if runs is None else {"groups": runs}),
+        ),
+        strided=3 + len(buffers),
+        copies=2,
+        groups=groups,
+    )
 
 
 def adam_step_(
@@ -615,6 +621,7 @@ def adam_step_(
     *,
     compute_copies: Sequence[torch.Tensor] | None = None,
     max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
+    groups: ParamGroups | None = None,
     **hyper,
 ) -> None:
     """One Adam/AdamW step of ``mpgemm.scaling_ref.adam_step_ref_``'s math, fused per
@@ -622,8 +629,7 @@ def adam_step_(
     element, on its device), advanced by the step where it is taken.
     ``compute_copies`` as for ``sgd_step_``; ``max_exp_avg_sqs``: AMSGrad's maxima of
     the second moments (None: plain Adam); ``lr``, ``beta1`` and ``beta2`` may be
-    one-element tensors, as ``sgd_step_``'s ``lr``, and, eagerly, any float
-    hyperparameter a list of one value per parameter, as ``sgd_step_``'s."""
+    one-element tensors, as ``sgd_step_``'s ``lr``; ``groups`` as ``sgd_step_``'s."""
     if torch.compiler.is_compiling():
         ops.adam_step_(
             *_shards(
@@ -643,25 +649,18 @@ def adam_step_(
     copies = params if compute_copies is None else compute_copies
     # AMSGrad's maxima are walked with the moments, before the copies and step counts.
     maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]
-    lists = [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps]
-    names, riders = _per_parameter(hyper)
-
-    def call(impl, split):
-        ls, per_parameter = (split[: len(lists)], split[len(lists) :]) if names else (split, ())
-        impl(
+    _dispatch(
+        "adam_step",
+        [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps],
+        lambda impl, ls, runs: impl(
             *ls[:4],
             ls[-1],
             compute_copies=ls[-2],
             max_exp_avg_sqs=ls[4] if maxima else None,
             **hyper,
-            **(dict(zip(names, per_parameter, strict=True)) if names else {}),
-        )
-
-    _dispatch(
-        "adam_step",
-        lists,
-        call,
+            **({} if runs is None else {"groups": runs}),
+        ),
         strided=5 + len(maxima),
         copies=4 + len(maxima),
-        riders=riders,
+        groups=groups,
     )

@@ -567,6 +567,46 @@ def test_groups_that_differ_in_a_flag_or_read_a_tensor_lr_step_apart(device, mon
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_param_groups_of_mixed_dtypes_split_with_their_values(device):
+    # One call over three runs of parameters, FP32 and BF16 mixed: the dtypes split the
+    # launch (as the kernels take one dtype each), and each part keeps its parameters'
+    # runs (ParamGroups.take); the same bits as a call per run.
+    torch.manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]
+    params = [torch.randn(300, device=device, dtype=dtype) for dtype in dtypes]
+    rows = ({"lr": 0.1, "weight_decay": 0.01}, {"lr": 0.02}, {"lr": 0.05, "eps": 1e-6})
+    runs = scaling.ParamGroups(rows, (2, 2, 1))
+    hyper = dict(
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled_weight_decay=True,
+        maximize=False,
+    )
+
+    def state():
+        grads = [torch.randn_like(p) for p in params]
+        moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+        return [p.clone() for p in params], grads, *moments, [torch.zeros(()) for _ in params]
+
+    torch.manual_seed(1)
+    merged = state()
+    names, _ = launched_kernels(lambda: scaling.adam_step_(*merged, groups=runs, **hyper))
+    assert names == ["_adam_kernel", "_adam_kernel"]  # FP32 and BF16
+    torch.manual_seed(1)
+    apart = state()
+    start = 0
+    for row, size in zip(runs.rows, runs.sizes, strict=True):
+        scaling.adam_step_(*(lst[start : start + size] for lst in apart), **(hyper | row))
+        start += size
+    names = ("param", "grad", "exp_avg", "exp_avg_sq", "step")
+    for name, got_list, want_list in zip(names, merged, apart, strict=True):
+        for got, want in zip(got_list, want_list, strict=True):
+            assert_same_bits(got, want, name)
+
+
 def test_state_dict_round_trip_continues_exactly(device):
     ours_make, _ = OPTIMIZERS["adamw"]
     straight = _mlp(device)
