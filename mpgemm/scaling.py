@@ -310,38 +310,13 @@ class ParamGroups(NamedTuple):
         return b"".join(array("q", [run]).tobytes() * size for run, size in enumerate(self.sizes))
 
 
-def _per_run(reference: Callable) -> Callable:
-    """``reference`` (an optimizer step's, which takes one value of each hyperparameter)
-    taking ``groups`` too: run on each run of parameters with its row's values."""
-
-    @functools.wraps(reference)
-    def run(*lists, groups: ParamGroups | None = None, **kwargs):
-        if groups is None:
-            return reference(*lists, **kwargs)
-        start = 0
-        for row, size in zip(groups.rows, groups.sizes, strict=True):
-            part = slice(start, start + size)
-            start += size
-            per_run = {
-                name: value[part] if name in _TENSOR_LISTS and value is not None else value
-                for name, value in kwargs.items()
-            }
-            reference(*(None if seq is None else seq[part] for seq in lists), **(per_run | row))
-
-    return run
-
-
-# An optimizer step's keyword arguments that are lists of tensors, one per parameter.
-_TENSOR_LISTS = frozenset({"compute_copies", "steps", "max_exp_avg_sqs"})
-
-
 # Each op's two implementations, by the op's name: the reference (torch ops, any
 # device) and the Triton kernel launcher.
 REFERENCES: dict[str, Callable] = {
     "unscale": scaling_ref.unscale_ref_,
     "update_scale": scaling_ref.update_scale_ref_,
-    "sgd_step": _per_run(scaling_ref.sgd_step_ref_),
-    "adam_step": _per_run(scaling_ref.adam_step_ref_),
+    "sgd_step": scaling_ref.sgd_step_ref_,
+    "adam_step": scaling_ref.adam_step_ref_,
 }
 
 

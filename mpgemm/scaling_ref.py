@@ -10,9 +10,13 @@ waits for the host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mpgemm.scaling import ParamGroups
 
 
 def unscale_ref_(
@@ -113,6 +117,37 @@ def _store_param(
         _store_unless_skipped(copy, p, found_inf)
 
 
+# An optimizer step's arguments that hold one tensor per parameter.
+_PER_PARAMETER = frozenset(
+    {
+        "params",
+        "grads",
+        "momentum_buffers",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "steps",
+        "compute_copies",
+        "max_exp_avg_sqs",
+    }
+)
+
+
+def _each_run(step: Callable, groups: ParamGroups, arguments: dict) -> None:
+    """``step`` (taking ``arguments`` by name) on each run of parameters of ``groups``:
+    the per-parameter lists cut to the run, and the run's row of hyperparameters in
+    place of the values given for all."""
+    start = 0
+    for row, size in zip(groups.rows, groups.sizes, strict=True):
+        run = slice(start, start + size)
+        start += size
+        cut = {
+            name: value[run] if name in _PER_PARAMETER and value is not None else value
+            for name, value in arguments.items()
+            if name != "groups"
+        }
+        step(**(cut | row))
+
+
 def sgd_step_ref_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -128,6 +163,7 @@ def sgd_step_ref_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
+    groups: ParamGroups | None = None,
 ) -> None:
     """SGD with momentum (torch.optim.SGD's math), in FP32:
 
@@ -140,7 +176,11 @@ def sgd_step_ref_(
     each advanced by this step, and a count of 1 (with it) marks the first. A tensor
     ``lr`` (one element) is read in FP64, as a float would be. Each ``compute_copies``
     tensor gets its parameter's new value in its own dtype. Nothing changes where
-    ``found_inf`` is nonzero, the step counts included."""
+    ``found_inf`` is nonzero, the step counts included. ``groups``: float
+    hyperparameters per run of parameters (``mpgemm.scaling.ParamGroups``), each run
+    stepped with its row's."""
+    if groups is not None:
+        return _each_run(sgd_step_ref_, groups, locals())  # (the parameters, only)
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     lr = _widened(lr)
     if momentum != 0 and dampening != 0:
@@ -182,6 +222,7 @@ def adam_step_ref_(
     found_inf: torch.Tensor | None = None,
     compute_copies: Sequence[torch.Tensor] | None = None,
     max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
+    groups: ParamGroups | None = None,
 ) -> None:
     """Adam (AdamW with ``decoupled_weight_decay``), torch.optim.Adam's math in FP32,
     with t each parameter's count in ``steps`` of the steps taken before this one, plus
@@ -196,7 +237,9 @@ def adam_step_ref_(
     denominator. A tensor ``lr``, ``beta1`` or ``beta2`` (one element) is read in FP64,
     as a float would be. Each ``compute_copies`` tensor gets its parameter's new value
     in its own dtype. Nothing changes where ``found_inf`` is nonzero, the step counts
-    included."""
+    included. ``groups`` as ``sgd_step_ref_``'s."""
+    if groups is not None:
+        return _each_run(adam_step_ref_, groups, locals())  # (the parameters, only)
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     maxima: Sequence[torch.Tensor | None] = max_exp_avg_sqs or [None] * len(params)
     lr, beta1, beta2 = _widened(lr), _widened(beta1), _widened(beta2)
