@@ -18,7 +18,7 @@ import operator
 from array import array
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard, cast
 
 import torch
 
@@ -545,10 +545,10 @@ def sgd_step_(
     momentum and ``dampening``, each parameter's count of steps taken before this one
     (FP32, one element, on its device), which tells a buffer's first step; the step
     advances it where it is taken. ``lr`` may be a one-element tensor, read on the
-    device at each step (``_hyperparameters_on``). ``groups`` (eagerly): float
-    hyperparameters per run of parameters (``ParamGroups``: param groups stepped in one
-    launch, ``mpgemm.optim``), which must agree with those given on whether momentum
-    and dampening are nonzero.
+    device at each step (``_hyperparameters_on``). ``groups``: float hyperparameters
+    per run of parameters (``ParamGroups``: param groups stepped in one launch,
+    ``mpgemm.optim``; compiled, a call per run), which must agree with those given on
+    whether momentum and dampening are nonzero.
 
     Raises ValueError for momentum with dampening and no ``steps``."""
     if hyper.get("momentum", 0.0) != 0 and hyper.get("dampening", 0.0) != 0 and steps is None:
@@ -557,6 +557,11 @@ def sgd_step_(
             "counts (steps=)"
         )
     if torch.compiler.is_compiling():
+        if groups is not None:  # (the op takes one value of each: a call per run)
+            arguments: dict[str, Any] = dict(params=params, grads=grads)
+            arguments |= dict(momentum_buffers=momentum_buffers, steps=steps, **hyper)
+            arguments |= dict(compute_copies=compute_copies)
+            return scaling_ref.each_run(sgd_step_, groups, arguments)
         ops.sgd_step_(
             *_shards(params, grads, momentum_buffers or (), compute_copies or (), steps or ()),
             **_as_op_arguments({"dampening": 0.0, **hyper}),  # (the op's schema has no default)
@@ -578,8 +583,8 @@ def sgd_step_(
             ls[3] if buffers else None,
             compute_copies=ls[2],
             steps=ls[-1] if counts else None,
+            groups=runs,
             **hyper,
-            **({} if runs is None else {"groups": runs}),
         ),
         strided=3 + len(buffers),
         copies=2,
@@ -606,6 +611,11 @@ def adam_step_(
     the second moments (None: plain Adam); ``lr``, ``beta1`` and ``beta2`` may be
     one-element tensors, as ``sgd_step_``'s ``lr``; ``groups`` as ``sgd_step_``'s."""
     if torch.compiler.is_compiling():
+        if groups is not None:  # (the op takes one value of each: a call per run)
+            arguments: dict[str, Any] = dict(params=params, grads=grads, exp_avgs=exp_avgs)
+            arguments |= dict(exp_avg_sqs=exp_avg_sqs, steps=steps, compute_copies=compute_copies)
+            arguments |= dict(max_exp_avg_sqs=max_exp_avg_sqs, **hyper)
+            return scaling_ref.each_run(adam_step_, groups, arguments)
         ops.adam_step_(
             *_shards(
                 params,
@@ -632,8 +642,8 @@ def adam_step_(
             ls[-1],
             compute_copies=ls[-2],
             max_exp_avg_sqs=ls[4] if maxima else None,
+            groups=runs,
             **hyper,
-            **({} if runs is None else {"groups": runs}),
         ),
         strided=5 + len(maxima),
         copies=4 + len(maxima),

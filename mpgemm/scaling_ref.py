@@ -132,7 +132,7 @@ _PER_PARAMETER = frozenset(
 )
 
 
-def _each_run(step: Callable, groups: ParamGroups, arguments: dict) -> None:
+def each_run(step: Callable, groups: ParamGroups, arguments: dict) -> None:
     """``step`` (taking ``arguments`` by name) on each run of parameters of ``groups``:
     the per-parameter lists cut to the run, and the run's row of hyperparameters in
     place of the values given for all."""
@@ -180,7 +180,7 @@ def sgd_step_ref_(
     hyperparameters per run of parameters (``mpgemm.scaling.ParamGroups``), each run
     stepped with its row's."""
     if groups is not None:
-        return _each_run(sgd_step_ref_, groups, locals())  # (the parameters, only)
+        return each_run(sgd_step_ref_, groups, locals())  # (the parameters, only)
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     lr = _widened(lr)
     if momentum != 0 and dampening != 0:
@@ -239,7 +239,7 @@ def adam_step_ref_(
     in its own dtype. Nothing changes where ``found_inf`` is nonzero, the step counts
     included. ``groups`` as ``sgd_step_ref_``'s."""
     if groups is not None:
-        return _each_run(adam_step_ref_, groups, locals())  # (the parameters, only)
+        return each_run(adam_step_ref_, groups, locals())  # (the parameters, only)
     copies: Sequence[torch.Tensor | None] = compute_copies or [None] * len(params)
     maxima: Sequence[torch.Tensor | None] = max_exp_avg_sqs or [None] * len(params)
     lr, beta1, beta2 = _widened(lr), _widened(beta1), _widened(beta2)

@@ -223,6 +223,34 @@ def test_compiled_step_reads_a_scheduled_tensor_lr_without_recompiling(device):
     )
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_a_compiled_step_over_param_groups_matches_eager_bit_for_bit(device, name):
+    # Compiled, the ops take one value of each hyperparameter: a call per run (eagerly,
+    # one launch for all the runs).
+    runs = mpgemm.scaling.ParamGroups(({"lr": 0.1}, {"lr": 0.2, "weight_decay": 0.1}), (2, 1))
+    hyper = dict(lr=0.01, weight_decay=0.0, maximize=False, grad_scale=None, found_inf=None)
+    if name == "sgd":
+        step, hyper = mpgemm.scaling.sgd_step_, hyper | dict(momentum=0.9, nesterov=False)
+    else:
+        step = mpgemm.scaling.adam_step_
+        hyper |= dict(beta1=0.9, beta2=0.99, eps=1e-8, decoupled_weight_decay=False)
+
+    def state():
+        torch.manual_seed(0)
+        params = [torch.randn(40, device=device) for _ in range(3)]
+        lists = [params, [torch.randn_like(p) for p in params]]
+        lists += [[torch.zeros_like(p) for p in params] for _ in range(1 if name == "sgd" else 2)]
+        if name == "adam":
+            lists.append([torch.zeros((), device=device) for _ in params])
+        return lists
+
+    eager, compiled = state(), state()
+    step(*eager, groups=runs, **hyper)
+    torch.compile(lambda: step(*compiled, groups=runs, **hyper), fullgraph=True)()
+    for got, want in zip(compiled, eager, strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("make", [torch.optim.SGD, mpgemm.optim.SGD], ids=["torch", "mpgemm"])
 def test_compiled_optimizer_steps_are_counted_without_recompiling(make):
     """mpgemm.compute_copy counts optimizer steps (a 16-bit copy is stale after one)
