@@ -2,7 +2,8 @@
 on a GPU), under autocast from FP32 operands, and in FP32; mpgemm also from FP32
 operands (rounded in the kernel, where autocast casts first), and with its pointer
 kernel forced where the default takes the TMA kernel (``mpgemm_pointer``: the kernel
-before TMA, in the same run). Work: 2MNK flops."""
+before TMA, in the same run). gemm_bf16: on BF16 operands, against cuBLAS's BF16.
+Work: 2MNK flops."""
 
 import pytest
 import torch
@@ -63,6 +64,25 @@ def test_gemm(run_case, device, shape, impl):
         "fp32": lambda: torch.matmul(a32, b32),
     }[impl]
     run_case(fn, case="x".join(map(str, shape)), impl=impl, flops=2 * m * n * k)
+
+
+# BF16, what most training on Hopper computes in: the geomean's shapes (at the CPU's
+# scale the first shape), mpgemm against cuBLAS in BF16. Named "bf16 MxKxN", so that
+# the targets stage, which reads FP16, leaves them out.
+BF16_SHAPES = [s for s in SHAPES if min(s) >= 2048] if GPU_SCALE else SHAPES[:1]
+
+
+@pytest.mark.benchmark(group="gemm_bf16")
+@pytest.mark.parametrize("impl", ["mpgemm", "torch_bf16"])
+@pytest.mark.parametrize("shape", BF16_SHAPES, ids=lambda s: "bf16 " + "x".join(map(str, s)))
+def test_gemm_bf16(run_case, device, shape, impl):
+    m, k, n = shape
+    a, b = torch.randn(m, k, device=device).bfloat16(), torch.randn(k, n, device=device).bfloat16()
+    fn = {
+        "mpgemm": lambda: mpgemm.matmul(a, b),
+        "torch_bf16": lambda: torch.matmul(a, b),
+    }[impl]
+    run_case(fn, case="bf16 " + "x".join(map(str, shape)), impl=impl, flops=2 * m * n * k)
 
 
 # (batch, M, K, N) of batched products (``mpgemm.matmul`` of a batched b, the pointer

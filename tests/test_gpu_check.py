@@ -40,7 +40,15 @@ def _check_bench_results(out: Path):
     data = json.loads((out / "bench.json").read_text())
     assert data["machine_info"]["mpgemm"]["torch"]
     groups = {b["group"] for b in data["benchmarks"]}
-    assert groups == {"gemm", "gemm_batched", "linear", "unscale", "cross_entropy", "step"}
+    assert groups == {
+        "gemm",
+        "gemm_bf16",
+        "gemm_batched",
+        "linear",
+        "unscale",
+        "cross_entropy",
+        "step",
+    }
     ours = [b for b in data["benchmarks"] if b["extra_info"]["impl"].startswith("mpgemm")]
     for bench in ours:
         info = bench["extra_info"]
