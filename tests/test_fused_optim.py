@@ -576,15 +576,7 @@ def test_param_groups_of_mixed_dtypes_split_with_their_values(device):
     params = [torch.randn(300, device=device, dtype=dtype) for dtype in dtypes]
     rows = ({"lr": 0.1, "weight_decay": 0.01}, {"lr": 0.02}, {"lr": 0.05, "eps": 1e-6})
     runs = scaling.ParamGroups(rows, (2, 2, 1))
-    hyper = dict(
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.99,
-        eps=1e-8,
-        weight_decay=0.0,
-        decoupled_weight_decay=True,
-        maximize=False,
-    )
+    hyper = _adam_hyper(True, None, None)  # (each run's lr differs from it)
 
     def state():
         grads = [torch.randn_like(p) for p in params]

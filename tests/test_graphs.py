@@ -33,24 +33,32 @@ def test_the_cuda_graph_mode_needs_a_cuda_device(capsys):
     assert "--device cuda" in capsys.readouterr().err
 
 
+def _steps(mode, steps, inf_at=None, **config):
+    """``steps`` steps of ``mode``'s recipe on a 784 -> 128 -> 10 MLP, batch 128, the
+    same batches for every mode (an inf in batch ``inf_at``): (the losses, the
+    parameters after them, the recipe)."""
+    torch.manual_seed(0)
+    config = TrainConfig(hidden=(128,), batch_size=128, device="cuda", **config)
+    recipe = Recipe(mode, build_mlp(784, (128,), 10).cuda(), config)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(128, 784, generator=g)
+        y = torch.randint(0, 10, (128,), generator=g)
+        if step == inf_at:
+            x[3, 5] = float("inf")
+        losses.append(recipe.step(x.cuda(), y.cuda()))
+    params = [p.detach().clone() for p in recipe.model.parameters()]
+    return torch.stack(losses), params, recipe
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
 def test_replayed_steps_match_eager_steps_bit_for_bit():
-    # 784 -> 128 -> 10, batch 128; the 7th batch holds an inf, so one replay skips its
-    # step and backs the scale off, on the device.
+    # The 7th batch holds an inf, so one replay skips its step and backs the scale off,
+    # on the device.
     def run(mode):
-        torch.manual_seed(0)
-        config = TrainConfig(hidden=(128,), batch_size=128, device="cuda")
-        recipe = Recipe(mode, build_mlp(784, (128,), 10).cuda(), config)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for step in range(12):
-            x = torch.randn(128, 784, generator=g)
-            y = torch.randint(0, 10, (128,), generator=g)
-            if step == 6:
-                x[3, 5] = float("inf")
-            losses.append(recipe.step(x.cuda(), y.cuda()))
-        params = [p.detach().clone() for p in recipe.model.parameters()]
-        return (torch.stack(losses), params, recipe.skipped_steps(12), recipe.loss_scale(), recipe)
+        losses, params, recipe = _steps(mode, 12, inf_at=6)
+        return losses, params, recipe.skipped_steps(12), recipe.loss_scale(), recipe
 
     eager_losses, eager_params, eager_skipped, eager_scale, _ = run("mpgemm")
     losses, params, skipped, scale, recipe = run("mpgemm_cuda_graph")
@@ -65,20 +73,8 @@ def test_replayed_steps_match_eager_steps_bit_for_bit():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
 def test_replayed_bfloat16_steps_match_eager_steps_bit_for_bit():
     # BF16 trains without loss scaling: the graph holds mpgemm's optimizer unwrapped.
-    def run(mode):
-        torch.manual_seed(0)
-        config = TrainConfig(hidden=(128,), batch_size=128, device="cuda", compute_dtype="bfloat16")
-        recipe = Recipe(mode, build_mlp(784, (128,), 10).cuda(), config)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(8):
-            x = torch.randn(128, 784, generator=g)
-            y = torch.randint(0, 10, (128,), generator=g)
-            losses.append(recipe.step(x.cuda(), y.cuda()))
-        return torch.stack(losses), [p.detach().clone() for p in recipe.model.parameters()]
-
-    eager_losses, eager_params = run("mpgemm")
-    losses, params = run("mpgemm_cuda_graph")
+    eager_losses, eager_params, _ = _steps("mpgemm", 8, compute_dtype="bfloat16")
+    losses, params, _ = _steps("mpgemm_cuda_graph", 8, compute_dtype="bfloat16")
     assert torch.equal(losses, eager_losses)
     for p, q in zip(params, eager_params, strict=True):
         assert torch.equal(p, q)
