@@ -248,7 +248,10 @@ def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
         functools.partial(_sgd_step, f32, f32, f16, aligned, dampening=0.5),
     )
     # Param groups in one launch: each program reads its tensor's row of the FP64 table.
-    yield f"sgd {name}, param groups", functools.partial(_sgd_step, f32, f32, f16, aligned, True)
+    yield (
+        f"sgd {name}, param groups",
+        functools.partial(_sgd_step, f32, f32, f16, aligned, grouped=True),
+    )
     yield (
         f"adamw {name}, param groups",
         functools.partial(_adam_step, f32, f32, f16, aligned, True, grouped=True),
