@@ -38,25 +38,31 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mpgemm import graphs
 
-# id(weight) -> (a weak reference to the weight, its ComputeCopy), for the optimizers:
-# a dropped weight is forgotten. By id, the reference checked on each lookup: torch's
-# WeakIdKeyDictionary makes a reference object per lookup (0.45 us, and an optimizer's
-# step asks of every parameter).
-_copies: dict[int, tuple[weakref.ref, ComputeCopy]] = {}
+# id(weight) -> a weak reference to its ComputeCopy, for the optimizers. The holder,
+# not the weight, is referenced weakly: ``torch.utils.swap_tensors`` refuses a tensor
+# that has a weak reference (``module.to()`` swaps parameters under
+# ``torch.__future__.set_swap_module_params_on_conversion``, and whenever the new value
+# is of another tensor type). An entry is checked on each lookup by the storage the
+# holder's copy was made from (``tensor_for``), so a weight whose id is reused finds
+# nothing, or the copy of its own memory; each holder keeps one entry, removed with it.
+_copies: dict[int, weakref.ref[ComputeCopy]] = {}
 
 
 def _register(weight: torch.Tensor, holder: ComputeCopy) -> None:
     key = id(weight)
-    entry = _copies.get(key)
-    if entry is not None and entry[1] is holder and entry[0]() is weight:
+    if holder._key == key and (entry := _copies.get(key)) is not None and entry() is holder:
         return
+    if holder._key is not None:  # its entry for its weight before this one
+        previous = _copies.get(holder._key)
+        if previous is not None and previous() is holder:
+            del _copies[holder._key]
+    holder._key = key
 
     def forget(ref: weakref.ref) -> None:
-        # Only this weight's entry: its id may be a new weight's by now.
-        if (current := _copies.get(key)) is not None and current[0] is ref:
+        if _copies.get(key) is ref:  # not a later holder's entry under this id
             del _copies[key]
 
-    _copies[key] = (weakref.ref(weight, forget), holder)
+    _copies[key] = weakref.ref(holder, forget)
 
 
 # Optimizer steps begun so far, by any torch optimizer (mpgemm's included).
@@ -122,6 +128,8 @@ class ComputeCopy:
         # Whether the weight required grad when the copy was last handed out: frozen
         # after its backward, it is still stepped with the gradient it has.
         self._trainable = True
+        # id of the weight it was last registered for (``_register``).
+        self._key: int | None = None
 
     def __getstate__(self) -> dict:
         # A pickled or deep-copied layer (torch.save(model), copy.deepcopy for an EMA
@@ -192,9 +200,8 @@ class ComputeCopy:
 def copy_of(weight: torch.Tensor) -> torch.Tensor | None:
     """The compute copy an optimizer should write along with ``weight``, if it has one."""
     entry = _copies.get(id(weight))
-    if entry is None or entry[0]() is not weight:
-        return None
-    return entry[1].tensor_for(weight)
+    holder = None if entry is None else entry()
+    return None if holder is None else holder.tensor_for(weight)
 
 
 def copies_of(params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -52,6 +52,21 @@ def _to_and_back(layer):
     layer.double().float()
 
 
+def _to_and_back_swapped(layer):
+    # The same, with the Parameters' contents swapped in place (torch's coming default
+    # for module conversions, and its way when the new value is of another tensor type):
+    # the same objects, new storage. torch.utils.swap_tensors refuses a tensor that has
+    # a weak reference.
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        weight = layer.weight
+        layer.double().float()
+        assert layer.weight is weight
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
 def _data_assignment(layer):
     layer.weight.data = torch.randn_like(layer.weight)
 
@@ -92,6 +107,7 @@ _VISIBLE_EDITS = [
     _load_state_dict,
     _new_parameter,
     _to_and_back,
+    _to_and_back_swapped,
     _data_assignment,
     _fsdp_load_state_dict,
 ]
@@ -462,22 +478,60 @@ def test_an_fp32_input_is_rounded_once_and_saved_in_16_bits(device):
     assert torch.equal(saved_x, x.half()) and saved_w is _copy(layer)
 
 
-def test_the_optimizers_registry_holds_weights_weakly():
+def test_the_optimizers_registry_forgets_dropped_layers_and_replaced_weights():
     """A layer's weight is registered for the optimizers at its forward (``copy_of``
-    finds its copy); a dropped layer's entry goes with its weight, and a weight never
-    registered (perhaps at a dead one's address) has none."""
+    finds its copy); a dropped layer's entry goes with it, a replaced weight's entry
+    with the replacement's forward, and a weight never registered (perhaps at a dead
+    one's address) has none."""
     import gc
 
     from mpgemm import compute_copy
 
     layer = _layer("cpu")
     layer(torch.randn(2, 48))
+    entries = len(compute_copy._copies)
     key = id(layer.weight)
     assert compute_copy.copy_of(layer.weight) is layer._weight_copy.tensor
+    old = layer.weight
+    for _ in range(3):
+        _new_parameter(layer)
+        layer(torch.randn(2, 48))
+        assert compute_copy.copy_of(layer.weight) is layer._weight_copy.tensor
+    assert len(compute_copy._copies) == entries and compute_copy.copy_of(old) is None
+    key = id(layer.weight)
     del layer
     gc.collect()
     assert key not in compute_copy._copies
     assert compute_copy.copy_of(nn.Parameter(torch.randn(32, 48))) is None
+
+
+def test_a_layer_swapped_by_a_conversion_or_a_load_keeps_training(device):
+    """Under ``set_swap_module_params_on_conversion``, ``.to()`` and ``load_state_dict``
+    swap each parameter's contents (``torch.utils.swap_tensors``), which fails for a
+    tensor with a weak reference; after them the fused optimizer writes the new copy."""
+    layer = _layer(device)
+    optimizer = mpgemm.optim.AdamW(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 48, device=device)
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        layer(x).float().sum().backward()
+        optimizer.step()
+        weight = layer.weight
+        layer.half()
+        assert layer.weight is weight and weight.dtype == torch.float16
+        layer.float()
+        layer.load_state_dict(nn.Linear(48, 32, device=device).state_dict())
+        assert layer.weight is weight
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    _assert_forward_uses_the_current_weight(layer, device)
+    layer.zero_grad()
+    layer(x).float().sum().backward()
+    copy = _copy(layer)
+    optimizer.step()
+    assert torch.equal(copy, layer.weight.detach().half())
+    _assert_forward_uses_the_current_weight(layer, device)
 
 
 def test_copies_a_capture_used_outlive_their_remaking(monkeypatch):
