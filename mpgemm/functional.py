@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd import forward_ad
-from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from mpgemm.reference import activation_backward_ref, compute_dtype_for, gemm_ref
@@ -292,6 +291,50 @@ def _linear_forward(
     return out, act_grad
 
 
+class _SecondDerivative(torch.autograd.Function):
+    """Stands for a once-differentiable backward's results in a graph recorded by
+    ``create_graph=True``: differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.detach() for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            f"{_SECOND_DERIVATIVES}: a gradient computed with create_graph=True "
+            "(autograd.grad, backward) through them was differentiated again"
+        )
+
+
+def once_differentiable(backward: Callable) -> Callable:
+    """torch's ``once_differentiable`` for an autograd Function's ``backward``, which runs
+    it without recording a graph, also where only the Function's inputs require grad.
+    Under ``create_graph=True`` torch's marks the results as not differentiable only
+    where an incoming gradient requires grad; where none does (``y.sum()``'s, a
+    gradient penalty's ``grad_outputs=ones``), they would come out as constants, and
+    a penalty on them would be dropped from the loss's gradient without a word, where
+    torch's layers differentiate it. So under ``create_graph=True`` every result is
+    marked (``_SecondDerivative``), even one that torch's op would leave constant."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            results = backward(ctx, *grads)
+        # Under torch.func's transforms, _check_differentiated_once guards instead.
+        if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            return results
+        returned = results if isinstance(results, tuple) else (results,)
+        where = [i for i, r in enumerate(returned) if isinstance(r, torch.Tensor)]
+        marked = _SecondDerivative.apply(*(returned[i].detach().requires_grad_() for i in where))
+        out = list(returned)
+        for i, tensor in zip(where, marked, strict=True):
+            out[i] = tensor
+        return tuple(out) if isinstance(results, tuple) else out[0]
+
+    return wrapper
+
+
 class _Function(torch.autograd.Function):
     """An autograd Function in ``setup_context`` form, which ``torch.func``'s transforms
     need, applied outside a transform as one in the older form is: torch's ``apply``
@@ -402,13 +445,18 @@ class LinearFunction(_Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
+_SECOND_DERIVATIVES = (
+    "mpgemm: second derivatives are not supported (the backward of mpgemm.linear, "
+    "matmul, Linear and cross_entropy is once-differentiable)"
+)
+
+
 def _check_differentiated_once() -> None:
     """Raise where ``torch.func`` transforms may differentiate the backward: more than
     one of their differentiating levels open (``grad`` of ``grad``, ``jacrev`` of
-    ``jacrev``, ``hessian``). The backwards are once-differentiable, and nested
-    transforms read the missing derivative as zeros rather than raise, as eager
-    autograd does. Asked by every apply under a transform (``_Function``), where every
-    level is still open."""
+    ``jacrev``, ``hessian``). Nested transforms would read the missing derivative as
+    zeros rather than raise, as ``once_differentiable`` makes eager autograd do. Asked
+    by every apply under a transform (``_Function``), where every level is still open."""
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
@@ -416,9 +464,7 @@ def _check_differentiated_once() -> None:
     levels = [i for i in retrieve_all_functorch_interpreters() if i.key() in differentiating]
     if len(levels) > 1:
         raise RuntimeError(
-            "mpgemm: second derivatives are not supported (the layers' backward is "
-            "once-differentiable): nested torch.func grad/vjp/jacrev transforms, or a "
-            "hessian, of mpgemm.linear, matmul or Linear"
+            f"{_SECOND_DERIVATIVES}: nested torch.func grad/vjp/jacrev transforms, or a hessian"
         )
 
 

@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
-from mpgemm.functional import INPUT_DTYPES, backend, is_plain
+from mpgemm.functional import INPUT_DTYPES, backend, is_plain, once_differentiable
 from mpgemm.reference import cross_entropy_backward_ref
 
 __all__ = ["cross_entropy"]
