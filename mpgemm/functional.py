@@ -319,10 +319,13 @@ def once_differentiable(backward: Callable) -> Callable:
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        # Without create_graph the engine runs backwards with grad mode off already.
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
         with torch.no_grad():
             results = backward(ctx, *grads)
         # Under torch.func's transforms, _check_differentiated_once guards instead.
-        if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        if torch._C._are_functorch_transforms_active():
             return results
         returned = results if isinstance(results, tuple) else (results,)
         where = [i for i, r in enumerate(returned) if isinstance(r, torch.Tensor)]
