@@ -65,6 +65,33 @@ def fresh_gemm_replays():
         gemm._replays.clear()
 
 
+def _poisoned(make):
+    def allocate(*args, **kwargs):
+        t = make(*args, **kwargs)
+        # Not in code torch.compile traces, nor in tensors its passes make: traced,
+        # the fill became a copy_ into a graph intermediate that inductor rejects (an
+        # AssertionError in its passes); under torch 2.11 is_compiling() is False while
+        # AOT autograd traces (its tensors are fake) and in inductor's pattern matcher
+        # (example inputs that require grad, which fill_ refuses). Compiled results
+        # are compared with eager ones, which are poisoned.
+        if torch.compiler.is_compiling() or t.requires_grad or is_fake(t):
+            return t
+        if t.is_floating_point() and t.device.type != "meta":
+            t.fill_(math.nan)
+        return t
+
+    return allocate
+
+
+# Made once for the session: dynamo builds its map of torch's functions once, from what
+# torch.empty_like is then (trace_rules.get_torch_obj_rule_map). Built while a test had
+# patched it, the map held that test's wrapper; a later test's wrapper, another object,
+# was traced into, down to the real function, which the map then lacked: a compiled
+# step that allocates a gradient failed with "Attempted to call function marked as
+# skipped" after some other tests had run in the same process.
+_POISONED = {"empty": _poisoned(torch.empty), "empty_like": _poisoned(torch.empty_like)}
+
+
 @pytest.fixture(autouse=True)
 def poison_allocations(request, monkeypatch):
     """Every floating tensor made by torch.empty/empty_like starts as NaN, so an output
@@ -72,27 +99,8 @@ def poison_allocations(request, monkeypatch):
     marked ``unpoisoned``."""
     if request.node.get_closest_marker("unpoisoned"):
         return
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poisoned(make):
-        def allocate(*args, **kwargs):
-            t = make(*args, **kwargs)
-            # Not in code torch.compile traces, nor in tensors its passes make: traced,
-            # the fill became a copy_ into a graph intermediate that inductor rejects (an
-            # AssertionError in its passes); under torch 2.11 is_compiling() is False while
-            # AOT autograd traces (its tensors are fake) and in inductor's pattern matcher
-            # (example inputs that require grad, which fill_ refuses). Compiled results
-            # are compared with eager ones, which are poisoned.
-            if torch.compiler.is_compiling() or t.requires_grad or is_fake(t):
-                return t
-            if t.is_floating_point() and t.device.type != "meta":
-                t.fill_(math.nan)
-            return t
-
-        return allocate
-
-    monkeypatch.setattr(torch, "empty", poisoned(real_empty))
-    monkeypatch.setattr(torch, "empty_like", poisoned(real_empty_like))
+    for name, poisoned in _POISONED.items():
+        monkeypatch.setattr(torch, name, poisoned)
 
 
 @pytest.fixture
