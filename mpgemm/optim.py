@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from mpgemm.compute_copy import copies_of
+from mpgemm.compute_copy import copies_of, step_failed
 from mpgemm.graphs import note_host_values
 from mpgemm.scaling import KERNEL_DTYPES, ParamGroups, adam_step_, by_device, sgd_step_
 
@@ -182,19 +182,24 @@ class _ScaledStep(torch.optim.Optimizer):
         # (device, merge key) -> (the device's scale and flag, [(group, params), ...])
         merged: dict[tuple, tuple[Any, Any, list]] = {}
         alone = len(self.param_groups) == 1 or torch.compiler.is_compiling()
-        with torch.no_grad():
-            for group in self.param_groups:
-                params, rest = self._params_with_grad(group)
-                others.append(rest)
-                key = None if alone else self._merge_key(group)
-                for part, scale, flag in _by_device(params, grad_scale, found_inf):
-                    if key is None:
-                        self._step_groups([(group, part)], scale, flag)
-                    else:
-                        entry = merged.setdefault((part[0].device, key), (scale, flag, []))
-                        entry[2].append((group, part))
-            for scale, flag, parts in merged.values():
-                self._step_groups(parts, scale, flag)
+        try:
+            with torch.no_grad():
+                for group in self.param_groups:
+                    params, rest = self._params_with_grad(group)
+                    others.append(rest)
+                    key = None if alone else self._merge_key(group)
+                    for part, scale, flag in _by_device(params, grad_scale, found_inf):
+                        if key is None:
+                            self._step_groups([(group, part)], scale, flag)
+                        else:
+                            entry = merged.setdefault((part[0].device, key), (scale, flag, []))
+                            entry[2].append((group, part))
+                for scale, flag, parts in merged.values():
+                    self._step_groups(parts, scale, flag)
+        except BaseException:
+            # A launch that raised may not have bumped the versions its copies expect.
+            step_failed([p for group in self.param_groups for p in group["params"]])
+            raise
         if any(others):
             self._torch_step(others, grad_scale, found_inf)
         return loss

@@ -24,7 +24,7 @@ import torch
 
 from mpgemm import ops, scaling_ref
 from mpgemm.functional import PLAIN_TYPES, backend
-from mpgemm.native import ListFacts, list_facts, reading_once
+from mpgemm.native import ListFacts, bump_versions, list_facts, reading_once
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -163,6 +163,16 @@ def _dispatch(
             else:
                 taken = None if groups is None else groups.take(indices)
                 call(impl, [[lst[i] for i in indices] for lst in lists], taken)
+
+
+def _bumped(*written: Sequence[torch.Tensor] | None) -> None:
+    """Bump the version counters of the tensors an op wrote in place (lists, or None for
+    none), as torch's in-place ops do: autograd then refuses a tensor saved for a
+    backward and changed since (torch's "modified by an inplace operation"), where the
+    kernels' writes would otherwise pass unseen."""
+    for tensors in written:
+        if tensors:
+            bump_versions(tensors)
 
 
 def _copy_dtype(param: torch.Tensor, copy: torch.Tensor) -> torch.dtype | None:
@@ -372,6 +382,7 @@ def unscale_(
             ),
             strided=2,
         )
+    _bumped((found_inf,), None if inv_scale is None else src if dst is None else dst)
     _reduce_over_shards(src, src_types, found_inf)
 
 
@@ -490,6 +501,9 @@ def update_scale_(
         skipped_steps=skipped_steps,
         clear_found_inf=clear_found_inf,
     )
+    if not torch.compiler.is_compiling():
+        _bumped((scale, growth_tracker), (found_inf,) if clear_found_inf else None)
+        _bumped(None if skipped_steps is None else (skipped_steps,))
 
 
 # The hyperparameters a step takes as a float or a one-element tensor, as torch's
@@ -590,6 +604,9 @@ def sgd_step_(
         copies=2,
         groups=groups,
     )
+    # (A parameter listed as its own copy is bumped twice, which is as good as once.)
+    unscaled = grads if hyper.get("grad_scale") is not None else None
+    _bumped(params, unscaled, compute_copies, momentum_buffers, steps)
 
 
 def adam_step_(
@@ -649,3 +666,5 @@ def adam_step_(
         copies=4 + len(maxima),
         groups=groups,
     )
+    unscaled = grads if hyper.get("grad_scale") is not None else None
+    _bumped(params, unscaled, compute_copies, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)

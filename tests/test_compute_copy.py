@@ -352,6 +352,30 @@ def test_fused_optimizers_write_the_copy_in_their_step(device, make, compute_dty
         _assert_forward_uses_the_current_weight(layer, device, in_features=130)
 
 
+def test_an_edit_after_a_fused_step_or_a_failed_one_remakes_the_copy(device, monkeypatch):
+    """A fused step bumps the weight's version once as it writes the copy, which stays
+    current at that version; an in-place edit after it, one bump more, makes it stale.
+    A step that raised may not have bumped: one edit after it is not taken for the
+    step's bump."""
+    layer = _layer(device)
+    optimizer = mpgemm.optim.AdamW(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 48, device=device)
+    layer(x).float().sum().backward()
+    optimizer.step()
+    _edit_in_place(layer)
+    _assert_forward_uses_the_current_weight(layer, device)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a launch failed")
+
+    monkeypatch.setattr(mpgemm.optim, "adam_step_", fails)
+    layer(x).float().sum().backward()
+    with pytest.raises(RuntimeError, match="a launch failed"):
+        optimizer.step()
+    _edit_in_place(layer)
+    _assert_forward_uses_the_current_weight(layer, device)
+
+
 def test_a_skipped_step_leaves_weight_and_copy_alone(device):
     layer = _layer(device)
     optimizer = mpgemm.optim.Adam(layer.parameters(), lr=0.1)

@@ -937,3 +937,96 @@ def test_one_launch_over_two_devices_raises_value_error(device, monkeypatch, fak
     with pytest.raises(ValueError, match="one launch's tensors are on"):
         with intercept(lambda *launch: None):  # (CPU tensors take the kernel path)
             scaling.unscale_(grads, torch.zeros((), device=device), torch.ones((), device=device))
+
+
+def _versions(lists):
+    return [[t._version for t in lst] for lst in lists]
+
+
+@pytest.mark.parametrize("grad_scale", [None, 4.0], ids=["unscaled", "scaled"])
+def test_each_op_bumps_the_version_of_what_it_writes_and_nothing_else(device, grad_scale):
+    """As torch's in-place ops (its fused optimizers' and AMP's included) do, so that
+    autograd refuses a saved tensor a step has changed: the parameters, their copies
+    and the optimizer state; the gradients where a scale is divided out of them; the
+    flag, the scale and its tracker. A tensor only read keeps its version."""
+    scale = None if grad_scale is None else torch.full((), grad_scale, device=device)
+    found = torch.zeros((), device=device)
+    params, grads, avgs = (_tensors(torch.float32, device) for _ in range(3))
+    sqs, maxima = (_tensors(torch.float32, device, positive=True) for _ in range(2))
+    copies = [p.half() for p in params[:2]] + params[2:]  # two copies; two own
+    steps = [torch.zeros((), device=device) for _ in SHAPES]
+    written = [params, avgs, sqs, maxima, steps, copies[:2]]
+    read = [grads] if scale is None else []
+    before = _versions(written + read)
+    scaling.adam_step_(
+        params,
+        grads,
+        avgs,
+        sqs,
+        steps,
+        compute_copies=copies,
+        max_exp_avg_sqs=maxima,
+        **_adam_hyper(False, scale, found),
+    )
+    after = _versions(written + read)
+    for i, (old, new) in enumerate(zip(before, after, strict=True)):
+        if i < len(written):
+            assert all(n > o for o, n in zip(old, new, strict=True)), i
+        else:
+            assert new == old, "read only"
+    if scale is not None:
+        assert all(g._version > 0 for g in grads)
+    buffers = _tensors(torch.float32, device)
+    before = _versions([params, buffers, grads])
+    scaling.sgd_step_(
+        params,
+        grads,
+        buffers,
+        lr=0.1,
+        momentum=0.9,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        maximize=False,
+        grad_scale=scale,
+        found_inf=found,
+    )
+    (p0, b0, g0), (p1, b1, g1) = before, _versions([params, buffers, grads])
+    assert all(n > o for o, n in zip(p0 + b0, p1 + b1, strict=True))
+    assert (g1 == g0) == (scale is None)
+    # Unscale: the gradients it writes and the flag; a check alone writes the flag only.
+    flag_version, grad_versions = found._version, _versions([grads])[0]
+    scaling.unscale_(grads, found, None)
+    assert _versions([grads])[0] == grad_versions and found._version > flag_version
+    scaling.unscale_(grads, found, torch.ones((), device=device))
+    assert all(n > o for o, n in zip(grad_versions, _versions([grads])[0], strict=True))
+    scale = torch.ones((), device=device)
+    tracker = torch.zeros((), device=device, dtype=torch.int32)
+    versions = scale._version, tracker._version, found._version
+    scaling.update_scale_(scale, tracker, found, 2.0, 0.5, 10)
+    assert scale._version > versions[0] and tracker._version > versions[1]
+    assert found._version == versions[2]  # read, not cleared
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("layer", ["nn.Linear", "mpgemm.Linear"])
+def test_a_graph_saved_before_a_fused_step_refuses_its_backward_as_torchs(device, name, layer):
+    """A backward through weights that an optimizer step changed since the forward saved
+    them (a GAN's discriminator stepped before the generator's backward through it)
+    raises torch's "modified by an inplace operation", as under torch's optimizers: the
+    fused step bumps the versions of the weights and of the 16-bit copies the layers
+    saved. Without the bumps the backward ran on the new weights without a word."""
+    torch.manual_seed(0)
+    make = torch.nn.Linear if layer == "nn.Linear" else mpgemm.Linear
+    model = make(8, 4, device=device)
+    optimizer = {
+        "sgd": lambda ps: mpgemm.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "adam": lambda ps: mpgemm.optim.Adam(ps, lr=0.1),
+        "adamw": lambda ps: mpgemm.optim.AdamW(ps, lr=0.1),
+    }[name](model.parameters())
+    x = torch.randn(5, 8, device=device, requires_grad=True)
+    out = model(x).float().sum()
+    out.backward(retain_graph=True)
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()

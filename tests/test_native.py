@@ -67,6 +67,27 @@ def test_a_tensor_without_storage_raises_as_its_data_ptr_does(device):
     assert len(raised) == 2 and raised[0] == raised[1]
 
 
+def test_bump_versions_bumps_as_torchs_increment_version(device, monkeypatch):
+    """The C++ loop and torch's ``increment_version`` (its fallback) give each tensor one
+    bump, a view's base too (they share a counter), and skip an inference tensor;
+    something that is not a tensor raises torch's RuntimeError."""
+    assert native.native_module() is not None, "the C++ helper did not build"
+    for helper in ("cpp", "torch"):
+        if helper == "torch":
+            monkeypatch.setattr(native, "native_module", lambda: None)
+        base = torch.randn(4, 3, device=device)
+        with torch.inference_mode():
+            frozen = torch.ones(2, device=device)
+        tensors = [torch.randn(3, device=device), base[1], torch.nn.Parameter(torch.randn(2))]
+        before = [t._version for t in tensors]
+        native.bump_versions((*tensors, frozen))
+        assert [t._version for t in tensors] == [v + 1 for v in before], helper
+        assert base._version == 1, helper
+        native.bump_versions([])
+        with pytest.raises(RuntimeError, match="each element of the iterable to be a tensor"):
+            native.bump_versions([tensors[0], 1.5])
+
+
 def _ops(device):
     """An unscale of three dtypes, a check alone, and two Adam steps over an FP32 and
     an FP16 parameter with a transposed gradient (the reference's), the flag raised
@@ -107,7 +128,7 @@ def test_a_helper_that_does_not_build_is_warned_of_and_left_out(monkeypatch):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    native.native_list_facts.cache_clear()
+    native.native_module.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="did not build.*Ninja is required"):
             assert native.native_list_facts() is None
@@ -119,7 +140,7 @@ def test_a_helper_that_does_not_build_is_warned_of_and_left_out(monkeypatch):
             tensors, PLAIN_TYPES
         )
     finally:
-        native.native_list_facts.cache_clear()
+        native.native_module.cache_clear()
 
 
 def test_an_op_reads_each_of_its_lists_once_and_no_more(device, monkeypatch):
