@@ -291,6 +291,12 @@ def _linear_forward(
     return out, act_grad
 
 
+_SECOND_DERIVATIVES = (
+    "mpgemm: second derivatives are not supported (the backward of mpgemm.linear, "
+    "matmul, Linear and cross_entropy is once-differentiable)"
+)
+
+
 class _SecondDerivative(torch.autograd.Function):
     """Stands for a once-differentiable backward's results in a graph recorded by
     ``create_graph=True``: differentiating them raises."""
@@ -446,12 +452,6 @@ class LinearFunction(_Function):
             need_b=need_b and ctx.has_bias,
         )
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
-
-
-_SECOND_DERIVATIVES = (
-    "mpgemm: second derivatives are not supported (the backward of mpgemm.linear, "
-    "matmul, Linear and cross_entropy is once-differentiable)"
-)
 
 
 def _check_differentiated_once() -> None:
