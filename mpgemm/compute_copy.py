@@ -12,25 +12,30 @@ do (so that autograd refuses a graph saved before the step): at that version the
 is known current (``ComputeCopy.tensor_for``), and no cast runs in the next
 forward.
 
-One writer changes a weight without a version bump: FSDP2, which all-gathers each
+Some writers change a weight without a version bump: FSDP2, which all-gathers each
 unsharded weight into the same storage under ``_unsafe_preserve_version_counter``,
-often at the same address. The new values come from an optimizer step (on FSDP2's
-shards) or a loaded state dict, so a copy is also stale once any optimizer has stepped
-since it was last current, unless that step's optimizer wrote it (torch's global step
-pre-hook counts the steps);
-``mpgemm.Linear`` drops its copy when it loads a state dict. Except for a frozen weight
-(``requires_grad`` off when its copy was last handed out, and now) in a process with no
-``torch.distributed`` process group: only a weight with a gradient is stepped, and
-nothing else writes without a bump there, so a frozen backbone's or LoRA's base layers
-keep their copies across the steps of what trains (each was cast at every forward,
-as autocast casts a frozen weight at every use). Under ``torch.compile``, mpgemm's
-optimizers count their steps in their custom ops, at run time; any other optimizer's
-step is counted in a graph break (torch's own optimizers break the graph there anyway;
-one compiled with ``fullgraph=True`` would raise there).
+often at the same address, with values from an optimizer step on its shards or a
+loaded state dict (``mpgemm.Linear`` drops its copy when it loads one); and optimizers
+whose own kernels write the weights (bitsandbytes'). So a copy is also stale once such
+a step has begun since it was last current, unless that step's optimizer wrote it
+(torch's global step pre-hook counts them): where a process group exists (FSDP2 needs
+one), every optimizer's step; without one, the step of any optimizer but torch's and
+mpgemm's, whose writes bump the versions (``_bumps_what_it_writes``). So with two
+optimizers (a GAN's generator's and discriminator's), one's steps leave the other's
+copies current. Only a weight with a gradient is stepped, so a frozen weight's copy
+(``requires_grad`` off when it was last handed out, and now) outlives even those
+steps without a process group: a frozen backbone's or LoRA's base layers keep their
+copies across the steps of what trains (each was cast at every forward, as autocast
+casts a frozen weight at every use). Under ``torch.compile``, mpgemm's optimizers count
+their steps in their custom ops, at run time; any other optimizer's step is counted in
+a graph break (torch's own optimizers break the graph there anyway; one compiled with
+``fullgraph=True`` would raise there).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from typing import NamedTuple
 
@@ -66,7 +71,9 @@ def _register(weight: torch.Tensor, holder: ComputeCopy) -> None:
     _copies[key] = weakref.ref(holder, forget)
 
 
-# Optimizer steps begun so far, by any torch optimizer (mpgemm's included).
+# Optimizer steps begun so far that may have written weights without a version bump:
+# with a process group, every step; without one, the steps of optimizers other than
+# torch's and mpgemm's (``_bumps_what_it_writes``).
 _steps = 0
 
 
@@ -78,12 +85,30 @@ def _count_step(optimizer, args, kwargs) -> None:
     # runs eagerly, in a graph break (torch's optimizers break the graph there anyway).
     if torch.compiler.is_compiling() and getattr(optimizer, "_counts_own_compiled_steps", False):
         return
-    count_step()
+    _count_step_of(type(optimizer))
+
+
+@torch.compiler.disable
+def _count_step_of(optimizer_type: type) -> None:
+    if _distributed() or not _bumps_what_it_writes(optimizer_type):
+        count_step()
+
+
+@functools.cache
+def _bumps_what_it_writes(optimizer_type: type) -> bool:
+    """Whether an optimizer's ``step`` is torch's (``torch.optim``: torch ops, each of
+    which bumps the version of what it writes) or mpgemm's (its kernels' writes are
+    bumped by the ops, ``mpgemm.scaling``). A step of anyone else's may write through
+    its own kernels without a bump (bitsandbytes' optimizers do), so it makes every
+    copy it may have written stale."""
+    step = optimizer_type.step  # type: ignore[attr-defined]
+    module = inspect.unwrap(step).__module__ or ""
+    return module.startswith(("torch.optim.", "mpgemm."))
 
 
 @torch.compiler.disable
 def count_step() -> None:
-    """Count an optimizer step that began."""
+    """Count an optimizer step that may have written weights without a version bump."""
     global _steps
     _steps += 1
 

@@ -251,11 +251,27 @@ def test_a_compiled_step_over_param_groups_matches_eager_bit_for_bit(device, nam
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("make", [torch.optim.SGD, mpgemm.optim.SGD], ids=["torch", "mpgemm"])
-def test_compiled_optimizer_steps_are_counted_without_recompiling(make):
-    """mpgemm.compute_copy counts optimizer steps (a 16-bit copy is stale after one)
-    with a global step pre-hook. Traced, its count became a guard, and every compiled
-    step of any optimizer (torch's too) recompiled; each step must still be counted."""
+class _OwnStepSGD(torch.optim.SGD):
+    """An optimizer with a step of its own (not torch's or mpgemm's), which may write
+    weights without a version bump (as bitsandbytes' kernels do)."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize(
+    ("make", "counted"),
+    [(torch.optim.SGD, False), (mpgemm.optim.SGD, True), (_OwnStepSGD, True)],
+    ids=["torch", "mpgemm", "own step"],
+)
+def test_compiled_optimizer_steps_are_counted_without_recompiling(make, counted):
+    """mpgemm.compute_copy counts the optimizer steps that may write weights without a
+    version bump (a 16-bit copy is stale after one) with a global step pre-hook: an
+    optimizer's with a step of its own; mpgemm's compiled steps, in their ops, which
+    write no copy; not torch's, whose ops bump what they write. Traced, the count
+    became a guard, and every compiled step of any optimizer (torch's too)
+    recompiled. (A step that calls torch's, as the own step does, is counted again where
+    torch's hook wraps that one too, after a torch SGD was made.)"""
     torch._dynamo.reset()
     param = nn.Parameter(torch.zeros(8))
     optimizer = make([param], lr=0.5)
@@ -265,7 +281,8 @@ def test_compiled_optimizer_steps_are_counted_without_recompiling(make):
         param.grad = torch.ones(8)
         with torch.compiler.set_stance("fail_on_recompile" if i >= 2 else "default"):
             step()
-    assert compute_copy._steps - before == 4
+    steps = compute_copy._steps - before
+    assert steps >= 4 if counted else steps == 0
     assert torch.equal(param.detach(), torch.full((8,), -2.0))
 
 

@@ -92,12 +92,33 @@ def _fsdp_load_state_dict(layer):
     layer.load_state_dict({}, strict=False)
 
 
+class _OwnKernelsSGD(torch.optim.Optimizer):
+    """An optimizer outside torch and mpgemm whose own kernels write the weights without
+    a version bump, as bitsandbytes' do."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    with torch.autograd._unsafe_preserve_version_counter(p):
+                        p.sub_(p.grad, alpha=0.5)
+
+
+def _own_kernels_step(layer):
+    layer(torch.randn(4, 48, device=layer.weight.device)).float().sum().backward()
+    _OwnKernelsSGD(layer.parameters()).step()
+
+
 def _frozen_after_backward_then_stepped(layer):
     # Frozen between its backward and the step, which still steps it with the gradient
-    # it has: here without a version bump (as FSDP2 rewrites it, or a fused optimizer).
+    # it has: here without a version bump.
     layer(torch.randn(4, 48, device=layer.weight.device)).float().sum().backward()
     layer.requires_grad_(False)
-    _fsdp_step(layer)
+    _OwnKernelsSGD([layer.weight]).step()
 
 
 # Changes that show on any weight, frozen or not: a new storage, a version bump, a
@@ -115,7 +136,12 @@ _VISIBLE_EDITS = [
 
 @pytest.mark.parametrize(
     "edit",
-    [*_VISIBLE_EDITS, _torch_optimizer_step, _fsdp_step, _frozen_after_backward_then_stepped],
+    [
+        *_VISIBLE_EDITS,
+        _torch_optimizer_step,
+        _own_kernels_step,
+        _frozen_after_backward_then_stepped,
+    ],
 )
 def test_the_copy_is_never_stale(device, edit):
     layer = _layer(device, activation="relu")
@@ -134,21 +160,59 @@ def test_a_frozen_weights_copy_is_never_stale(device, edit):
     _assert_forward_uses_the_current_weight(layer, device)
 
 
-def test_with_a_process_group_a_frozen_weight_is_remade_after_any_step(device, tmp_path):
-    # FSDP2 (which needs a process group) rewrites a frozen weight's unsharded storage
-    # without a version bump too, with values from its shards (an EMA teacher's update).
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_with_a_process_group_a_weight_is_remade_after_any_step(device, tmp_path, frozen):
+    # FSDP2 (which needs a process group) rewrites a weight's unsharded storage without a
+    # version bump, with values from its shards that torch's optimizer stepped (a frozen
+    # one's: an EMA teacher's update).
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
-        layer = _layer(device, activation="relu").requires_grad_(False)
+        layer = _layer(device, activation="relu").requires_grad_(not frozen)
         _assert_forward_uses_the_current_weight(layer, device)
         _fsdp_step(layer)
         _assert_forward_uses_the_current_weight(layer, device)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("second", ["torch_adamw", "mpgemm_adamw"])
+def test_one_optimizers_steps_leave_the_others_copies_current(device, second):
+    """Two optimizers over two models (a GAN's discriminator and generator): the steps
+    of each, which bump what they write, leave the other's copies current, where every
+    step of either made the other's layers cast anew. Another optimizer (its own
+    kernels) still makes them stale (``test_the_copy_is_never_stale``)."""
+    torch.manual_seed(0)
+    # Of two shapes: the log tells a cast by its shape.
+    first, other = mpgemm.Linear(48, 32, device=device), mpgemm.Linear(48, 24, device=device)
+    optimizers = [
+        mpgemm.optim.AdamW(first.parameters(), lr=0.1),
+        (mpgemm.optim.AdamW if second == "mpgemm_adamw" else torch.optim.AdamW)(
+            other.parameters(), lr=0.1
+        ),
+    ]
+    x = torch.randn(8, 48, device=device)
+
+    def step(layer, optimizer):
+        optimizer.zero_grad()
+        layer(x).float().square().sum().backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step(first, optimizers[0])
+        step(other, optimizers[1])
+    for _ in range(2):
+        with _OpLog() as log:
+            step(first, optimizers[0])
+            step(other, optimizers[1])
+        assert not log.casts_of(first.weight)
+        # torch's step writes the weight alone: its layer casts anew, as it must.
+        assert bool(log.casts_of(other.weight)) == (second == "torch_adamw")
+    for layer in (first, other):
+        _assert_forward_uses_the_current_weight(layer, device)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch_adamw", "mpgemm_adamw"])
@@ -570,7 +634,7 @@ def test_copies_a_capture_used_outlive_their_remaking(monkeypatch):
 
     monkeypatch.setattr(graphs, "_kept_for_replays", [])
     layer = _layer("cpu")
-    other = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    other = _OwnKernelsSGD([nn.Parameter(torch.ones(1))])
     old = {}
     for capturing in (True, False):
         monkeypatch.setattr(graphs, "capturing", lambda device, c=capturing: c)
@@ -581,7 +645,7 @@ def test_copies_a_capture_used_outlive_their_remaking(monkeypatch):
         assert written[0] is layer._weight_copy.tensor and written[1] is layer.bias
         del written
         monkeypatch.setattr(graphs, "capturing", lambda device: False)
-        other.step()  # any optimizer's step: the copy is stale now
+        other.step()  # a step that may write without a bump: the copy is stale now
         layer(torch.randn(2, 48))  # remade
         gc.collect()
     assert old["read", True]() is not None and old["read", False]() is None
