@@ -198,6 +198,23 @@ def test_the_modes_take_turns_and_time_per_step_is_the_median(monkeypatch):
     assert all(r.steps == 12 and len(r.losses) == 12 for r in results)
 
 
+def test_samples_per_second_counts_the_samples_each_step_trained_on(monkeypatch):
+    """A batch larger than the training set trains on the whole set: throughput counts
+    the samples each timed window really took, not ``batch_size`` per step (which
+    overstated it 28x here, the digits' 1437 training samples against 40000)."""
+    from mpgemm.app import train as train_module
+    from mpgemm.app.data import load
+
+    clock = iter(range(10_000))  # each perf_counter reading one second after the last
+    monkeypatch.setattr(train_module.time, "perf_counter", lambda: float(next(clock)))
+    data = load("digits")
+    config = TrainConfig(hidden=(8,), batch_size=40_000, steps=3, warmup_steps=1)
+    (result,) = train(data, config, modes=("fp32",), progress=False)
+    # Each timed window: one step, one second.
+    assert result.ms_per_step == 1000.0
+    assert result.samples_per_s == len(data.x_train)
+
+
 def test_windows_cover_every_step_once():
     from mpgemm.app.train import _windows
 

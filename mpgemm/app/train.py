@@ -294,6 +294,7 @@ class _Run:
         self.x_train, self.y_train, self.x_test, self.y_test = on_device
         self.losses: list[torch.Tensor] = []
         self.ms_per_step: list[float] = []  # one per timed window
+        self.samples_per_s: list[float] = []  # the same windows' (a batch may be short)
         # Memory this run holds (the others' is not its own), and its peak.
         self.held = _allocated(self.device) - before
         self.peak = self.held
@@ -311,7 +312,9 @@ class _Run:
             self.losses.append(self.recipe.step(self.x_train[index], self.y_train[index]))
         _synchronize(self.device)
         if timed:
-            self.ms_per_step.append((time.perf_counter() - start) * 1e3 / len(window))
+            seconds = time.perf_counter() - start
+            self.ms_per_step.append(seconds * 1e3 / len(window))
+            self.samples_per_s.append(sum(len(index) for index in window) / seconds)
         if cuda:  # the other runs are idle meanwhile: every change is this run's
             # The peak of the timed windows (steady training): the warm-up's include
             # Triton's autotuning, whose benchmarks allocate a 256 MB L2-flush buffer.
@@ -331,7 +334,7 @@ class _Run:
             test_accuracy=accuracy,
             final_loss=final_loss,
             ms_per_step=ms_per_step,
-            samples_per_s=self.config.batch_size / (ms_per_step * 1e-3),
+            samples_per_s=statistics.median(self.samples_per_s),
             peak_memory_mb=self.peak / 2**20 if self.device.type == "cuda" else None,
             skipped_steps=recipe.skipped_steps(steps),
             final_loss_scale=recipe.loss_scale(),
