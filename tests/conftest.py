@@ -65,6 +65,18 @@ def fresh_gemm_replays():
         gemm._replays.clear()
 
 
+# torch.device(...) as a context reads its set of factory functions once, from what
+# torch.empty is then (torch.utils._device._device_constructors): read while a test had
+# it patched, the set held the wrapper, the real function it calls was not in it, and
+# under `with torch.device("meta")` layers came out on the CPU. Read here, first.
+try:
+    from torch.utils._device import _device_constructors
+except ImportError:  # a torch without it has nothing to prime
+    pass
+else:
+    _device_constructors()
+
+
 def _poisoned(make):
     def allocate(*args, **kwargs):
         t = make(*args, **kwargs)

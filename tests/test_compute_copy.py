@@ -650,3 +650,21 @@ def test_copies_a_capture_used_outlive_their_remaking(monkeypatch):
         gc.collect()
     assert old["read", True]() is not None and old["read", False]() is None
     assert len(graphs._kept_for_replays) == 2  # the forward's read and the step's write
+
+
+def test_a_model_made_on_the_meta_device_runs_there_and_trains_after_to_empty(device):
+    """Deferred initialisation (FSDP2's, torchtitan's): made on the meta device, the
+    model runs there for its shapes (its copies on the meta device too), then takes
+    real storage with ``to_empty`` and trains, its copies remade from the new weights."""
+    with torch.device("meta"):
+        model = mpgemm.convert(nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 10)))
+        assert model(torch.randn(4, 48)).shape == (4, 10)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.1)
+    optimizer = mpgemm.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 48, device=device)).float().sum().backward()
+    optimizer.step()
+    for layer in (model[0], model[2]):
+        _assert_forward_uses_the_current_weight(layer, device, layer.in_features)
