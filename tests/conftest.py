@@ -45,6 +45,19 @@ def _patch_the_language_once_per_launch() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_the_language_once_per_launch()
+    # Triton makes a kernel interpreted or compiled when its module is imported, by
+    # TRITON_INTERPRET then. Some tests set it to 0 for a while (launches stubbed, the
+    # reference path); a kernel module first imported there kept compiled kernels,
+    # which every later test in the process then failed to launch on the CPU ("0
+    # active drivers": tests/test_tracers.py after tests/test_step_memory.py).
+    import mpgemm.kernels.activation  # noqa: E402, F401
+    import mpgemm.kernels.arrivals  # noqa: E402, F401
+    import mpgemm.kernels.cross_entropy  # noqa: E402, F401
+    import mpgemm.kernels.fused_optim  # noqa: E402, F401
+    import mpgemm.kernels.gemm  # noqa: E402, F401
+    import mpgemm.kernels.gemm_tma  # noqa: E402, F401
+    import mpgemm.kernels.unscale  # noqa: E402, F401
+    import mpgemm.kernels.update_scale  # noqa: E402, F401
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
