@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -299,11 +300,15 @@ _SECOND_DERIVATIVES = (
 
 class _SecondDerivative(torch.autograd.Function):
     """Stands for a once-differentiable backward's results in a graph recorded by
-    ``create_graph=True``: differentiating them raises."""
+    ``create_graph=True``: differentiating them raises. Its inputs: the ``count``
+    results, then the tensors the results depend on (the Function's inputs), so that
+    a gradient taken with respect to one of those (``torch.autograd.grad(penalty,
+    weight)``, a hessian) passes through it and raises too, rather than finding the
+    results unconnected (zeros where ``allow_unused=True``)."""
 
     @staticmethod
-    def forward(ctx, *grads):
-        return tuple(g.detach() for g in grads)
+    def forward(ctx, count, *tensors):
+        return tuple(t.detach() for t in tensors[:count])
 
     @staticmethod
     def backward(ctx, *_):
@@ -321,7 +326,10 @@ def once_differentiable(backward: Callable) -> Callable:
     gradient penalty's ``grad_outputs=ones``), they would come out as constants, and
     a penalty on them would be dropped from the loss's gradient without a word, where
     torch's layers differentiate it. So under ``create_graph=True`` every result is
-    marked (``_SecondDerivative``), even one that torch's op would leave constant."""
+    marked (``_SecondDerivative``), even one that torch's op would leave constant, and
+    joined to the tensors it depends on: the saved tensors that require grad, and
+    ``ctx.second_order`` (tensors, or weak references to tensors the Function did not
+    save)."""
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
@@ -335,7 +343,17 @@ def once_differentiable(backward: Callable) -> Callable:
             return results
         returned = results if isinstance(results, tuple) else (results,)
         where = [i for i, r in enumerate(returned) if isinstance(r, torch.Tensor)]
-        marked = _SecondDerivative.apply(*(returned[i].detach().requires_grad_() for i in where))
+        inputs = [
+            t() if isinstance(t, weakref.ref) else t for t in getattr(ctx, "second_order", ())
+        ]
+        joined = [
+            t
+            for t in (*ctx.saved_tensors, *inputs)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        marked = _SecondDerivative.apply(
+            len(where), *(returned[i].detach().requires_grad_() for i in where), *joined
+        )
         out = list(returned)
         for i, tensor in zip(where, marked, strict=True):
             out[i] = tensor
@@ -427,6 +445,9 @@ class LinearFunction(_Function):
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.compute_dtype = compute_dtype
         ctx.has_bias = bias is not None
+        # What the gradients depend on, for once_differentiable: the weight (alive in its
+        # module, or saved) and bias; x weakly where its rounding is saved in its place.
+        ctx.second_order = (weight, bias, None if x_rounded is None else weakref.ref(x))
 
     @staticmethod
     @once_differentiable
@@ -631,6 +652,7 @@ class ActivationFunction(_Function):
         # fails the backward, as it does after torch.relu.
         ctx.save_for_backward(output if activation == "relu" else act_grad)
         ctx.activation, ctx.compute_dtype = activation, compute_dtype
+        ctx.second_order = (inputs[2],)  # the bias (z's part goes through the GEMMs' node)
 
     @staticmethod
     @once_differentiable

@@ -375,7 +375,8 @@ def test_double_backward_raises_instead_of_dropping_a_penalty(device, op):
     marked, and differentiating them raises. torch's ``once_differentiable`` marks them
     only where an incoming gradient requires grad; here none does, and its unmarked
     constants made the penalty vanish from the weights' gradient (7.7 against
-    ``nn.Linear``'s 20.9 in a trial), with no error."""
+    ``nn.Linear``'s 20.9 in a trial), with no error. The marks are joined to the
+    tensors the results depend on (the weight, the input)."""
     if op == "cross_entropy" and mpgemm.backend(device) != "triton":
         pytest.skip("the reference backend's cross_entropy is torch's, twice differentiable")
     torch.manual_seed(0)
@@ -391,6 +392,12 @@ def test_double_backward_raises_instead_of_dropping_a_penalty(device, op):
     x = torch.randn(4, 16, device=device, requires_grad=True)
     with pytest.raises(RuntimeError, match="second derivatives are not supported"):
         _penalised(ops[op], x).backward()
+    # Taken with respect to the weight alone, or to the input (a hessian), the gradient
+    # passes through the marked results too: not found unconnected (zeros, where
+    # allow_unused=True), as under torch's once_differentiable.
+    for wrt in (w, x):
+        with pytest.raises(RuntimeError, match="second derivatives are not supported"):
+            torch.autograd.grad(_penalised(ops[op], x), wrt, allow_unused=True)
     # Without create_graph, the same ops' backward is first-order as ever.
     ops[op](x).float().sum().backward()
     assert w.grad is not None and torch.isfinite(w.grad).all()
