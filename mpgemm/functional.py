@@ -343,6 +343,8 @@ def once_differentiable(backward: Callable) -> Callable:
             return results
         returned = results if isinstance(results, tuple) else (results,)
         where = [i for i, r in enumerate(returned) if isinstance(r, torch.Tensor)]
+        if not where:
+            return results
         inputs = [
             t() if isinstance(t, weakref.ref) else t for t in getattr(ctx, "second_order", ())
         ]
