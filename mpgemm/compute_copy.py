@@ -248,18 +248,18 @@ class ComputeCopy:
         self._stepped = None
 
 
-def copy_of(weight: torch.Tensor) -> torch.Tensor | None:
-    """The compute copy an optimizer should write along with ``weight``, if it has one."""
+def _holder(weight: torch.Tensor) -> ComputeCopy | None:
+    """The ``ComputeCopy`` registered under ``weight``'s id, if alive (its copy's storage
+    tells whether it is ``weight``'s: ``ComputeCopy.tensor_for``)."""
     entry = _copies.get(id(weight))
-    holder = None if entry is None else entry()
-    return None if holder is None else holder.tensor_for(weight)
+    return None if entry is None else entry()
 
 
-def _written_copy(param: torch.Tensor) -> torch.Tensor:
-    entry = _copies.get(id(param))
-    holder = None if entry is None else entry()
-    copy = None if holder is None else holder.tensor_for(param, stepping=True)
-    return param if copy is None else copy
+def copy_of(weight: torch.Tensor, *, stepping: bool = False) -> torch.Tensor | None:
+    """The compute copy an optimizer should write along with ``weight``, if it has one
+    (``ComputeCopy.tensor_for``, ``stepping`` as there)."""
+    holder = _holder(weight)
+    return None if holder is None else holder.tensor_for(weight, stepping=stepping)
 
 
 def copies_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -268,7 +268,7 @@ def copies_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
     (``ComputeCopy.tensor_for``'s ``stepping``; where the step raises,
     ``step_failed(params)``). Asked once per step and list, so the capture check is
     made once."""
-    copies = list(map(_written_copy, params))
+    copies = [c if (c := copy_of(p, stepping=True)) is not None else p for p in params]
     if copies and graphs.capturing(copies[0].device):  # as in ComputeCopy.of
         graphs.keep_for_replays(c for c, p in zip(copies, params, strict=True) if c is not p)
     return copies
@@ -278,7 +278,5 @@ def step_failed(params: list[torch.Tensor]) -> None:
     """``ComputeCopy.step_failed`` for each parameter's copy: the step that ``copies_of``
     was asked for raised."""
     for p in params:
-        entry = _copies.get(id(p))
-        holder = None if entry is None else entry()
-        if holder is not None:
+        if (holder := _holder(p)) is not None:
             holder.step_failed()
