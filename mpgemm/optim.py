@@ -106,6 +106,14 @@ def _hyperparameters(parts: list[tuple[dict, list]], **keys) -> dict[str, Any]:
     return {**first, "groups": ParamGroups(rows, tuple(len(part) for _, part in parts))}
 
 
+def _merged(parts: list[tuple[dict, list]]) -> tuple[dict, list]:
+    """A launch's first param group, whose flags the merged ones share, and the
+    parameters of all of ``parts`` ((group, params) pairs), in order."""
+    if len(parts) == 1:
+        return parts[0]
+    return parts[0][0], [p for _, part in parts for p in part]
+
+
 class _ScaledStep(torch.optim.Optimizer):
     """The shared part of ``step``: read the scaler's tensors, group the parameters.
     Comes before a torch optimizer class in its subclasses' bases, whose ``__init__``
@@ -290,8 +298,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
         return momentum, momentum and group["dampening"] != 0, group["nesterov"], group["maximize"]
 
     def _step_groups(self, parts, grad_scale, found_inf) -> None:
-        group = parts[0][0]  # (the merged groups share the flags)
-        params = parts[0][1] if len(parts) == 1 else [p for _, part in parts for p in part]
+        group, params = _merged(parts)
         buffers: list[torch.Tensor] | None = None
         steps: list[torch.Tensor] | None = None
         if group["momentum"] != 0:
@@ -374,8 +381,7 @@ class _FusedAdamStep(_ScaledStep):
         return group.get("decoupled_weight_decay", self._decoupled_weight_decay)
 
     def _step_groups(self, parts, grad_scale, found_inf) -> None:
-        group = parts[0][0]  # (the merged groups share the flags)
-        params = parts[0][1] if len(parts) == 1 else [p for _, part in parts for p in part]
+        group, params = _merged(parts)
         exp_avgs, exp_avg_sqs, steps = [], [], []
         max_exp_avg_sqs: list[torch.Tensor] | None = [] if group["amsgrad"] else None
         for p in params:
