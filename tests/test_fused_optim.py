@@ -581,7 +581,10 @@ def test_param_groups_of_mixed_dtypes_split_with_their_values(device):
     def state():
         grads = [torch.randn_like(p) for p in params]
         moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
-        return [p.clone() for p in params], grads, *moments, [torch.zeros(()) for _ in params]
+        # The step counts on the parameters' device, as the optimizers keep them: one
+        # launch reads one device's memory.
+        steps = [torch.zeros((), device=device) for _ in params]
+        return [p.clone() for p in params], grads, *moments, steps
 
     torch.manual_seed(1)
     merged = state()
