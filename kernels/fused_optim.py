@@ -18,8 +18,9 @@ and bias (without) take one launch; ``HAS_COPY`` is off when no parameter has on
 The step counts (Adam's; SGD's with dampening, which mark a buffer's first step) are
 advanced in the same launch where the step is taken: each program reads its
 parameter's count of the steps before this one, and the last of the parameter's
-programs to finish stores the count plus one (``mpgemm.kernels.arrivals``). That takes
-the place of two torch launches a step (an ``eq`` of the flag, then ``_foreach_add_``).
+programs to arrive (``mpgemm.kernels.arrivals``; each arrives after its loads, before
+its stores) stores the count plus one. That takes the place of two torch launches a
+step (an ``eq`` of the flag, then ``_foreach_add_``).
 
 Hyperparameters arrive in an FP64 table (``scalar_table``), as torch computes its
 Python-side scalars (bias corrections, ``1 - lr * weight_decay``) in double before
@@ -109,21 +110,18 @@ def _takes_step(found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
 
 
 @triton.jit
-def _store_count(
-    table_ptr,
-    num_tensors,
-    tensor,
-    step_ptr,
-    step,
-    counter_ptr,
-    NUM_LISTS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Store ``step``, the parameter's count with this step, once all the parameter's
-    programs have read the count before it: the last of them to arrive does."""
-    if arrive(counter_ptr + tensor, table_blocks(table_ptr, num_tensors, tensor, NUM_LISTS, BLOCK)):
-        tl.store(step_ptr, step)
-        leave(counter_ptr + tensor)
+def _advance_count(counter_ptr, programs, step_ptr, step, COUNTS: tl.constexpr):
+    """With ``COUNTS``, store ``step``, the parameter's count with this step, once all the
+    parameter's ``programs`` have read the count before it: the last of them to arrive
+    on ``counter_ptr`` does. Called after the program's loads and before its first
+    store: the arrival's release waits for the program's earlier memory operations,
+    and so only for loads that the program waits for anyway; its stores, which need no
+    ordering with the count, drain after it as the program ends. (Until 2026-11-26 the
+    arrival came last, after the 28 KB of stores of an Adam program writing a copy.)"""
+    if COUNTS:
+        if arrive(counter_ptr, programs):
+            tl.store(step_ptr, step)
+            leave(counter_ptr)
 
 
 @triton.jit
@@ -217,6 +215,10 @@ def _sgd_block(
     weight_decay,
     dampening,
     first_step,
+    counter_ptr,
+    programs,
+    step_ptr,
+    step,
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
@@ -234,6 +236,7 @@ def _sgd_block(
     g = load_block(g_ptr, mask)
     if HAS_MOMENTUM:
         buf = widen(load_block(buf_ptr, mask), INTERPRETED)
+    _advance_count(counter_ptr, programs, step_ptr, step, DAMPENING)
     g = _unscaled_grad(
         g, g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
     )
@@ -313,10 +316,13 @@ def _sgd_kernel(
     first_step = False
     step_ptr = table_ptr  # (no counts without dampening)
     step = 0.0
+    counter_ptr += tensor
+    programs = 1
     if DAMPENING:
         step_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, 3, tl.float32, False)
         step = tl.load(step_ptr) + 1.0
         first_step = step == 1.0
+        programs = table_blocks(table_ptr, num_tensors, tensor, num_lists, BLOCK)
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
@@ -333,6 +339,10 @@ def _sgd_kernel(
                 weight_decay,
                 dampening,
                 first_step,
+                counter_ptr,
+                programs,
+                step_ptr,
+                step,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
@@ -358,6 +368,10 @@ def _sgd_kernel(
                 weight_decay,
                 dampening,
                 first_step,
+                counter_ptr,
+                programs,
+                step_ptr,
+                step,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
@@ -368,10 +382,6 @@ def _sgd_kernel(
                 MAXIMIZE,
                 HAS_GRAD_SCALE,
                 INTERPRETED,
-            )
-        if DAMPENING:
-            _store_count(
-                table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, num_lists, BLOCK
             )
 
 
@@ -392,6 +402,9 @@ def _adam_block(
     eps,
     weight_decay,
     step,
+    counter_ptr,
+    programs,
+    step_ptr,
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
@@ -416,6 +429,7 @@ def _adam_block(
     t = step.to(tl.float64)
     step_size = (lr / (1.0 - tl.exp(t * tl.log(beta1)))).to(tl.float32)
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(tl.float32)
+    _advance_count(counter_ptr, programs, step_ptr, step, True)
     g = _unscaled_grad(
         g, g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
     )
@@ -507,6 +521,8 @@ def _adam_kernel(
     # The parameter's count of steps taken before this one, and with it.
     step_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, 4 + AMSGRAD, tl.float32, False)
     step = tl.load(step_ptr) + 1.0
+    counter_ptr += tensor
+    programs = table_blocks(table_ptr, num_tensors, tensor, num_lists, BLOCK)
     if take_step:
         # Whole blocks go unmasked, which lets the compiler vectorise their loads.
         if full:
@@ -526,6 +542,9 @@ def _adam_kernel(
                 eps,
                 weight_decay,
                 step,
+                counter_ptr,
+                programs,
+                step_ptr,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
@@ -553,6 +572,9 @@ def _adam_kernel(
                 eps,
                 weight_decay,
                 step,
+                counter_ptr,
+                programs,
+                step_ptr,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
@@ -563,7 +585,6 @@ def _adam_kernel(
                 HAS_GRAD_SCALE,
                 INTERPRETED,
             )
-        _store_count(table_ptr, num_tensors, tensor, step_ptr, step, counter_ptr, num_lists, BLOCK)
 
 
 def _launch(
