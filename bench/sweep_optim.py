@@ -19,11 +19,20 @@ same for ``sgd_step_`` with momentum against torch.optim.SGD(fused=True): SGD ra
 
     python3 bench/sweep_optim.py [OUT.json]     # on a GPU
     python3 bench/sweep_optim.py --smoke        # tiny shapes, wall clock, any machine
+    python3 bench/sweep_optim.py [OUT.json] --against=OLD.py
+
+``--against``: an earlier ``kernels/fused_optim.py`` (``git show REV:kernels/fused_optim.py
+> OLD.py``), loaded beside the installed one, whose launchers must take the same
+arguments: then both trees' Adam steps at the default shape, with copies, with and
+without a loss scale (a ``LossScaleOptimizer`` unscales before its step: the guide
+step's launch), alternating three rounds in this process, each checked to write the
+same bits as the other (rows ``mpgemm`` and ``mpgemm against``, ``round``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import json
 import statistics
@@ -34,6 +43,7 @@ import torch
 import triton
 from harness import DEVICE, ON_GPU, DeviceClock
 
+from mpgemm import scaling
 from mpgemm.kernels import fused_optim
 from mpgemm.scaling import adam_step_, sgd_step_
 
@@ -88,13 +98,13 @@ def _fresh(state):
 
 
 def _ours(name, state, grad_scale, found_inf, copies=True):
-    scaling = dict(
+    options = dict(
         compute_copies=state["copies"] if copies else None,
         grad_scale=grad_scale,
         found_inf=found_inf,
     )
     if name == "sgd":  # the first moments stand for the momentum buffers
-        sgd_step_(state["params"], state["grads"], state["exp_avgs"], **scaling, **SGD_HYPER)
+        sgd_step_(state["params"], state["grads"], state["exp_avgs"], **options, **SGD_HYPER)
         return
     adam_step_(
         state["params"],
@@ -102,7 +112,7 @@ def _ours(name, state, grad_scale, found_inf, copies=True):
         state["exp_avgs"],
         state["exp_avg_sqs"],
         state["steps"],
-        **scaling,
+        **options,
         **HYPER,
     )
 
@@ -145,8 +155,56 @@ def _time(fn, calls: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def _against(path: str, state, grad_scale, found_inf, numel, copied, calls) -> list[dict]:
+    """The ``--against`` rows: Adam through the installed launcher and through
+    ``path``'s, alternating."""
+    spec = importlib.util.spec_from_file_location("fused_optim_against", path)
+    earlier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(earlier)
+    launchers = scaling.kernels()  # the table the ops dispatch through
+    installed = launchers["adam_step"]
+    rows = []
+    try:
+        for round_, scaled in itertools.product(range(3), (False, True)):
+            scale = grad_scale if scaled else None
+            written = {}
+            for impl, launcher in (
+                ("mpgemm", installed),
+                ("mpgemm against", earlier.triton_adam_step_),
+            ):
+                launchers["adam_step"] = launcher
+                written[impl] = _fresh(state)
+                _ours("adam", written[impl], scale, found_inf)  # compiles; the bits
+                work = _fresh(state)
+                us = _time(lambda w=work, s=scale: _ours("adam", w, s, found_inf), calls)
+                # Without a scale the gradient is read, not written back.
+                accesses = FP32_ACCESSES["adam"] - (0 if scaled else 1)
+                nbytes = numel * 4 * accesses + copied * 2
+                rows.append(
+                    dict(
+                        impl=impl,
+                        optimizer="adam",
+                        copies=True,
+                        scaled=scaled,
+                        round=round_,
+                        us=us,
+                        gb_per_s=nbytes / us / 1e3,
+                    )
+                )
+            same = all(
+                torch.equal(a, b)
+                for k in written["mpgemm"]
+                for a, b in zip(written["mpgemm"][k], written["mpgemm against"][k], strict=True)
+            )
+            rows[-1]["same_bits_as_default"] = rows[-2]["same_bits_as_default"] = same
+    finally:
+        launchers["adam_step"] = installed
+    return rows
+
+
 def main(argv: list[str]) -> int:
     smoke = "--smoke" in argv
+    against = next((a.split("=", 1)[1] for a in argv if a.startswith("--against=")), None)
     out = next((a for a in argv if not a.startswith("--")), None)
     shapes, calls = (SMOKE, 3) if smoke else (GUIDE, 30)
     numel = sum(torch.Size(s).numel() for s in shapes)
@@ -190,6 +248,8 @@ def main(argv: list[str]) -> int:
         # Its rate as the bytes ours moves less the copies, which torch's does not write.
         nbytes = numel * 4 * FP32_ACCESSES[name]
         rows.append(dict(impl=f"torch fused {name}", us=us, gb_per_s=nbytes / us / 1e3))
+    if against:
+        rows += _against(against, state, grad_scale, found_inf, numel, copied, calls)
     env = dict(
         device=torch.cuda.get_device_name() if ON_GPU else "cpu",
         torch=torch.__version__,

@@ -178,9 +178,16 @@ def test_plan_refuses_an_unknown_stage():
 
 def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
     """bench/sweep_optim.py, the script a GPU session runs for the optimizers' gap, on
-    tiny shapes through the interpreter: every launch shape writes the default's bits."""
+    tiny shapes through the interpreter: every launch shape writes the default's bits;
+    ``--against`` a copy of the kernels' module (as a session passes an earlier
+    revision's) times both, alternating, to the same bits."""
     run = subprocess.run(
-        [sys.executable, "sweep_optim.py", "--smoke"],
+        [
+            sys.executable,
+            "sweep_optim.py",
+            "--smoke",
+            f"--against={ROOT / 'kernels' / 'fused_optim.py'}",
+        ],
         cwd=ROOT / "bench",
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
@@ -191,13 +198,21 @@ def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     # Per optimizer, (block, warps): 1024, 2048 and 4096 elements a program, 4 or 8
     # warps; with the weights' FP16 copies and without copies; then torch's fused step.
-    for name, block in (("adam", rows[:13]), ("sgd", rows[13:])):
+    for name, block in (("adam", rows[:13]), ("sgd", rows[13:26])):
         ours = block[:-1]
         assert len(ours) == 12 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
         assert all(r["optimizer"] == name for r in ours)
         assert [r["copies"] for r in ours] == [True] * 6 + [False] * 6
         assert block[-1]["impl"] == f"torch fused {name}"
-    assert len(rows) == 26
+    # Three rounds of (unscaled, scaled) x (installed, against).
+    against = rows[26:]
+    assert [(r["round"], r["scaled"], r["impl"]) for r in against] == [
+        (i, scaled, impl)
+        for i in range(3)
+        for scaled in (False, True)
+        for impl in ("mpgemm", "mpgemm against")
+    ]
+    assert all(r["same_bits_as_default"] and r["us"] > 0 for r in against)
 
 
 def test_carried_wheels_install_from_their_folder_alone(tmp_path):
