@@ -215,6 +215,32 @@ def test_one_optimizers_steps_leave_the_others_copies_current(device, second):
         _assert_forward_uses_the_current_weight(layer, device)
 
 
+def test_a_frozen_base_in_16_bits_has_no_copy(device):
+    # A LoRA-style base stored in BF16 after convert: its layer computes in BF16 and
+    # reads the weight itself, so no 16-bit copy is made or cast (README's way to save
+    # the copies' memory); the trained layer's copy is kept as ever.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
+    mpgemm.convert(model)
+    model[0].to(torch.bfloat16).requires_grad_(False)
+    assert model[0].compute_dtype == torch.bfloat16
+    optimizer = mpgemm.optim.AdamW(model[2].parameters(), lr=0.1)
+    x = torch.randn(32, 48, device=device)
+    y = torch.randint(0, 10, (32,), device=device)
+    for _ in range(2):
+        with _OpLog() as log:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        assert not log.casts_of(model[0].weight)
+        assert model[0]._weight_copy.tensor is None
+        assert model[2]._weight_copy.tensor is not None
+    # torch's BF16 product of the same rounded operands (BF16's tolerances: the two
+    # sum in different orders before the one rounding).
+    expected = nn.functional.linear(x.bfloat16(), model[0].weight, model[0].bias).relu()
+    torch.testing.assert_close(model[1](model[0](x)), expected)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["torch_adamw", "mpgemm_adamw"])
 def test_a_frozen_backbones_copies_outlive_the_steps_of_what_trains(device, fused):
     # Fine-tuning a head (or LoRA over frozen layers): the frozen layers' copies are
