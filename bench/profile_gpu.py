@@ -523,17 +523,40 @@ def main() -> None:
         "dZ relu": lambda: _relu_backward("mpgemm"),
         "dZ relu torch": lambda: _relu_backward("torch"),
     }
-    if only is None or "launch" in only:
-        launch_costs(out)
-    if only is None or "syncs" in only:
-        sync_sites(out)
-    if only is None or "phases" in only:
-        phases(out)
-    if only is None or "idle" in only:
-        idle_rounds(out)
-    for name, build in cases.items():
-        if only is None or name in only:
-            report(name, build(), out)
+    sections = {
+        "launch": lambda: launch_costs(out),
+        "syncs": lambda: sync_sites(out),
+        "phases": lambda: phases(out),
+        "idle": lambda: idle_rounds(out),
+        **{
+            name: lambda build=build, name=name: report(name, build(), out)
+            for name, build in cases.items()
+        },
+    }
+    unknown = sorted((only or set()) - sections.keys())
+    if unknown:  # before anything runs: a misspelt case would cost a device call
+        sys.exit(f"profile_gpu: no section {', '.join(unknown)}; sections: {', '.join(sections)}")
+    failed = [
+        name
+        for name, run in sections.items()
+        if (only is None or name in only) and not _ran(name, run, out)
+    ]
+    if failed:
+        sys.exit(f"profile_gpu: {len(failed)} section(s) failed: {', '.join(failed)}")
+
+
+def _ran(name: str, run, out: Path) -> bool:
+    """Run one section; a section that raises is reported in profile.md (and on stderr)
+    and the others still run: a device call's minutes are not lost to one stale case."""
+    try:
+        run()
+    except Exception:
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, flush=True)
+        with open(out / "profile.md", "a") as f:
+            f.write(f"## {name}: failed\n\n```\n{text}```\n\n")
+        return False
+    return True
 
 
 def _unscale():

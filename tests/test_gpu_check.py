@@ -215,6 +215,31 @@ def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
     assert all(r["same_bits_as_default"] and r["us"] > 0 for r in against)
 
 
+def test_the_profile_reports_a_failed_section_and_runs_the_next(tmp_path):
+    """bench/profile_gpu.py, a GPU session's profile (this file is not run on a GPU): a
+    section that raises (here, every one: no GPU) is written to profile.md with its
+    traceback and the next still runs; a misspelt section name stops it before anything
+    runs."""
+
+    def profile(out, sections):
+        return subprocess.run(
+            [sys.executable, "profile_gpu.py", str(out), sections],
+            cwd=ROOT / "bench",
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    run = profile(tmp_path / "a", "launch,idle")
+    assert run.returncode == 1 and "2 section(s) failed: launch, idle" in run.stderr
+    report = (tmp_path / "a" / "profile.md").read_text()
+    assert "## launch: failed" in report and "## idle: failed" in report
+    assert report.count("Traceback") == 2
+    run = profile(tmp_path / "b", "launch,guide mpgemn")
+    assert run.returncode == 1 and "no section guide mpgemn" in run.stderr
+    assert not (tmp_path / "b" / "profile.md").exists()
+
+
 def test_carried_wheels_install_from_their_folder_alone(tmp_path):
     """The set-up's install of wheels carried to the device (which has no network):
     none carried, none installed; a carried one installs with no index (pip's dry run
