@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
-from mpgemm.kernels import gemm, gemm_tma
+from mpgemm.kernels import activation, gemm, gemm_tma
 from mpgemm.kernels.activation import triton_activation_backward
 from mpgemm.kernels.gemm import triton_gemm, use_kernel
 from mpgemm.kernels.launches import intercept, jit_function, launch, launch_options
@@ -522,6 +522,9 @@ def main() -> None:
         "head dW torch": lambda: _head_weight_gradient("torch"),
         "dZ relu": lambda: _relu_backward("mpgemm"),
         "dZ relu torch": lambda: _relu_backward("torch"),
+        "dZ relu 6 per SM": lambda: _relu_backward("mpgemm", 6),
+        "dZ relu 8 per SM": lambda: _relu_backward("mpgemm", 8),
+        "dZ relu 16 per SM": lambda: _relu_backward("mpgemm", 16),
     }
     sections = {
         "launch": lambda: launch_costs(out),
@@ -604,16 +607,28 @@ def _head_weight_gradient(how: str):
     return unswapped
 
 
-def _relu_backward(how: str):
+def _relu_backward(how: str, programs_per_sm: int | None = None):
     """dZ = dY masked where y <= 0 and the bias gradient, dZ's FP32 column sums, for the
     guide's 4096-wide layer (8192 x 4096, FP16): mpgemm's one pass
     (``mpgemm.kernels.activation``) or torch's two (threshold_backward, then a sum that
-    reads dZ again: 60 + 42 us in run5's step profile)."""
+    reads dZ again: 60 + 42 us in run5's step profile). ``programs_per_sm``: the
+    programs the launch aims for per SM in place of ``activation._PROGRAMS_PER_SM`` (4:
+    the H200 ran 512 programs of 16 row steps at 2.96 TB/s in the guide step, run6; on
+    the H100 the kernel took 76.6 us where torch's threshold_backward took 60.7)."""
     dy = torch.randn(8192, 4096, device=DEVICE).half()
     y = torch.randn(8192, 4096, device=DEVICE).relu().half()
     if how == "torch":
         return lambda: activation_backward_ref(dy, y, "relu", torch.float16, bias_grad=True)
-    return lambda: triton_activation_backward(dy, y, "relu", torch.float16, bias_grad=True)
+
+    def run():
+        default = activation._PROGRAMS_PER_SM
+        activation._PROGRAMS_PER_SM = programs_per_sm or default
+        try:
+            return triton_activation_backward(dy, y, "relu", torch.float16, bias_grad=True)
+        finally:
+            activation._PROGRAMS_PER_SM = default
+
+    return run
 
 
 def _matmul(s: int):
