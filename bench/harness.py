@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import time
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -160,3 +162,27 @@ def flush_time(rounds: int = 10) -> float:
 def median(values: list[float]) -> float:
     """The bench's median: the upper one of an even count (a time that was measured)."""
     return sorted(values)[len(values) // 2]
+
+
+def median_us(fn, calls: int) -> float:
+    """Median microseconds of a call of ``fn`` over ``calls`` calls: on the GPU's clock
+    with L2 flushed before each (``DeviceClock``), else the wall clock."""
+    times = []
+    clock = DeviceClock(DEVICE) if ON_GPU else time.perf_counter
+    for _ in range(calls):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return median(times) * 1e6
+
+
+def module_from(path: str, name: str) -> ModuleType:
+    """The module in the file at ``path`` (an earlier revision's kernels: ``git show
+    REV:kernels/X.py > OLD.py``), loaded as ``name`` beside the installed one, whose
+    imports it shares: its Triton kernels are kernels of their own, compiled apart."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{path}: not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

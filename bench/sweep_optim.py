@@ -32,16 +32,13 @@ same bits as the other (rows ``mpgemm`` and ``mpgemm against``, ``round``).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import json
-import statistics
 import sys
-import time
 
 import torch
 import triton
-from harness import DEVICE, ON_GPU, DeviceClock
+from harness import DEVICE, ON_GPU, median_us, module_from
 
 from mpgemm import scaling
 from mpgemm.kernels import fused_optim
@@ -144,23 +141,10 @@ def _with_shape(block, num_warps):
     return shaped
 
 
-def _time(fn, calls: int) -> float:
-    """Median microseconds of a call: the GPU's clock with L2 flushed, else wall."""
-    times = []
-    clock = DeviceClock(DEVICE) if ON_GPU else time.perf_counter
-    for _ in range(calls):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return statistics.median(times) * 1e6
-
-
 def _against(path: str, state, grad_scale, found_inf, numel, copied, calls) -> list[dict]:
     """The ``--against`` rows: Adam through the installed launcher and through
     ``path``'s, alternating."""
-    spec = importlib.util.spec_from_file_location("fused_optim_against", path)
-    earlier = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(earlier)
+    earlier = module_from(path, "fused_optim_against")
     launchers = scaling.kernels()  # the table the ops dispatch through
     installed = launchers["adam_step"]
     rows = []
@@ -176,7 +160,7 @@ def _against(path: str, state, grad_scale, found_inf, numel, copied, calls) -> l
                 written[impl] = _fresh(state)
                 _ours("adam", written[impl], scale, found_inf)  # compiles; the bits
                 work = _fresh(state)
-                us = _time(lambda w=work, s=scale: _ours("adam", w, s, found_inf), calls)
+                us = median_us(lambda w=work, s=scale: _ours("adam", w, s, found_inf), calls)
                 # Without a scale the gradient is read, not written back.
                 accesses = FP32_ACCESSES["adam"] - (0 if scaled else 1)
                 nbytes = numel * 4 * accesses + copied * 2
@@ -225,7 +209,7 @@ def main(argv: list[str]) -> int:
                     torch.equal(a, b) for k in once for a, b in zip(once[k], want[k], strict=True)
                 )
                 work = _fresh(state)
-                us = _time(
+                us = median_us(
                     lambda n=name, w=work, c=copies: _ours(n, w, grad_scale, found_inf, c), calls
                 )
                 # FP32 reads and writes of the step, and the FP16 copies written.
@@ -244,7 +228,7 @@ def main(argv: list[str]) -> int:
                 )
         finally:
             fused_optim._launch = original
-        us = _time(_torch_fused(name, _fresh(state), grad_scale, found_inf).step, calls)
+        us = median_us(_torch_fused(name, _fresh(state), grad_scale, found_inf).step, calls)
         # Its rate as the bytes ours moves less the copies, which torch's does not write.
         nbytes = numel * 4 * FP32_ACCESSES[name]
         rows.append(dict(impl=f"torch fused {name}", us=us, gb_per_s=nbytes / us / 1e3))
