@@ -63,7 +63,10 @@ def _activation_backward_kernel(
     chunk = tl.program_id(1)
     first = chunk * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
-    sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Each row of the block keeps its own running sums, added across the rows once
+    # after the loop: a reduction over the rows inside the loop crossed the warps
+    # (shared memory and 8 barriers a step), holding every step's next loads back.
+    sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for row in range(first, last, BLOCK_M):
         rows = (row + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows < last)[:, None] & mask_n[None, :]
@@ -81,9 +84,9 @@ def _activation_backward_kernel(
         dz = cast_rne(exact, dz_ptr.dtype.element_ty, INTERPRETED)
         tl.store(dz_ptr + rows[:, None] * N + cols64[None, :], dz, mask=mask)
         if BIAS_GRAD:
-            sums += tl.sum(exact, axis=0)
+            sums += exact
     if BIAS_GRAD:
-        tl.store(partial_ptr + chunk * N + cols, sums, mask=mask_n)
+        tl.store(partial_ptr + chunk * N + cols, tl.sum(sums, axis=0), mask=mask_n)
         chunks = tl.num_programs(1)
         if arrive(counter_ptr + tl.program_id(0), chunks):
             # BLOCK_M chunks' partials at a time (one step for up to BLOCK_M chunks),
