@@ -176,18 +176,11 @@ def test_plan_refuses_an_unknown_stage():
     assert run.returncode == 2 and "usage" in run.stderr and not run.stdout
 
 
-def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
-    """bench/sweep_optim.py, the script a GPU session runs for the optimizers' gap, on
-    tiny shapes through the interpreter: every launch shape writes the default's bits;
-    ``--against`` a copy of the kernels' module (as a session passes an earlier
-    revision's) times both, alternating, to the same bits."""
+def _interpreted_rows(script: str, *args: str) -> list[dict]:
+    """The JSON rows a bench script prints, run with the kernels interpreted; it must
+    exit 0 (every check it makes passed)."""
     run = subprocess.run(
-        [
-            sys.executable,
-            "sweep_optim.py",
-            "--smoke",
-            f"--against={ROOT / 'kernels' / 'fused_optim.py'}",
-        ],
+        [sys.executable, script, *args],
         cwd=ROOT / "bench",
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
@@ -195,7 +188,17 @@ def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
+    """bench/sweep_optim.py, the script a GPU session runs for the optimizers' gap, on
+    tiny shapes through the interpreter: every launch shape writes the default's bits;
+    ``--against`` a copy of the kernels' module (as a session passes an earlier
+    revision's) times both, alternating, to the same bits."""
+    rows = _interpreted_rows(
+        "sweep_optim.py", "--smoke", f"--against={ROOT / 'kernels' / 'fused_optim.py'}"
+    )
     # Per optimizer, (block, warps): 1024, 2048 and 4096 elements a program, 4 or 8
     # warps; with the weights' FP16 copies and without copies; then torch's fused step.
     for name, block in (("adam", rows[:13]), ("sgd", rows[13:26])):
@@ -238,6 +241,25 @@ def test_the_profile_reports_a_failed_section_and_runs_the_next(tmp_path):
     run = profile(tmp_path / "b", "launch,guide mpgemn")
     assert run.returncode == 1 and "no section guide mpgemn" in run.stderr
     assert not (tmp_path / "b" / "profile.md").exists()
+
+
+def test_the_activation_ab_runs_both_kernels_to_the_same_results():
+    """bench/ab_activation.py, the A/B a GPU session runs for the activation backward,
+    on small shapes through the interpreter against the installed module's own file:
+    three alternating rounds per activation, dZ bit for bit, the bias gradients close."""
+    rows = _interpreted_rows("ab_activation.py", str(ROOT / "kernels" / "activation.py"), "--smoke")
+    timed = [r for r in rows if "us" in r]
+    assert [(r["activation"], r["round"], r["impl"]) for r in timed] == [
+        (name, i, impl)
+        for name in ("relu", "gelu")
+        for i in range(3)
+        for impl in ("mpgemm", "mpgemm against")
+    ]
+    assert all(r["us"] > 0 for r in timed)
+    checks = [r for r in rows if "us" not in r]
+    assert checks == [
+        dict(activation=name, dz_same_bits=True, bias_grad_close=True) for name in ("relu", "gelu")
+    ]
 
 
 def test_carried_wheels_install_from_their_folder_alone(tmp_path):

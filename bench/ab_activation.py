@@ -1,0 +1,89 @@
+"""An earlier ``kernels/activation.py``'s fused activation backward against the installed
+one, in one process: dZ and the bias gradient of the guide's 4096-wide layer (8192 x
+4096, FP16) for ReLU (saved y, FP16) and GELU (saved act'(z), FP32), three alternating
+rounds, each call timed on the GPU's clock with L2 flushed (``harness.median_us``).
+dZ must match bit for bit; the bias gradients are FP32 sums that may add in another
+order (each kernel's order is fixed), so they are compared within FP32's rounding.
+
+    git show REV:kernels/activation.py > OLD.py
+    python3 bench/ab_activation.py OLD.py [OUT.json]   # on a GPU
+    python3 bench/ab_activation.py OLD.py --smoke      # small shapes, any machine
+
+Bytes per call: dY and the saved tensor read, dZ written (the partial sums, some 0.3%
+more, left out).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from harness import DEVICE, ON_GPU, median_us, module_from
+
+from mpgemm.kernels import activation
+
+SHAPE = (8192, 4096)
+SMOKE_SHAPE = (96, 160)
+
+
+def _operands(name: str, shape: tuple[int, int]):
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    dy = torch.randn(shape, device=DEVICE, generator=g).half()
+    z = torch.randn(shape, device=DEVICE, generator=g)
+    saved = (
+        z.relu().half() if name == "relu" else torch.sigmoid(1.702 * z)
+    )  # (a derivative's range)
+    return dy, saved
+
+
+def main(argv: list[str]) -> int:
+    smoke = "--smoke" in argv
+    paths = [a for a in argv if not a.startswith("--")]
+    if not paths:
+        sys.exit(__doc__)
+    earlier = module_from(paths[0], "activation_against")
+    out = paths[1] if len(paths) > 1 else None
+    shape, calls = (SMOKE_SHAPE, 3) if smoke else (SHAPE, 30)
+    rows, ok = [], True
+    for name in ("relu", "gelu"):
+        dy, saved = _operands(name, shape)
+        nbytes = dy.nbytes * 2 + saved.nbytes
+        results = {}
+        for round_ in range(3):
+            for impl, module in (("mpgemm", activation), ("mpgemm against", earlier)):
+
+                def call(module=module, dy=dy, saved=saved, name=name):
+                    return module.triton_activation_backward(
+                        dy, saved, name, torch.float16, bias_grad=True
+                    )
+
+                results[impl] = call()  # compiles; the results compared below
+                us = median_us(call, calls)
+                rows.append(
+                    dict(
+                        impl=impl, activation=name, round=round_, us=us, gb_per_s=nbytes / us / 1e3
+                    )
+                )
+        (dz, db), (dz_then, db_then) = results["mpgemm"], results["mpgemm against"]
+        same_dz = torch.equal(dz.view(torch.int16), dz_then.view(torch.int16))
+        # Sums of up to M terms in two orders: within a few ulps of their magnitudes.
+        scale = dz.float().abs().sum(0) * torch.finfo(torch.float32).eps * 4
+        close_db = bool((db - db_then).abs().le(scale).all())
+        rows.append(dict(activation=name, dz_same_bits=same_dz, bias_grad_close=close_db))
+        ok = ok and same_dz and close_db
+    env = dict(
+        device=torch.cuda.get_device_name() if ON_GPU else "cpu",
+        torch=torch.__version__,
+        shape=list(shape),
+    )
+    for row in rows:
+        print(json.dumps(row))
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(env=env, rows=rows), f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
