@@ -236,6 +236,7 @@ def _sgd_block(
     g = load_block(g_ptr, mask)
     if HAS_MOMENTUM:
         buf = widen(load_block(buf_ptr, mask), INTERPRETED)
+    # The step count's arrival, after the loads and before any store.
     _advance_count(counter_ptr, programs, step_ptr, step, DAMPENING)
     g = _unscaled_grad(
         g, g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
@@ -429,6 +430,7 @@ def _adam_block(
     t = step.to(tl.float64)
     step_size = (lr / (1.0 - tl.exp(t * tl.log(beta1)))).to(tl.float32)
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(tl.float32)
+    # The step count's arrival, after the loads and before any store.
     _advance_count(counter_ptr, programs, step_ptr, step, True)
     g = _unscaled_grad(
         g, g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
