@@ -1,5 +1,6 @@
-"""A LoRA-like step on the GPU: six frozen 4096-wide layers, a trained head; mpgemm
-(converted, its GradScaler and AdamW) against autocast + torch's GradScaler + AdamW(fused).
+"""A LoRA-like step on the GPU: seven frozen layers (784 -> 4096, six 4096-wide), a trained
+head; mpgemm (converted, its GradScaler and AdamW) against autocast + torch's GradScaler +
+AdamW(fused).
 Wall ms per step (median of 5 windows of 10 steps), and the CUDA kernel count a step."""
 
 import json
