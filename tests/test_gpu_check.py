@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -260,6 +261,44 @@ def test_the_activation_ab_runs_both_kernels_to_the_same_results():
     assert checks == [
         dict(activation=name, dz_same_bits=True, bias_grad_close=True) for name in ("relu", "gelu")
     ]
+
+
+def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_path):
+    """bench/gpu_session.sh, a device call's parts in order, as a dry run on the CPU: the
+    profile (every section fails here: no GPU) is archived with its log; the activation
+    A/B is skipped without an earlier kernel file; a part that needs more time than is
+    left is skipped; an unknown part stops the call before anything runs."""
+
+    def session(*parts, seconds=300):
+        env = {
+            **os.environ,
+            "GPU_CHECK_DRY_RUN": "1",
+            "OUT": str(tmp_path / "out"),
+            "SCRATCH": str(tmp_path / "scratch"),  # (empty)
+            "SESSION_SECONDS": str(seconds),
+            "PYTHON": sys.executable,
+        }
+        return subprocess.run(
+            ["bash", str(ROOT / "bench" / "gpu_session.sh"), *parts],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    run = session("profile", "ab")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "gpu_session: profile rc=1" in run.stdout
+    assert "ab skipped: no " in run.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["profile.tgz"]
+    with tarfile.open(tmp_path / "out" / "profile.tgz") as archive:
+        names = archive.getnames()
+    assert "profile.out" in names and "profile/profile.md" in names
+    run = session("tests", seconds=100)
+    assert "tests skipped: " in run.stdout and "it needs 200" in run.stdout
+    run = session("profile", "benchmark")
+    assert run.returncode == 2 and "no part benchmark" in run.stdout
+    assert "profile rc" not in run.stdout
 
 
 def test_carried_wheels_install_from_their_folder_alone(tmp_path):

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One device call of a GPU session: the runbook's parts in order, each archived into
+# $OUT as soon as it ends (a .tgz a part: the device returns at most 8 files), all
+# within SESSION_SECONDS (default 560, under the device's 600 s a call).
+#   OUT=DIR bash bench/gpu_session.sh [PART ...]     (default: tests targets profile sweep ab)
+# Parts: a gpu_check stage (tests, targets, bench, train: bench/gpu_check.py); profile
+# (bench/profile_gpu.py, the runbook's sections); sweep (bench/sweep_optim.py, against
+# $SCRATCH/old_fused_optim.py where it exists); ab (bench/ab_activation.py against
+# $SCRATCH/old_activation.py, skipped without it; SCRATCH is .scratch unless set). A
+# part starts only with its minimum time left, and every part is cut at the session's
+# end. GPU_CHECK_DRY_RUN=1: the same on a CPU at toy scale (the stages' dry runs, the
+# scripts' --smoke, their kernels interpreted).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+out=${OUT:?OUT: the folder whose files the device returns}
+work=$(mktemp -d)
+end=$((SECONDS + ${SESSION_SECONDS:-560}))
+dry=${GPU_CHECK_DRY_RUN:-0}
+scratch=${SCRATCH:-.scratch}
+sections="launch,phases,idle,head dW,head dW unswapped,head dW torch,matmul 8192x4096x4096"
+sections+=",matmul 8192x4096x4096 A.T,torch 8192x4096x4096 A.T,dZ relu,dZ relu torch"
+sections+=",dZ relu 6 per SM,dZ relu 8 per SM,dZ relu 16 per SM,guide mpgemm"
+# Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
+declare -A minimum=(
+  [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20
+)
+installed=0
+
+install() {  # the stages install the package themselves; the scripts need it once
+  # (a dry run, as the stages' dry runs, uses the package as it is installed)
+  [ "$installed" = 1 ] || [ "$dry" = 1 ] || {
+    "$python" -m pip install -q --no-build-isolation --no-deps -e . > "$work/pip.log" 2>&1 &&
+      installed=1
+  }
+}
+
+run() {  # run PART: its command, cut at the session's end, its output in $work/PART/
+  local part=$1 left=$((end - SECONDS)) smoke=() interpret=()
+  [ "$dry" = 1 ] && smoke=(--smoke) && interpret=(env TRITON_INTERPRET=1)
+  mkdir -p "$work/$part"
+  case $part in
+    tests|targets|bench|train)
+      OUT=$work/$part timeout -s INT "$left" bash bench/gpu_check.sh "$part" ;;
+    profile)
+      install && timeout -s INT "$left" "$python" bench/profile_gpu.py "$work/$part" "$sections" ;;
+    sweep)
+      local against=()
+      [ -f "$scratch/old_fused_optim.py" ] && against=(--against="$scratch/old_fused_optim.py")
+      install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/sweep_optim.py \
+        "$work/$part/sweep.json" "${smoke[@]}" "${against[@]}" ;;
+    ab)
+      install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/ab_activation.py \
+        "$scratch/old_activation.py" "$work/$part/ab_activation.json" "${smoke[@]}" ;;
+  esac
+}
+
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(tests targets profile sweep ab)
+for part in "${parts[@]}"; do  # all names checked before anything runs
+  if [ -z "${minimum[$part]:-}" ]; then
+    echo "gpu_session: no part $part (parts: tests targets bench train profile sweep ab)"
+    exit 2
+  fi
+done
+mkdir -p "$out"
+for part in "${parts[@]}"; do
+  if [ "$part" = ab ] && [ ! -f "$scratch/old_activation.py" ]; then
+    echo "gpu_session: ab skipped: no $scratch/old_activation.py"
+    continue
+  fi
+  if [ $((end - SECONDS)) -lt "${minimum[$part]}" ]; then
+    echo "gpu_session: $part skipped: $((end - SECONDS)) s left, it needs ${minimum[$part]}"
+    continue
+  fi
+  start=$SECONDS
+  run "$part" > "$work/$part.out" 2>&1
+  status=$?
+  tar czf "$out/$part.tgz" -C "$work" "$part" "$part.out"
+  echo "gpu_session: $part rc=$status in $((SECONDS - start)) s, at $SECONDS s"
+  grep -hE "passed|failed|section\(s\) failed|stage .* took" "$work/$part.out" | tail -3
+  if [ -f "$work/$part/report.md" ]; then grep -A16 "^### targets" "$work/$part/report.md"; fi
+done
+echo "gpu_session: done at $SECONDS s"
