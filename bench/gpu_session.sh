@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 out=${OUT:?OUT: the folder whose files the device returns}
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT  # (what a part made is in its archive)
 end=$((SECONDS + ${SESSION_SECONDS:-560}))
 dry=${GPU_CHECK_DRY_RUN:-0}
 scratch=${SCRATCH:-.scratch}
