@@ -502,8 +502,11 @@ def update_scale_(
         clear_found_inf=clear_found_inf,
     )
     if not torch.compiler.is_compiling():
-        _bumped((scale, growth_tracker), (found_inf,) if clear_found_inf else None)
-        _bumped(None if skipped_steps is None else (skipped_steps,))
+        _bumped(
+            (scale, growth_tracker),
+            (found_inf,) if clear_found_inf else None,
+            None if skipped_steps is None else (skipped_steps,),
+        )
 
 
 # The hyperparameters a step takes as a float or a one-element tensor, as torch's
