@@ -15,11 +15,10 @@ more, left out).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
-from harness import DEVICE, ON_GPU, median_us, module_from
+from harness import DEVICE, median_us, module_from, write_rows
 
 from mpgemm.kernels import activation
 
@@ -72,16 +71,7 @@ def main(argv: list[str]) -> int:
         close_db = bool((db - db_then).abs().le(scale).all())
         rows.append(dict(activation=name, dz_same_bits=same_dz, bias_grad_close=close_db))
         ok = ok and same_dz and close_db
-    env = dict(
-        device=torch.cuda.get_device_name() if ON_GPU else "cpu",
-        torch=torch.__version__,
-        shape=list(shape),
-    )
-    for row in rows:
-        print(json.dumps(row))
-    if out:
-        with open(out, "w") as f:
-            json.dump(dict(env=env, rows=rows), f, indent=1)
+    write_rows(rows, out, shape=list(shape))
     return 0 if ok else 1
 
 

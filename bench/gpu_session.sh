@@ -2,11 +2,12 @@
 # One device call of a GPU session: the runbook's parts in order, each archived into
 # $OUT as soon as it ends (a .tgz a part: the device returns at most 8 files), all
 # within SESSION_SECONDS (default 560, under the device's 600 s a call).
-#   OUT=DIR bash bench/gpu_session.sh [PART ...]     (default: tests targets profile sweep ab)
+#   OUT=DIR bash bench/gpu_session.sh [PART ...]  (default: tests targets profile sweep ab adam)
 # Parts: a gpu_check stage (tests, targets, bench, train: bench/gpu_check.py); profile
 # (bench/profile_gpu.py, the runbook's sections); sweep (bench/sweep_optim.py, against
 # $SCRATCH/old_fused_optim.py where it exists); ab (bench/ab_activation.py against
-# $SCRATCH/old_activation.py, skipped without it; SCRATCH is .scratch unless set). A
+# $SCRATCH/old_activation.py, skipped without it; SCRATCH is .scratch unless set); adam
+# (bench/probe_adam.py, then ncu on its Adam step and 4/4 stream, every stall reason). A
 # part starts only with its minimum time left, and every part is cut at the session's
 # end. GPU_CHECK_DRY_RUN=1: the same on a CPU at toy scale (the stages' dry runs, the
 # scripts' --smoke, their kernels interpreted).
@@ -24,8 +25,14 @@ sections+=",matmul 8192x4096x4096 A.T,torch 8192x4096x4096 A.T,dZ relu,dZ relu t
 sections+=",dZ relu 6 per SM,dZ relu 8 per SM,dZ relu 16 per SM,guide mpgemm"
 # Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
 declare -A minimum=(
-  [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20
+  [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60
 )
+# ncu on probe_adam.py --ncu's third Adam step and its stream: speed of light, memory,
+# and the warps' stall reasons, each one (the section's table names only the largest).
+ncu_options=(--clock-control none -k "regex:_adam_kernel|_stream_kernel" -s 2 -c 2
+  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+  --section MemoryWorkloadAnalysis --print-details all
+  --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
 installed=0
 
 install() {  # the stages install the package themselves; the scripts need it once
@@ -53,14 +60,19 @@ run() {  # run PART: its command, cut at the session's end, its output in $work/
     ab)
       install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/ab_activation.py \
         "$scratch/old_activation.py" "$work/$part/ab_activation.json" "${smoke[@]}" ;;
+    adam)
+      install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/probe_adam.py \
+        "$work/$part/probe.json" "${smoke[@]}" || return
+      [ "$dry" = 1 ] || timeout -s INT $((end - SECONDS)) ncu "${ncu_options[@]}" \
+        "$python" bench/probe_adam.py --ncu > "$work/$part/ncu_adam.txt" 2>&1 ;;
   esac
 }
 
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests targets profile sweep ab)
+[ ${#parts[@]} -gt 0 ] || parts=(tests targets profile sweep ab adam)
 for part in "${parts[@]}"; do  # all names checked before anything runs
   if [ -z "${minimum[$part]:-}" ]; then
-    echo "gpu_session: no part $part (parts: tests targets bench train profile sweep ab)"
+    echo "gpu_session: no part $part (parts: tests targets bench train profile sweep ab adam)"
     exit 2
   fi
 done

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import time
 from types import ModuleType
@@ -186,3 +187,21 @@ def module_from(path: str, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def write_rows(rows: list[dict], out: str | None, **facts: object) -> None:
+    """Print a bench script's rows, one JSON line each, and write them to ``out`` (if
+    given) with the device, torch's and triton's versions and ``facts``."""
+    import triton
+
+    env = dict(
+        device=torch.cuda.get_device_name() if ON_GPU else "cpu",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        **facts,
+    )
+    for row in rows:
+        print(json.dumps(row))
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(env=env, rows=rows), f, indent=1)

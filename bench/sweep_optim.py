@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import sys
 
 import torch
-import triton
-from harness import DEVICE, ON_GPU, median_us, module_from
+from harness import DEVICE, median_us, module_from, write_rows
 
 from mpgemm import scaling
 from mpgemm.kernels import fused_optim
@@ -234,17 +232,7 @@ def main(argv: list[str]) -> int:
         rows.append(dict(impl=f"torch fused {name}", us=us, gb_per_s=nbytes / us / 1e3))
     if against:
         rows += _against(against, state, grad_scale, found_inf, numel, copied, calls)
-    env = dict(
-        device=torch.cuda.get_device_name() if ON_GPU else "cpu",
-        torch=torch.__version__,
-        triton=triton.__version__,
-        elements=numel,
-    )
-    for row in rows:
-        print(json.dumps(row))
-    if out:
-        with open(out, "w") as f:
-            json.dump(dict(env=env, rows=rows), f, indent=1)
+    write_rows(rows, out, elements=numel)
     return 0 if all(r.get("same_bits_as_default", True) for r in rows) else 1
 
 

@@ -219,6 +219,22 @@ def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
     assert all(r["same_bits_as_default"] and r["us"] > 0 for r in against)
 
 
+def test_the_adam_probe_streams_and_steps_every_placement_to_the_same_bits():
+    """bench/probe_adam.py, a GPU session's probe of Adam's DRAM time, on tiny shapes
+    through the interpreter: per placement (the allocator's, then carved with each
+    stagger) the 1/1, 3/3 and 4/4 streams, then mpgemm's and torch's fused Adam, each
+    writing the bits it wrote on the allocator's tensors."""
+    rows = _interpreted_rows("probe_adam.py", "--smoke")
+    placements = ["allocator"] + [f"carved +{s}" for s in (0, 4352, 2**20 + 4352)]
+    impls = ["stream 1/1", "stream 3/3", "stream 4/4", "mpgemm adam", "torch fused adam"]
+    assert [(r["placement"], r["impl"]) for r in rows] == [
+        (placement, impl) for placement in placements for impl in impls
+    ]
+    assert all(r["us"] > 0 and r["gb_per_s"] > 0 for r in rows)
+    assert [len(r["offsets"]) for r in rows[:5]] == [1, 3, 4, 5, 5]
+    assert all(r["same_bits_as_allocator"] for r in rows if "adam" in r["impl"])
+
+
 def test_the_profile_reports_a_failed_section_and_runs_the_next(tmp_path):
     """bench/profile_gpu.py, a GPU session's profile (this file is not run on a GPU): a
     section that raises (here, every one: no GPU) is written to profile.md with its
@@ -266,7 +282,8 @@ def test_the_activation_ab_runs_both_kernels_to_the_same_results():
 def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_path):
     """bench/gpu_session.sh, a device call's parts in order, as a dry run on the CPU: the
     profile (every section fails here: no GPU) is archived with its log; the activation
-    A/B is skipped without an earlier kernel file; a part that needs more time than is
+    A/B is skipped without an earlier kernel file; the Adam probe runs interpreted (its
+    ncu not: no GPU) and is archived with its rows; a part that needs more time than is
     left is skipped; an unknown part stops the call before anything runs."""
 
     def session(*parts, seconds=300):
@@ -286,11 +303,14 @@ def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_pat
             timeout=300,
         )
 
-    run = session("profile", "ab")
+    run = session("profile", "ab", "adam")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "gpu_session: profile rc=1" in run.stdout
     assert "ab skipped: no " in run.stdout
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["profile.tgz"]
+    assert "gpu_session: adam rc=0" in run.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adam.tgz", "profile.tgz"]
+    with tarfile.open(tmp_path / "out" / "adam.tgz") as archive:
+        assert "adam/probe.json" in archive.getnames()
     with tarfile.open(tmp_path / "out" / "profile.tgz") as archive:
         names = archive.getnames()
     assert "profile.out" in names and "profile/profile.md" in names
