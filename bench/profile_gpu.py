@@ -525,6 +525,9 @@ def main() -> None:
         "dZ relu 6 per SM": lambda: _relu_backward("mpgemm", 6),
         "dZ relu 8 per SM": lambda: _relu_backward("mpgemm", 8),
         "dZ relu 16 per SM": lambda: _relu_backward("mpgemm", 16),
+        "dZ relu 1 stage": lambda: _relu_backward("mpgemm", stages=1),
+        "dZ relu 2 stages": lambda: _relu_backward("mpgemm", stages=2),
+        "dZ relu 4 stages": lambda: _relu_backward("mpgemm", stages=4),
     }
     sections = {
         "launch": lambda: launch_costs(out),
@@ -607,26 +610,29 @@ def _head_weight_gradient(how: str):
     return unswapped
 
 
-def _relu_backward(how: str, programs_per_sm: int | None = None):
+def _relu_backward(how: str, programs_per_sm: int | None = None, stages: int | None = None):
     """dZ = dY masked where y <= 0 and the bias gradient, dZ's FP32 column sums, for the
     guide's 4096-wide layer (8192 x 4096, FP16): mpgemm's one pass
     (``mpgemm.kernels.activation``) or torch's two (threshold_backward, then a sum that
     reads dZ again: 60 + 42 us in run5's step profile). ``programs_per_sm``: the
     programs the launch aims for per SM in place of ``activation._PROGRAMS_PER_SM`` (4:
     the H200 ran 512 programs of 16 row steps at 2.96 TB/s in the guide step, run6; on
-    the H100 the kernel took 76.6 us where torch's threshold_backward took 60.7)."""
+    the H100 the kernel took 76.6 us where torch's threshold_backward took 60.7);
+    ``stages``: the row steps in flight per program in place of ``activation._STAGES``
+    (3; 1 is the loop without pipelining, as run6 ran it)."""
     dy = torch.randn(8192, 4096, device=DEVICE).half()
     y = torch.randn(8192, 4096, device=DEVICE).relu().half()
     if how == "torch":
         return lambda: activation_backward_ref(dy, y, "relu", torch.float16, bias_grad=True)
 
     def run():
-        default = activation._PROGRAMS_PER_SM
-        activation._PROGRAMS_PER_SM = programs_per_sm or default
+        defaults = activation._PROGRAMS_PER_SM, activation._STAGES
+        activation._PROGRAMS_PER_SM = programs_per_sm or defaults[0]
+        activation._STAGES = stages or defaults[1]
         try:
             return triton_activation_backward(dy, y, "relu", torch.float16, bias_grad=True)
         finally:
-            activation._PROGRAMS_PER_SM = default
+            activation._PROGRAMS_PER_SM, activation._STAGES = defaults
 
     return run
 

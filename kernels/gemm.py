@@ -53,6 +53,7 @@ from mpgemm.kernels.gemm_common import (
     dot_rounded,
     grouped_tile,
     multiprocessors,
+    operands_aligned,
     size_bucket,
     store_epilogue,
     tile,
@@ -147,15 +148,6 @@ def fits_registers(
     if store_act_grad:
         return shape[0] * shape[1] // (32 * shape[3]) < 128
     return True
-
-
-def operands_aligned(tensors, strides) -> bool:
-    """Whether the JIT will see every pointer 16-byte aligned and every stride 1 or a
-    multiple of 16: the specialisation that vectorises loads and pipelines the loop
-    (``ALIGNED``)."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors) and all(
-        s == 1 or s % 16 == 0 for s in strides
-    )
 
 
 # The launch flags fits_registers decides by, as the kernel names them, and the width it

@@ -64,6 +64,15 @@ def tile(config: triton.Config) -> tuple[int, int, int, int]:
     return meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"], config.num_warps
 
 
+def operands_aligned(tensors, strides) -> bool:
+    """Whether the JIT will see every pointer 16-byte aligned and every stride 1 or a
+    multiple of 16: the specialisation that vectorises loads and pipelines the loop
+    (``ALIGNED``)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors) and all(
+        s == 1 or s % 16 == 0 for s in strides
+    )
+
+
 @triton.jit
 def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of a tile in grouped order: GROUP_M row-blocks share their B
