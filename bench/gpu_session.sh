@@ -29,10 +29,12 @@ declare -A minimum=(
   [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60
 )
 # ncu on probe_adam.py --ncu's third Adam step and its stream: speed of light, memory,
-# and the warps' stall reasons, each one (the section's table names only the largest).
+# and the warps' stall reasons, each one (the section's table names only the largest);
+# if this ncu refuses the extra options, again with run7's (sections only).
 ncu_options=(--clock-control none -k "regex:_adam_kernel|_stream_kernel" -s 2 -c 2
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
-  --section MemoryWorkloadAnalysis --print-details all
+  --section MemoryWorkloadAnalysis)
+ncu_extra=(--print-details all
   --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
 installed=0
 
@@ -65,7 +67,9 @@ run() {  # run PART: its command, cut at the session's end, its output in $work/
       install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/probe_adam.py \
         "$work/$part/probe.json" "${smoke[@]}" || return
       [ "$dry" = 1 ] || timeout -s INT $((end - SECONDS)) ncu "${ncu_options[@]}" \
-        "$python" bench/probe_adam.py --ncu > "$work/$part/ncu_adam.txt" 2>&1 ;;
+        "${ncu_extra[@]}" "$python" bench/probe_adam.py --ncu > "$work/$part/ncu_adam.txt" 2>&1 ||
+        timeout -s INT $((end - SECONDS)) ncu "${ncu_options[@]}" "$python" \
+          bench/probe_adam.py --ncu > "$work/$part/ncu_adam_sections.txt" 2>&1 ;;
   esac
 }
 
