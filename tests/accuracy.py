@@ -27,18 +27,22 @@ def assert_within_torch_error(
     assert err <= 2 * base + atol, f"{what}: error {err:.3g} > 2 x torch's {base:.3g} + {atol:.3g}"
 
 
-def nan_padded(t: torch.Tensor, transposed: bool = False, aligned: bool = False) -> torch.Tensor:
+def nan_padded(
+    t: torch.Tensor, transposed: bool = False, aligned: bool = False, multiple: int = 8
+) -> torch.Tensor:
     """A copy of 2-D ``t`` living as a strided view inside a NaN-filled buffer (stored
     column-major when ``transposed``), so any read outside ``t`` shows up as NaN.
-    ``aligned``: the view starts on a 16-byte boundary and its rows are a multiple of 16
-    bytes apart, as the TMA kernel's descriptors need."""
+    ``aligned``: the view starts ``multiple`` elements into each row and its rows are a
+    multiple of ``multiple`` elements apart: 8, a 16-byte boundary for 16-bit elements,
+    as the TMA kernel's descriptors need; 16, the alignment triton's JIT specialises
+    integers on, which vectorised loops need."""
     rows, cols = t.shape
     if transposed:
         rows, cols = cols, rows
-    lead, skip = (8, 16) if aligned else (2, 5)  # elements before and after each row
+    lead, skip = (multiple, 16) if aligned else (2, 5)  # elements before and after each row
     width = cols + lead + skip
     if aligned:
-        width += -width % 8
+        width += -width % multiple
     buf = torch.full((rows + 3, width), float("nan"), dtype=t.dtype, device=t.device)
     view = buf[1 : 1 + rows, lead : lead + cols]
     if transposed:

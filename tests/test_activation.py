@@ -61,25 +61,15 @@ def test_matches_the_reference(activation, dtype, bias_grad, device, monkeypatch
     assert torch.equal(again[0], dz) and torch.equal(again[1], db)
 
 
-def _padded_16(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a view inside a NaN-filled buffer, 16 elements of NaN before each row and
-    16 after: its start and row stride multiples of 16 elements where ``t``'s width is
-    (the alignment triton's JIT specialises on, and the pipelined loop needs)."""
-    rows, cols = t.shape
-    buffer = torch.full((rows + 2, cols + 32), float("nan"), dtype=t.dtype, device=t.device)
-    view = buffer[1 : 1 + rows, 16 : 16 + cols]
-    view.copy_(t)
-    return view
-
-
 @pytest.mark.parametrize("cols", [256, 200])
 @pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_programs_that_loop_over_row_steps(activation, stages, cols, device, monkeypatch):
     # One "SM" over 2 column blocks: 2 chunks of 128 rows, 4 and 3 row steps (the last
     # 8 rows), each step's loads issued STAGES - 1 steps ahead by triton's pipeliner on a
-    # GPU (1: none) where every load is 16 bytes wide: operands NaN-padded, their rows
-    # and dZ's (cols apart) aligned at 256 columns, not at 200 (1 stage then).
+    # GPU (1: none) where every load is 16 bytes wide: operands NaN-padded on rows a
+    # multiple of 16 elements apart, and dZ's rows (cols apart) aligned at 256 columns,
+    # not at 200 (1 stage then).
     monkeypatch.setattr(kernel_module, "multiprocessors", lambda device: 1)
     monkeypatch.setattr(kernel_module, "_STAGES", stages)
     launched = []
@@ -91,11 +81,12 @@ def test_programs_that_loop_over_row_steps(activation, stages, cols, device, mon
     real_launch = kernel_module.launch
     monkeypatch.setattr(kernel_module, "launch", launch)
     torch.manual_seed(2)
-    grad_y = _padded_16(torch.randn(200, cols, device=device).half())
+    grad_y = nan_padded(torch.randn(200, cols, device=device).half(), aligned=True, multiple=16)
     if activation == "relu":
-        saved = _padded_16(torch.randn(200, cols, device=device).relu().half())
+        saved = torch.randn(200, cols, device=device).relu().half()
     else:
-        saved = _padded_16(torch.rand(200, cols, device=device) * 1.2 - 0.1)
+        saved = torch.rand(200, cols, device=device) * 1.2 - 0.1
+    saved = nan_padded(saved, aligned=True, multiple=16)
     dz, db = triton_activation_backward(grad_y, saved, activation, torch.float16, bias_grad=True)
     assert launched == [stages if cols == 256 else 1]
     ref_dz, ref_db = activation_backward_ref(
