@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from harness import DEVICE, median_us, synchronize, write_rows
-from sweep_optim import GUIDE, HYPER, SMOKE, _ours, _state
+from sweep_optim import GUIDE, SMOKE, _ours, _state, _torch_fused
 
 # The lists an Adam step streams.
 LISTS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "copies")
@@ -92,21 +92,22 @@ def carve(tensors: list[torch.Tensor], stagger: int) -> list[torch.Tensor]:
     ]
 
 
+def _arranged(tensors: list[torch.Tensor], stagger: int | None, index: int) -> list:
+    """Copies of ``tensors``: the allocator's (``stagger`` None), or carved, ``index x
+    stagger`` bytes into their buffer."""
+    if stagger is None:
+        return [t.clone() for t in tensors]
+    return carve(tensors, index * stagger)
+
+
 def placed(state: dict, stagger: int | None) -> dict:
     """``state``'s lists as they are (``stagger`` None: the allocator's) or carved, list
     l ``l x stagger`` bytes into its buffer; a bias stays its own copy."""
     names = LISTS[:-1]
-    if stagger is None:
-        fresh = {name: [t.clone() for t in state[name]] for name in names}
-    else:
-        fresh = {name: carve(state[name], i * stagger) for i, name in enumerate(names)}
+    fresh = {name: _arranged(state[name], stagger, i) for i, name in enumerate(names)}
     own = [c.dtype != p.dtype for c, p in zip(state["copies"], state["params"], strict=True)]
     copies = [c for c, kept in zip(state["copies"], own, strict=True) if kept]
-    if stagger is None:
-        copies = [c.clone() for c in copies]
-    else:
-        copies = carve(copies, len(names) * stagger)
-    it = iter(copies)
+    it = iter(_arranged(copies, stagger, len(names)))
     fresh["copies"] = [
         next(it) if kept else p for kept, p in zip(own, fresh["params"], strict=True)
     ]
@@ -125,12 +126,11 @@ def _adam(state: dict, found_inf: torch.Tensor) -> None:
 
 
 def _torch_adam(state: dict) -> Callable[[], object]:
-    """torch's fused Adam over ``state``'s tensors, its own state ``state``'s moments and
-    step counts (else it would allocate its moments itself)."""
-    params = [torch.nn.Parameter(p) for p in state["params"]]
-    adam = torch.optim.Adam(params, lr=HYPER["lr"], fused=True)
-    for i, p in enumerate(params):
-        p.grad = state["grads"][i]
+    """torch's fused Adam over ``state``'s tensors (``sweep_optim._torch_fused``), its own
+    state ``state``'s moments and step counts (else it would allocate its moments
+    itself)."""
+    adam = _torch_fused("adam", state, None, None)
+    for i, p in enumerate(adam.param_groups[0]["params"]):
         adam.state[p] = dict(
             step=state["steps"][i], exp_avg=state["exp_avgs"][i], exp_avg_sq=state["exp_avg_sqs"][i]
         )
