@@ -23,7 +23,7 @@ scratch=${SCRATCH:-.scratch}
 sections="launch,phases,idle,head dW,head dW unswapped,head dW torch,matmul 8192x4096x4096"
 sections+=",matmul 8192x4096x4096 A.T,torch 8192x4096x4096 A.T,dZ relu,dZ relu torch"
 sections+=",dZ relu 6 per SM,dZ relu 8 per SM,dZ relu 16 per SM,dZ relu 1 stage"
-sections+=",dZ relu 2 stages,dZ relu 4 stages,guide mpgemm"
+sections+=",dZ relu 2 stages,dZ relu 3 stages,guide mpgemm"
 # Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
 declare -A minimum=(
   [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60

@@ -527,7 +527,7 @@ def main() -> None:
         "dZ relu 16 per SM": lambda: _relu_backward("mpgemm", 16),
         "dZ relu 1 stage": lambda: _relu_backward("mpgemm", stages=1),
         "dZ relu 2 stages": lambda: _relu_backward("mpgemm", stages=2),
-        "dZ relu 4 stages": lambda: _relu_backward("mpgemm", stages=4),
+        "dZ relu 3 stages": lambda: _relu_backward("mpgemm", stages=3),
     }
     sections = {
         "launch": lambda: launch_costs(out),
@@ -618,21 +618,21 @@ def _relu_backward(how: str, programs_per_sm: int | None = None, stages: int | N
     programs the launch aims for per SM in place of ``activation._PROGRAMS_PER_SM`` (4:
     the H200 ran 512 programs of 16 row steps at 2.96 TB/s in the guide step, run6; on
     the H100 the kernel took 76.6 us where torch's threshold_backward took 60.7);
-    ``stages``: the row steps in flight per program in place of ``activation._STAGES``
-    (3; 1 is the loop without pipelining, as run6 ran it)."""
+    ``stages``: the row steps in flight per program in place of ReLU's
+    ``activation._STAGES`` (4; 1 is the loop without pipelining, as run6 ran it)."""
     dy = torch.randn(8192, 4096, device=DEVICE).half()
     y = torch.randn(8192, 4096, device=DEVICE).relu().half()
     if how == "torch":
         return lambda: activation_backward_ref(dy, y, "relu", torch.float16, bias_grad=True)
 
     def run():
-        defaults = activation._PROGRAMS_PER_SM, activation._STAGES
+        defaults = activation._PROGRAMS_PER_SM, activation._STAGES["relu"]
         activation._PROGRAMS_PER_SM = programs_per_sm or defaults[0]
-        activation._STAGES = stages or defaults[1]
+        activation._STAGES["relu"] = stages or defaults[1]
         try:
             return triton_activation_backward(dy, y, "relu", torch.float16, bias_grad=True)
         finally:
-            activation._PROGRAMS_PER_SM, activation._STAGES = defaults
+            activation._PROGRAMS_PER_SM, activation._STAGES["relu"] = defaults
 
     return run
 

@@ -34,12 +34,15 @@ BLOCK_M = 32
 # Programs per SM to aim for: enough loads in flight to stream at memory bandwidth.
 _PROGRAMS_PER_SM = 4
 # Row steps in flight per program: triton's pipeliner issues the loads of the next
-# _STAGES - 1 steps (cp.async into shared memory, 16 KB a ReLU step) while a step is
-# computed and stored. Without it (1: 989d877's loop) a program's next loads waited
-# for its stores to issue, and run6's guide step streamed at 2.96 TB/s (the H100's at
-# 76.6 us against torch's threshold_backward's 60.7). Aligned launches only: with
-# scalar loads GELU's pipelined loop took 255 registers and spilled (sm_90a, Triton 3.9).
-_STAGES = 3
+# stages - 1 steps (cp.async into shared memory: 16 KB a ReLU step, 24 KB a GELU or SiLU
+# one) while a step is computed and stored. Without it (1: 989d877's loop) a program's
+# next loads waited for its stores to issue, and run6's guide step streamed at 2.96 TB/s
+# (the H100's at 76.6 us against torch's threshold_backward's 60.7). The counts compile
+# without spills on sm_90a under Triton 3.6 and 3.9 (ReLU at 3 spilled 12 bytes under
+# 3.6, at 80 registers; GELU at 4 would take 72 KB, three programs an SM where the
+# launch asks for four). Aligned launches only: with scalar loads GELU's pipelined loop
+# took 255 registers and spilled (Triton 3.9).
+_STAGES = {"relu": 4, "gelu": 3, "gelu_tanh": 3, "silu": 3}
 
 
 @triton.jit
@@ -144,7 +147,7 @@ def triton_activation_backward(
         partial = grad_b = counter = dz  # placeholders, not read
     # (the strides the kernel walks, dZ's row stride N among them)
     strides = (*grad_y.stride(), *saved.stride(), N)
-    stages = _STAGES if operands_aligned((grad_y, saved, dz), strides) else 1
+    stages = _STAGES[activation] if operands_aligned((grad_y, saved, dz), strides) else 1
     launch(
         _activation_backward_kernel,
         (column_blocks, chunks),

@@ -71,7 +71,7 @@ def test_programs_that_loop_over_row_steps(activation, stages, cols, device, mon
     # multiple of 16 elements apart, and dZ's rows (cols apart) aligned at 256 columns,
     # not at 200 (1 stage then).
     monkeypatch.setattr(kernel_module, "multiprocessors", lambda device: 1)
-    monkeypatch.setattr(kernel_module, "_STAGES", stages)
+    monkeypatch.setitem(kernel_module._STAGES, activation, stages)
     launched = []
 
     def launch(kernel, grid, *args, **kwargs):
