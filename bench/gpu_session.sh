@@ -2,12 +2,14 @@
 # One device call of a GPU session: the runbook's parts in order, each archived into
 # $OUT as soon as it ends (a .tgz a part: the device returns at most 8 files), all
 # within SESSION_SECONDS (default 560, under the device's 600 s a call).
-#   OUT=DIR bash bench/gpu_session.sh [PART ...]  (default: tests targets profile sweep ab adam)
+#   OUT=DIR bash bench/gpu_session.sh [PART ...]
+#   (default: tests targets profile sweep ab adam pdl)
 # Parts: a gpu_check stage (tests, targets, bench, train: bench/gpu_check.py); profile
 # (bench/profile_gpu.py, the runbook's sections); sweep (bench/sweep_optim.py, against
 # $SCRATCH/old_fused_optim.py where it exists); ab (bench/ab_activation.py against
 # $SCRATCH/old_activation.py, skipped without it; SCRATCH is .scratch unless set); adam
-# (bench/probe_adam.py, then ncu on its Adam step and 4/4 stream, every stall reason). A
+# (bench/probe_adam.py, then ncu on its Adam step and 4/4 stream, every stall reason); pdl
+# (bench/ab_pdl.py: the graphed steps with programmatic dependent launch and without). A
 # part starts only with its minimum time left, and every part is cut at the session's
 # end. GPU_CHECK_DRY_RUN=1: the same on a CPU at toy scale (the stages' dry runs, the
 # scripts' --smoke, their kernels interpreted).
@@ -27,6 +29,7 @@ sections+=",dZ relu 2 stages,dZ relu 3 stages,guide mpgemm"
 # Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
 declare -A minimum=(
   [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60
+  [pdl]=40
 )
 # ncu on probe_adam.py --ncu's third Adam step and its stream: speed of light, memory,
 # and the warps' stall reasons, each one (the section's table names only the largest);
@@ -70,14 +73,17 @@ run() {  # run PART: its command, cut at the session's end, its output in $work/
         "${ncu_extra[@]}" "$python" bench/probe_adam.py --ncu > "$work/$part/ncu_adam.txt" 2>&1 ||
         timeout -s INT $((end - SECONDS)) ncu "${ncu_options[@]}" "$python" \
           bench/probe_adam.py --ncu > "$work/$part/ncu_adam_sections.txt" 2>&1 ;;
+    pdl)
+      install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/ab_pdl.py \
+        "$work/$part/ab_pdl.json" "${smoke[@]}" ;;
   esac
 }
 
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests targets profile sweep ab adam)
+[ ${#parts[@]} -gt 0 ] || parts=(tests targets profile sweep ab adam pdl)
 for part in "${parts[@]}"; do  # all names checked before anything runs
   if [ -z "${minimum[$part]:-}" ]; then
-    echo "gpu_session: no part $part (parts: tests targets bench train profile sweep ab adam)"
+    echo "gpu_session: no part $part (parts: tests targets bench train profile sweep ab adam pdl)"
     exit 2
   fi
 done

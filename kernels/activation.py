@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from mpgemm.kernels.arrivals import arrive, counters, leave
+from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import INTERPRET, cdiv, multiprocessors, operands_aligned
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
@@ -66,7 +67,10 @@ def _activation_backward_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols < N
     # 64-bit offsets: a layer's output may span more than 2**31 elements.

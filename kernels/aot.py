@@ -24,11 +24,16 @@ The report also says, per binary, how many wgmma groups stay in flight
 for at once, no overlap), and whether ``cp.async`` or TMA (``cp.async.bulk.tensor``)
 feeds shared memory.
 
+Each kernel's first launch is also compiled with programmatic dependent launch
+(``mpgemm.kernels.dependent_launch``), for which a defect is, besides, any global
+memory access before the wait for the prior grid, or no ``launch_dependents``.
+
 Must run without ``TRITON_INTERPRET=1``: the interpreter replaces ``triton.jit``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import multiprocessing
@@ -47,6 +52,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
+from mpgemm.kernels import dependent_launch
 from mpgemm.kernels.gemm_tma import SMEM_BYTES
 from mpgemm.kernels.launches import compile_launch, intercept, jit_function, named_arguments
 
@@ -375,6 +381,7 @@ class Job:
     workload: int
     launch: int
     config: int | None
+    pdl: bool = False  # launched with programmatic dependent launch
 
 
 def _workloads(group: str, dtype: str, spec: str):
@@ -419,14 +426,19 @@ def _layout(phase: str, named: dict) -> str:
 
 def jobs() -> list[Job]:
     found = []
+    # Each kernel's first launch (aligned) once more with PDL: the wait's place is the
+    # kernel's, whatever the config or the launch.
+    first: dict[str, Job] = {}
     for group, dtypes in (("gemm", ("float16", "bfloat16")), ("scaling", ("-",))):
         for dtype in dtypes:
             for spec in SPECIALIZATIONS:
                 for w, (_, run) in enumerate(_workloads(group, dtype, spec)):
-                    for i, (_, _, _, _, configs, _) in enumerate(_launches(run)):
+                    for i, (kernel, _, _, _, configs, _) in enumerate(_launches(run)):
                         for c in range(len(configs)) if configs else (None,):
                             found.append(Job(group, dtype, spec, w, i, c))
-    return found
+                        if spec == "aligned":
+                            first.setdefault(jit_function(kernel).fn.__name__, found[-1])
+    return found + [dataclasses.replace(job, pdl=True) for job in first.values()]
 
 
 # -- compiling and reading the binary ---------------------------------------------------
@@ -469,8 +481,25 @@ _APPROX_FP32 = re.compile(
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+# An instruction that reads or writes global memory (loads, stores, atomics, cp.async
+# and TMA copies from or to it), and the wait for the prior grid.
+_GLOBAL_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp|multimem)\.[\w.:]*global", re.M)
+_GRID_WAIT = re.compile(r"^\s*griddepcontrol\.wait\b", re.M)
+
+
+def waits_first(ptx: str) -> bool:
+    """Whether the entry's first global memory access comes after its wait for the prior
+    grid (programmatic dependent launch), in the PTX's order. The wait opens every
+    mpgemm kernel, before any branch, so the order of the text is the order run."""
+    body = ptx[ptx.index(".entry") :]
+    wait = _GRID_WAIT.search(body)
+    access = _GLOBAL_ACCESS.search(body)
+    return wait is not None and (access is None or wait.start() < access.start())
+
+
 def ptx_facts(ptx: str) -> dict:
-    """What the PTX says about the main loop's overlap and the loads."""
+    """What the PTX says about the main loop's overlap and the loads, and about the
+    launch's dependence on the prior grid."""
     pending = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
     return {
         "wgmma": "wgmma.mma_async" in ptx,
@@ -479,12 +508,18 @@ def ptx_facts(ptx: str) -> dict:
         "tma": "cp.async.bulk.tensor" in ptx,
         "vector_loads": len(re.findall(r"ld\.global(\.\w+)*\.v[24]\.", ptx)),
         "approx_fp32": sorted({m.group(0) for m in _APPROX_FP32.finditer(ptx)}),
+        "waits_first": waits_first(ptx),
+        "launches_dependents": "griddepcontrol.launch_dependents" in ptx,
     }
 
 
 def compile_job(job: Job) -> dict:
     label, run = _workloads(job.group, job.dtype, job.spec)[job.workload]
-    kernel, grid, args, kwargs, configs, phase = _launches(run)[job.launch]
+    dependent_launch.enable(job.pdl)
+    try:
+        kernel, grid, args, kwargs, configs, phase = _launches(run)[job.launch]
+    finally:
+        dependent_launch.enable(False)
     config = None if job.config is None else configs[job.config]
     named = named_arguments(kernel, args, kwargs)
     start = time.perf_counter()
@@ -501,6 +536,7 @@ def compile_job(job: Job) -> dict:
         "config": str(config) if config is not None else None,
         "smem_bytes": compiled.metadata.shared,
         "compile_s": round(seconds, 2),
+        "pdl": bool(compiled.metadata.launch_pdl),
         **ptx_facts(ptx),
         **ptxas_report(ptx),
     }
@@ -520,6 +556,13 @@ def compile_job(job: Job) -> dict:
         streams = name not in ("_update_scale_kernel", "_split_k_reduce_kernel")
         vectorised = report["vector_loads"] > 0 or job.spec == "unaligned" or not streams
         report["ok"] = report["spill_bytes"] == 0 and not report["approx_fp32"] and vectorised
+    if job.pdl:
+        report["ok"] = (
+            report["ok"]
+            and report["pdl"]
+            and report["waits_first"]
+            and report["launches_dependents"]
+        )
     return report
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from mpgemm.kernels.arrivals import arrive, counters, leave
+from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import INTERPRET, cdiv
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
@@ -69,7 +70,10 @@ def _cross_entropy_forward_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows < N
     rows64 = rows.to(tl.int64)
@@ -150,7 +154,10 @@ def _cross_entropy_backward_kernel(
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_rows = rows < N

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from mpgemm.kernels.arrivals import arrive, counters, leave
+from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import INTERPRET
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
@@ -295,7 +296,10 @@ def _sgd_kernel(
     ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
     # (The copies move one place along with the step counts.)
     num_lists: tl.constexpr = 4 + DAMPENING + GROUPED
@@ -497,7 +501,10 @@ def _adam_kernel(
     ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
     # (The lists after exp_avg_sq move one place along with AMSGrad's maxima.)
     num_lists: tl.constexpr = 6 + AMSGRAD + GROUPED

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from mpgemm.kernels import gemm_tma
+from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import (
     INTERPRET,
     SINGLE_CONFIG,
@@ -243,7 +244,10 @@ def _gemm_kernel(
     PER_SPLIT=1,
     PRODUCTS=1,
     SUM_BATCH: tl.constexpr = False,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     if BATCHED:
         pid_b = tl.program_id(2).to(tl.int64)
         if OUTER:
@@ -426,10 +430,13 @@ def _split_k_reduce_kernel(
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
     """C = sum over the splits of the FP32 partial products, in split order (so a result
     is the same run to run), rounded once to C's dtype; likewise R, A's row sums
     (``K_SUMS`` "a") or B's column sums ("b")."""
+    wait_for_prior_grid(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import (
     INTERPRET,
     SINGLE_CONFIG,
@@ -237,7 +238,10 @@ def _gemm_tma_kernel(
     PER_SPLIT=1,
     PRODUCTS=1,
     SUM_BATCH: tl.constexpr = False,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n

@@ -43,6 +43,8 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mpgemm.kernels import dependent_launch
+
 # interceptor(kernel, grid, args, kwargs, configs): what launch does instead of running.
 # ``configs()`` gives an autotuned kernel's configs that survive pruning on a GPU (a
 # function: pruning costs host time, which only the recording interceptors spend).
@@ -85,10 +87,14 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> Launc
     pre-run hooks, and the interpreter's kernels, always go through the JIT.
 
     A callable ``grid`` is called with the launch's arguments by name (the JIT
-    function's parameters, the config's included), as triton calls it.
+    function's parameters, the config's included), as triton calls it. With
+    ``dependent_launch.enabled()``, every launch is a programmatic dependent launch
+    (``dependent_launch.OPTIONS`` join the keyword arguments).
     ``gpu_configs()``: for an autotuned kernel, the configs that pruning keeps for this
     launch on a GPU (asked only by interceptors that record or compile; the interpreter
     tunes over a config of its own)."""
+    if dependent_launch.enabled():
+        kwargs = {**kwargs, **dependent_launch.OPTIONS}
     if _interceptor is not None:
         _interceptor(kernel, grid, args, kwargs, gpu_configs)
         return
@@ -213,6 +219,14 @@ def _descriptor_options(descriptor: TensorDescriptor) -> tuple:
 # sequence length each batch) makes one per launch.
 _MAX_BINARIES = 4096
 _binaries: dict[tuple, _Binary] = {}
+
+
+def forget_binaries() -> None:
+    """Start a new cache of binaries: the launches made so far are no longer
+    ``current``, so nothing repeats them (``dependent_launch.enable`` changes what every
+    launch passes)."""
+    global _binaries
+    _binaries = {}
 
 
 class _Binary:

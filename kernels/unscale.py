@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import INTERPRET
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
@@ -70,7 +71,10 @@ def _unscale_kernel(
     ALIGNED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 2, BLOCK)
     src = table_pointer(table_ptr, num_tensors, tensor, start, 0, SRC_DTYPE, ALIGNED) + offsets
     dst = table_pointer(table_ptr, num_tensors, tensor, start, 1, DST_DTYPE, ALIGNED) + offsets

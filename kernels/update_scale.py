@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.tensor_table import scalar_table
 
@@ -33,7 +34,10 @@ def _update_scale_kernel(
     HAS_SKIPPED: tl.constexpr,
     # zero found_inf once read
     CLEAR_FOUND_INF: tl.constexpr,
+    # programmatic dependent launch (mpgemm.kernels.dependent_launch)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     growth_factor = tl.load(factors_ptr)
     backoff_factor = tl.load(factors_ptr + 1)
     scale = tl.load(scale_ptr).to(tl.float64)

@@ -6,7 +6,8 @@ next tiles load (async wgmma, at least one group pending) when aligned, those wi
 16-bit operands in the TMA kernel, but a 10-class head's weight gradient (run as its
 transpose on 16-wide tiles);
 the loss-scaling kernels and the activation's backward with no spills, vector loads
-and no approximate FP32 math. This
+and no approximate FP32 math; each kernel once more with programmatic dependent launch,
+its wait for the prior grid before any global memory access. This
 runs the GPU compiler, which the interpreter never does, and needs no GPU."""
 
 import json
@@ -147,3 +148,11 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
         and r["kernel"] not in ("_update_scale_kernel", "_split_k_reduce_kernel")
     ]
     assert aligned and all(r["vector_loads"] > 0 for r in aligned)
+
+    # Programmatic dependent launch: each kernel once with it, waiting for the prior
+    # grid before any global memory access and letting the next one start; every other
+    # binary without it.
+    dependent = [r for r in reports if r["pdl"]]
+    assert sorted(r["kernel"] for r in dependent) == sorted({r["kernel"] for r in reports})
+    assert all(r["ok"] and r["waits_first"] and r["launches_dependents"] for r in dependent)
+    assert not any(r["waits_first"] or r["launches_dependents"] for r in reports if not r["pdl"])

@@ -522,6 +522,53 @@ def _compare_step_launches():
     print("compared", len(replayed))
 
 
+def test_dependent_launch_reaches_every_launch_of_a_step_and_leaves_with_it(tmp_path):
+    """With programmatic dependent launch enabled (``mpgemm.kernels.dependent_launch``),
+    every launch of a training step (its GEMMs replayed, the loss, loss scaling and
+    Adam) runs a binary compiled with PDL, which waits for the prior grid before it
+    touches memory; the same kernels in the same order as without. Disabled again, no
+    launch repeats a PDL binary. Compiled for an H100 through the stand-in driver,
+    launchers recorded, in a process of its own."""
+    assert _compared_apart("_compare_pdl_step", tmp_path, MPGEMM_SINGLE_CONFIG="1") > 10
+
+
+def _compare_pdl_step():
+    from triton.runtime import driver
+
+    from mpgemm import functional
+    from mpgemm.app.train import Recipe, TrainConfig, build_mlp
+    from mpgemm.kernels import dependent_launch
+
+    calls = _record_launchers()
+    driver.set_active(_stand_in_driver())
+    functional._intercepting = lambda: True  # CPU tensors take the kernel path
+
+    def step() -> list:
+        before = len(calls)
+        recipe.step(x, y)
+        return [kernel for kernel, _ in calls[before:]]
+
+    def waits(kernel) -> bool:
+        return "griddepcontrol.wait" in kernel.asm["ptx"]
+
+    torch.manual_seed(0)
+    hidden = (48, 32)
+    recipe = Recipe("mpgemm", build_mlp(64, hidden, 10), TrainConfig(hidden=hidden))
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    for _ in range(2):
+        plain = step()
+    assert not any(k.metadata.launch_pdl or waits(k) for k in plain)
+    dependent_launch.enable(True)
+    for _ in range(3):  # the JIT, then the cached binaries and the replays
+        dependent = step()
+    assert [k.name for k in dependent] == [k.name for k in plain]
+    assert all(k.metadata.launch_pdl and waits(k) for k in dependent)
+    dependent_launch.enable(False)
+    assert [k.name for k in step()] == [k.name for k in plain]
+    assert not any(k.metadata.launch_pdl for k in step())
+    print("compared", len(dependent))
+
+
 def test_calls_that_differ_in_any_part_of_the_signature_never_share_a_replay(tmp_path):
     """``triton_gemm`` calls of one shape that differ in one thing each (the epilogue,
     A's row sums, the dtypes, an operand's layout or alignment, the output's strides, a
