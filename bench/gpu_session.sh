@@ -22,7 +22,9 @@ trap 'rm -rf "$work"' EXIT  # (what a part made is in its archive)
 end=$((SECONDS + ${SESSION_SECONDS:-560}))
 dry=${GPU_CHECK_DRY_RUN:-0}
 scratch=${SCRATCH:-.scratch}
-sections="launch,phases,idle,head dW,head dW unswapped,head dW torch,matmul 8192x4096x4096"
+sections="launch,phases,idle,head dW,head dW unswapped,head dW torch,head dX"
+sections+=",head dX fp16 padded,head dX fp32 padded,head dX torch,head forward"
+sections+=",head forward torch,matmul 8192x4096x4096"
 sections+=",matmul 8192x4096x4096 A.T,torch 8192x4096x4096 A.T,dZ relu,dZ relu torch"
 sections+=",dZ relu 6 per SM,dZ relu 8 per SM,dZ relu 16 per SM,dZ relu 1 stage"
 sections+=",dZ relu 2 stages,dZ relu 3 stages,guide mpgemm"

@@ -520,6 +520,12 @@ def main() -> None:
         "head dW": lambda: _head_weight_gradient("mpgemm"),
         "head dW unswapped": lambda: _head_weight_gradient("unswapped"),
         "head dW torch": lambda: _head_weight_gradient("torch"),
+        "head dX": lambda: _head_input_gradient("mpgemm"),
+        "head dX fp16 padded": lambda: _head_input_gradient("fp16 padded"),
+        "head dX fp32 padded": lambda: _head_input_gradient("fp32 padded"),
+        "head dX torch": lambda: _head_input_gradient("torch"),
+        "head forward": lambda: _head_forward("mpgemm"),
+        "head forward torch": lambda: _head_forward("torch"),
         "dZ relu": lambda: _relu_backward("mpgemm"),
         "dZ relu torch": lambda: _relu_backward("torch"),
         "dZ relu 6 per SM": lambda: _relu_backward("mpgemm", 6),
@@ -608,6 +614,50 @@ def _head_weight_gradient(how: str):
             gemm.NARROW_N = narrow
 
     return unswapped
+
+
+def _head_input_gradient(how: str):
+    """The guide head's input gradient, dY @ W (8192 x 10 by 10 x 4096, into FP16; run6's
+    step on the H200: 43.4 us, 1.56 TB/s of the 64 MB it writes): as the step runs it (dY
+    the FP32 logits' gradient, 40-byte rows: the pointer kernel's unaligned tiles); from
+    dY rounded to FP16 into rows padded to 16 (the rounding inside the call, a torch
+    copy; then the TMA kernel, its descriptor's bounds at 10 columns); from dY in FP32
+    rows padded to 16 (64 bytes: the pointer kernel's aligned tiles); or torch's under
+    autocast (dY cast to FP16, cuBLAS). Which layout of dY the loss's backward should
+    hand the head."""
+    dy = torch.randn(8192, 10, device=DEVICE)
+    w = torch.randn(10, 4096, device=DEVICE).half()
+    args = dict(compute_dtype=torch.float16, out_dtype=torch.float16)
+    if how == "torch":
+        return lambda: torch.matmul(dy.half(), w)
+    if how == "mpgemm":
+        return lambda: triton_gemm(dy, w, **args)
+    padded = torch.zeros(8192, 16, device=DEVICE, dtype=torch.float16 if "16" in how else None)
+    rows = padded[:, :10]
+    if how == "fp32 padded":
+        rows.copy_(dy)
+        return lambda: triton_gemm(rows, w, **args)
+
+    def rounded():
+        rows.copy_(dy)
+        return triton_gemm(rows, w, **args)
+
+    return rounded
+
+
+def _head_forward(how: str):
+    """The guide head's forward, the FP32 logits x @ W.T + bias (8192 x 4096 by 4096 x
+    10; run6's step: 29.9 us for the 64 MB of x, on 64 programs of 128 rows): mpgemm's
+    (the TMA kernel, autotuned), or torch's under autocast (cuBLAS with the bias, in
+    FP16, then cast to FP32)."""
+    x = torch.randn(8192, 4096, device=DEVICE).half()
+    w = torch.randn(10, 4096, device=DEVICE).half()
+    bias = torch.randn(10, device=DEVICE)
+    if how == "torch":
+        return lambda: torch.nn.functional.linear(x, w, bias.half()).float()
+    return lambda: triton_gemm(
+        x, w.t(), compute_dtype=torch.float16, out_dtype=torch.float32, bias=bias
+    )
 
 
 def _relu_backward(how: str, programs_per_sm: int | None = None, stages: int | None = None):
