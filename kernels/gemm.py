@@ -12,7 +12,9 @@ unaligned operands, split K). ``use_kernel`` forces one, for tests and benchmark
     R   = sum_k A[:, k]                      (optional, FP32: the bias gradient)
 
 Operands may arrive as FP32 (master weights, a first layer's input), FP16 or BF16
-and are rounded to the compute dtype in registers, so no cast kernel runs.
+and are rounded to the compute dtype in registers, so no cast kernel runs; but a large
+product's FP32 operands are rounded by a cast beforehand, so that the TMA kernel runs
+it (``ROUND_FP32_FLOPS``: in registers, such products ran at half of autocast's speed).
 Every operand is addressed through its strides: a transposed view needs no copy.
 
 A product of at most 16 rows and more columns (a classifier head's weight gradient: 10
@@ -568,6 +570,50 @@ def _tma_layout(a, b, compute_dtype, splits) -> tuple[bool, bool] | None:
     return layout
 
 
+# An FP32 operand (a weight without a 16-bit copy, an FP32 input) is rounded to the
+# compute dtype by a cast beforehand, into a 16-bit copy the TMA kernel reads, where the
+# product is large and reads each of the operand's elements many times; else in the
+# kernel, as the pointer kernel loads it (the same rounding, to nearest even). Rounded
+# in the kernel (FP32 tiles converted in registers, each MMA waited for), products from
+# 2048^3 up ran at 0.41 to 0.49x of autocast's casts and cuBLAS on the H200 (run6's
+# bench, mpgemm_from_fp32), 0.96x at 1024^3 and 1.36x at 512^3, where a cast's launch
+# costs more than it saves. Below: at least this many FLOPs (2048 x 2048 x 1024), and
+# each element of a rounded operand used at least this many times (A's N, B's M).
+ROUND_FP32_FLOPS = 2**33
+ROUND_FP32_REUSE = 512
+
+
+def _rounded_fp32(a, b, compute_dtype, *, rowsum_a: bool, epilogue: bool) -> tuple:
+    """(A, B) for a product with an FP32 operand: as given, or each FP32 one rounded
+    into a 16-bit copy (``_aligned_copy``) where the TMA kernel can then run the product
+    and the casts pay (ROUND_FP32_FLOPS, ROUND_FP32_REUSE). Not A with its row sums,
+    which are of its FP32 values."""
+    M, K = a.shape
+    N = b.shape[1]
+    if 2 * M * N * K < ROUND_FP32_FLOPS or _kernel != "auto" or not _has_tma(a.device):
+        return a, b
+    if not epilogue and split_k_for(M, N, K, a.device) > 1:  # the TMA kernel splits no K
+        return a, b
+    for t, uses, summed in ((a, N, rowsum_a), (b, M, False)):
+        if t.dtype == torch.float32:
+            if summed or uses < ROUND_FP32_REUSE:
+                return a, b
+        elif t.dtype != compute_dtype or not gemm_tma.describable(t):
+            return a, b
+    return tuple(_aligned_copy(t, compute_dtype) if t.dtype == torch.float32 else t for t in (a, b))
+
+
+def _aligned_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (2-D) rounded to ``dtype`` in a copy whose rows (or columns, for a
+    column-major ``t``) start 16 bytes apart: a TMA descriptor's layout."""
+    if t.stride(0) == 1 and t.stride(1) != 1:
+        return _aligned_copy(t.t(), dtype).t()
+    rows, cols = t.shape
+    width = cdiv(cols, 8) * 8  # 16 bytes of 16-bit elements
+    copy = torch.empty((rows, width), device=t.device, dtype=dtype)[:, :cols]
+    return copy.copy_(t)
+
+
 def _flags(compute_dtype: torch.dtype, bias, activation, store_act_grad: bool) -> dict:
     """Both kernels' constexprs for what a launch computes."""
     return dict(
@@ -624,12 +670,14 @@ def triton_gemm(
     r = torch.empty((M,), device=a.device, dtype=torch.float32) if rowsum_a else None
     if M == 0 or (N == 0 and not rowsum_a):
         return c, g, r
+    epilogue = bias is not None or activation is not None or store_act_grad
+    if torch.float32 in (a.dtype, b.dtype):
+        a, b = _rounded_fp32(a, b, compute_dtype, rowsum_a=rowsum_a, epilogue=epilogue)
 
     signature = _signature(a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a)
     if _replayed(signature, a, b, c, bias, g, r):
         return c, g, r
     flags = _flags(compute_dtype, bias, activation, store_act_grad)
-    epilogue = bias is not None or activation is not None or store_act_grad
     splits = 1 if epilogue else split_k_for(M, N, K, a.device)
     layout = _tma_layout(a, b, compute_dtype, splits)
     # C.T = B.T @ A.T: R, A's row sums, are then B.T's column sums.

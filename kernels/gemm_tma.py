@@ -365,6 +365,12 @@ def _describable(t: torch.Tensor, transposed: bool) -> bool:
     )
 
 
+def describable(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can describe the matrix ``t`` as it is laid out (or its
+    transpose, where its last stride is not 1)."""
+    return _describable(t, t.stride(-1) != 1)
+
+
 def tma_layout(
     a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype
 ) -> tuple[bool, bool] | None:
@@ -374,10 +380,9 @@ def tma_layout(
     (B, K, N)."""
     if a.dtype != compute_dtype or b.dtype != compute_dtype:
         return None
-    a_t, b_t = a.stride(-1) != 1, b.stride(-1) != 1
-    if not (_describable(a, a_t) and _describable(b, b_t)):
+    if not (describable(a) and describable(b)):
         return None
-    return a_t, b_t
+    return a.stride(-1) != 1, b.stride(-1) != 1
 
 
 _bound = threading.local()

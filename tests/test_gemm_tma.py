@@ -145,6 +145,50 @@ def test_the_default_takes_the_tma_kernel_where_it_can(case, expected, device, m
             gemm.triton_gemm(a, b, compute_dtype=torch.float16, out_dtype=torch.float32)
 
 
+@pytest.mark.parametrize(
+    "case", ["both FP32", "W.T FP32", "odd K", "A 16-bit", "few uses", "A summed"]
+)
+@pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
+def test_a_large_products_fp32_operands_are_rounded_for_the_tma_kernel(
+    case, compute_dtype, device, monkeypatch
+):
+    # The thresholds at this test's size: a product of M x 100 x N, each operand's
+    # elements used at least 48 times ("few uses": A's, N - 1).
+    monkeypatch.setattr(gemm, "ROUND_FP32_FLOPS", 2 * M * 100 * N)
+    monkeypatch.setattr(gemm, "ROUND_FP32_REUSE", min(M, N))
+    torch.manual_seed(0)
+    k = 110 if case == "odd K" else K  # 440-byte FP32 rows, 220 bytes rounded: padded
+    n = N - 1 if case == "few uses" else N
+    a = nan_padded(torch.randn(M, k, device=device))
+    if case == "A 16-bit":
+        a = nan_padded(a.to(compute_dtype), aligned=True)
+    # A weight (out, in) read as W.T: column-major, rounded into a column-major copy.
+    b = nan_padded(torch.randn(k, n, device=device), transposed=case == "W.T FP32")
+    summed = case == "A summed"  # A's row sums are of its FP32 values: not rounded
+    before = a.clone(), b.clone()
+    names, (c, _, r) = launched_kernels(
+        lambda: gemm.triton_gemm(
+            a, b, compute_dtype=compute_dtype, out_dtype=torch.float32, rowsum_a=summed
+        )
+    )
+    rounded = case not in ("few uses", "A summed")
+    assert names == ["_gemm_tma_kernel" if rounded else "_gemm_kernel"]
+    assert all(torch.equal(t, t0) for t, t0 in zip((a, b), before, strict=True))
+    ref_c, _, ref_r = gemm_ref(
+        a, b, compute_dtype=compute_dtype, out_dtype=torch.float32, rowsum_a=summed
+    )
+    assert_within_torch_error(c, a.double() @ b.double(), ref_c, case)
+    if summed:
+        assert_within_torch_error(r, a.double().sum(1), ref_r, f"{case}: row sums")
+    # The same product rounded in the kernel: the same rounding of every operand.
+    with gemm.use_kernel("pointer"):
+        names, (c_pointer, _, _) = launched_kernels(
+            lambda: gemm.triton_gemm(a, b, compute_dtype=compute_dtype, out_dtype=torch.float32)
+        )
+    assert names == ["_gemm_kernel"]
+    torch.testing.assert_close(c, c_pointer, rtol=1e-5, atol=1e-5)
+
+
 def test_use_kernel_names_the_choices():
     with pytest.raises(ValueError, match="pointer"), gemm.use_kernel("cublas"):
         pass
