@@ -51,6 +51,7 @@ from mpgemm.kernels import gemm_tma
 from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import (
     INTERPRET,
+    NARROW_N,
     SINGLE_CONFIG,
     cdiv,
     dot_rounded,
@@ -117,10 +118,8 @@ _SUMS_TILES = {(128, 128, 32, 8), (64, 128, 64, 8)}
 # 64x64x32 with 4 warps, with row sums). They serve unaligned launches
 # only, so that aligned ones compile no more configs than before.
 _UNALIGNED_TILES = {(128, 64, 32, 8), (64, 128, 32, 8)}
-# A launch of at most this many columns takes tiles this wide (wgmma's N goes in steps
-# of 8), aligned or not; only such launches take them. (64x16x128 spilled with
-# unaligned operands under Triton 3.6.)
-NARROW_N = 16
+# A launch of at most NARROW_N columns takes tiles that wide, aligned or not; only such
+# launches take them. (64x16x128 spilled with unaligned operands under Triton 3.6.)
 _NARROW_TILES = {(128, 16, 64, 4), (64, 16, 64, 4)}
 
 

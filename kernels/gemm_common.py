@@ -36,6 +36,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# A launch of at most this many columns (a classifier head's 10 classes) may take tiles
+# this wide (wgmma's N goes in steps of 8): the pointer kernel's product of at most
+# this many rows runs as its transpose on them, and the TMA kernel's head forward.
+NARROW_N = 16
+
+
 def size_bucket(n: int) -> int:
     """A dimension's size as the autotune key sees it: the next power of two, so that a
     ragged last batch or a new batch size reuses a tuned config instead of timing every

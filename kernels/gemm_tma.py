@@ -37,6 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import (
     INTERPRET,
+    NARROW_N,
     SINGLE_CONFIG,
     cdiv,
     dot_rounded,
@@ -71,6 +72,11 @@ def _hopper_configs() -> list[triton.Config]:
         (128, 64, 64, 4, 4),
         (64, 128, 64, 4, 4),
         (64, 64, 64, 4, 4),
+        # for at most NARROW_N columns only (a 10-class head's forward): beside the
+        # tiles above, 16-wide ones whose stages are mostly A, 8 of them in flight (the
+        # 128x64x64 tile run6 chose read x at 2.1 TB/s on 64 programs)
+        (128, 16, 64, 8, 4),
+        (64, 16, 64, 8, 4),
     ]
     return tile_configs(tiles, pre_hook=_set_block_shapes)
 
@@ -132,14 +138,20 @@ def smem_estimate(config: triton.Config, *, c_bytes: int, store_act_grad: bool) 
     return config.num_stages * stage + scratch + 1024
 
 
-def fits(config: triton.Config, *, c_bytes: int, store_act_grad: bool, epilogue: bool) -> bool:
-    """Whether ``config`` compiles for such a launch on Hopper within the shared memory
-    and without register spills (measured with ``python -m mpgemm.kernels.aot``):
+def fits(
+    config: triton.Config, *, c_bytes: int, store_act_grad: bool, epilogue: bool, narrow: bool
+) -> bool:
+    """Whether ``config`` suits such a launch on Hopper and compiles for it within the
+    shared memory and without register spills (measured with ``python -m
+    mpgemm.kernels.aot``): tiles at most NARROW_N wide serve launches of at most that
+    many columns (``narrow``) only;
     storing GELU's derivative beside the output needs an accumulator of fewer than 128
     registers per thread, and a tile stored in halves leaves no registers for a bias or
     an activation (``epilogue``: 128x256 of FP32 logits plus a bias spilled 24 bytes
     under Triton 3.6); weight gradients, FP32 and without either, take it."""
     bm, bn, _, warps = tile(config)
+    if bn <= NARROW_N and not narrow:
+        return False
     if store_act_grad and bm * bn // (32 * warps) >= 128:
         return False
     if epilogue and stores_in_halves(config, c_bytes=c_bytes, store_act_grad=store_act_grad):
@@ -156,6 +168,7 @@ def _prune_configs(configs, named_args, **kwargs):
             c_bytes=named_args["c_ptr"].element_size(),
             store_act_grad=kwargs["STORE_ACT_GRAD"],
             epilogue=kwargs["HAS_BIAS"] or kwargs["ACTIVATION"] is not None,
+            narrow=named_args["N_BUCKET"] <= NARROW_N,
         )
     ]
 
@@ -471,7 +484,9 @@ def launch_tma_gemm(
         grid,
         *tma_tensors(a, b, c, bias, g, layout),
         *tma_integers(a, b, c, bias, g),
-        gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"c_ptr": c}, **flags),
+        gpu_configs=lambda: _prune_configs(
+            GPU_CONFIGS, {"c_ptr": c, "N_BUCKET": size_bucket(N)}, **flags
+        ),
         **flags,
     )
 

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
+from mpgemm.kernels.gemm_common import tile  # noqa: E402
 
 LAUNCH_FLAGS = list(itertools.product((False, True), (None, "a", "b"), (False, True), (16, 4096)))
 WIDE = {"N_BUCKET": 4096}
@@ -84,14 +85,20 @@ TMA_EPILOGUES = [
 ]
 
 
+@pytest.mark.parametrize("n_bucket", [16, 4096])
 @pytest.mark.parametrize("c_bytes", [2, 4])
 @pytest.mark.parametrize("has_bias, activation, store_act_grad", TMA_EPILOGUES)
 def test_every_tma_launch_keeps_a_config_within_shared_memory(
-    c_bytes, has_bias, activation, store_act_grad
+    c_bytes, has_bias, activation, store_act_grad, n_bucket
 ):
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
     flags = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STORE_ACT_GRAD=store_act_grad)
-    kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), {"c_ptr": c}, **flags)
+    named = {"c_ptr": c, "N_BUCKET": n_bucket}
+    kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), named, **flags)
+    # 16-wide tiles for launches of at most 16 columns (a 10-class head's forward), which
+    # keep the wider ones too.
+    narrow = [k for k in kept if tile(k)[1] <= gemm_tma.NARROW_N]
+    assert bool(narrow) == (n_bucket <= 16) and len(narrow) < len(kept)
     assert kept and all(
         gemm_tma.smem_estimate(k, c_bytes=c_bytes, store_act_grad=store_act_grad)
         <= gemm_tma.SMEM_BYTES
@@ -104,11 +111,11 @@ def test_every_tma_launch_keeps_a_config_within_shared_memory(
         if gemm_tma.stores_in_halves(k, c_bytes=c_bytes, store_act_grad=store_act_grad)
     ]
     assert bool(halves) == (c_bytes == 4 and not has_bias and activation is None)
-    single = gemm_tma._prune_configs(gemm_tma._single_config(), {"c_ptr": c}, **flags)
+    single = gemm_tma._prune_configs(gemm_tma._single_config(), named, **flags)
     assert len(single) == 1
 
 
 def test_what_tma_pruning_reads_is_in_its_autotune_key():
     # C's dtype triton adds to the key.
     keys = gemm_tma.tuned_gemm_tma_kernel.keys
-    assert {"STORE_ACT_GRAD", "HAS_BIAS", "ACTIVATION"} <= set(keys)
+    assert {"STORE_ACT_GRAD", "HAS_BIAS", "ACTIVATION", "N_BUCKET"} <= set(keys)
