@@ -223,7 +223,8 @@ def test_a_recorded_tma_launch_names_its_descriptors_by_dtype(tmp_path):
     assert record["specialization"]["a_desc"] == ["descriptor", "torch.float16"]
     c = torch.empty(64, 32, dtype=torch.float16)
     flags = dict(HAS_BIAS=False, ACTIVATION=None, STORE_ACT_GRAD=False)
-    kept = gemm_tma._prune_configs(gemm_tma.GPU_CONFIGS, {"c_ptr": c}, **flags)
+    named = {"c_ptr": c, "N_BUCKET": 32}  # (N is 32)
+    kept = gemm_tma._prune_configs(gemm_tma.GPU_CONFIGS, named, **flags)
     assert record["configs"] == len(kept)
 
 
