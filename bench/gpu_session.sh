@@ -9,7 +9,8 @@
 # $SCRATCH/old_fused_optim.py where it exists); ab (bench/ab_activation.py against
 # $SCRATCH/old_activation.py, skipped without it; SCRATCH is .scratch unless set); adam
 # (bench/probe_adam.py, then ncu on its Adam step and 4/4 stream, every stall reason); pdl
-# (bench/ab_pdl.py: the graphed steps with programmatic dependent launch and without). A
+# (bench/ab_pdl.py: the graphed steps with programmatic dependent launch and without;
+# then three test files with it on). A
 # part starts only with its minimum time left, and every part is cut at the session's
 # end. GPU_CHECK_DRY_RUN=1: the same on a CPU at toy scale (the stages' dry runs, the
 # scripts' --smoke, their kernels interpreted).
@@ -31,7 +32,7 @@ sections+=",dZ relu 2 stages,dZ relu 3 stages,guide mpgemm"
 # Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
 declare -A minimum=(
   [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60
-  [pdl]=40
+  [pdl]=60
 )
 # ncu on probe_adam.py --ncu's third Adam step and its stream: speed of light, memory,
 # and the warps' stall reasons, each one (the section's table names only the largest);
@@ -75,9 +76,17 @@ run() {  # run PART: its command, cut at the session's end, its output in $work/
         "${ncu_extra[@]}" "$python" bench/probe_adam.py --ncu > "$work/$part/ncu_adam.txt" 2>&1 ||
         timeout -s INT $((end - SECONDS)) ncu "${ncu_options[@]}" "$python" \
           bench/probe_adam.py --ncu > "$work/$part/ncu_adam_sections.txt" 2>&1 ;;
-    pdl)
+    pdl)  # then, with PDL on, the tests of graphs and of the fused steps (one config a launch)
       install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/ab_pdl.py \
-        "$work/$part/ab_pdl.json" "${smoke[@]}" ;;
+        "$work/$part/ab_pdl.json" "${smoke[@]}" || return
+      [ "$dry" = 1 ] && return
+      MPGEMM_PDL=1 MPGEMM_SINGLE_CONFIG=1 timeout -s INT $((end - SECONDS)) \
+        "$python" -m pytest -p no:cacheprovider -q -n 8 --dist loadfile --timeout 180 \
+        tests/test_graphs.py tests/test_fused_optim.py tests/test_linear.py \
+        > "$work/$part/tests_pdl.log" 2>&1
+      local status=$?
+      tail -1 "$work/$part/tests_pdl.log"  # (pytest's summary, for the part's lines)
+      return $status ;;
   esac
 }
 
