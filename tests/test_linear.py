@@ -580,3 +580,37 @@ def test_a_product_autograd_does_not_record_runs_without_the_autograd_function(
     with torch.no_grad():
         torch.func.vmap(lambda t: mpgemm.matmul(t, w.t()))(x.unsqueeze(0))
     assert len(applied) == 4
+
+
+@pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_fp32_operands_of_large_products_are_cast_for_the_tma_kernel(
+    activation, compute_dtype, device, monkeypatch
+):
+    """mpgemm.linear on an FP32 input and weight, with the thresholds of
+    ``gemm.ROUND_FP32_FLOPS`` and ``ROUND_FP32_REUSE`` at this test's size: the forward
+    GEMM and the input gradient's (dZ @ W, the FP32 weight rounded by a cast) run the
+    TMA kernel, as the weight gradient's does (the layer saves x rounded), and the
+    output and gradients match FP64 within the bar."""
+    from mpgemm.kernels import gemm
+    from tests.accuracy import launched_kernels
+
+    m, k, n = 72, 112, 48
+    monkeypatch.setattr(gemm, "ROUND_FP32_FLOPS", 2 * m * k * n)
+    monkeypatch.setattr(gemm, "ROUND_FP32_REUSE", n)
+    monkeypatch.setattr(gemm, "multiprocessors", lambda device: 3)  # no split of K
+    torch.manual_seed(0)
+    x = nan_padded(torch.randn(m, k, device=device))
+    w = nan_padded(torch.randn(n, k, device=device) / k**0.5)
+    b = torch.randn(n, device=device)
+    grad_out = away_from_relu_kink(torch.randn(m, n, device=device), x, w, b)
+
+    names, results = launched_kernels(
+        lambda: run_three_ways(x, w, b, activation, compute_dtype, None, grad_out)
+    )
+    (y, grads), (y64, grads64), (y_ref, grads_ref) = results
+    tma = "_gemm_tma_kernel"
+    assert names == [tma, "_activation_backward_kernel", tma, tma]
+    assert_within_torch_error(y, y64, y_ref, "output")
+    for name, g, g64, g_ref in zip("xwb", grads, grads64, grads_ref, strict=True):
+        assert_grad_within_torch_error(g, g64, g_ref, f"grad {name}", compute_dtype)
