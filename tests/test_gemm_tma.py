@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from mpgemm.reference import gemm_ref, torch_activation
-from tests.accuracy import assert_within_torch_error, launched_kernels, nan_padded
+from tests.accuracy import (
+    assert_sum_within_torch_error,
+    assert_within_torch_error,
+    launched_kernels,
+    nan_padded,
+)
 
 pytest.importorskip("triton")
 
@@ -97,7 +102,7 @@ def test_every_launch_kind_within_the_bar(kind, compute_dtype, epilogue, device,
         torch.nn.functional.gelu(z_d, approximate="tanh").sum().backward()
         assert_within_torch_error(g, z_d.grad, ref_g, f"{kind}: tanh GELU derivative")
     if kwargs.get("rowsum_a"):
-        assert_within_torch_error(r, a64.sum(1), ref_r, f"{kind}: row sums")
+        assert_sum_within_torch_error(r, a64, ref_r, f"{kind}: row sums", dim=1)
 
 
 def test_nan_and_inf_propagate_as_in_torch(device):
@@ -179,7 +184,7 @@ def test_a_large_products_fp32_operands_are_rounded_for_the_tma_kernel(
     )
     assert_within_torch_error(c, a.double() @ b.double(), ref_c, case)
     if summed:
-        assert_within_torch_error(r, a.double().sum(1), ref_r, f"{case}: row sums")
+        assert_sum_within_torch_error(r, a, ref_r, f"{case}: row sums", dim=1)
     # The same product rounded in the kernel: the same rounding of every operand.
     with gemm.use_kernel("pointer"):
         names, (c_pointer, _, _) = launched_kernels(
