@@ -552,8 +552,15 @@ def takes_tma(
     return _tma_eligible(a, b, compute_dtype, splits) is not None
 
 
+def _tma_runs(device: torch.device, splits: int) -> bool:
+    """Whether the TMA kernel may run a launch on ``device`` split ``splits`` ways,
+    whatever its operands: not forced onto the pointer kernel, K unsplit, a GPU with
+    TMA."""
+    return _kernel != "pointer" and splits == 1 and _has_tma(device)
+
+
 def _tma_eligible(a, b, compute_dtype, splits) -> tuple[bool, bool] | None:
-    if _kernel == "pointer" or splits != 1 or not _has_tma(a.device):
+    if not _tma_runs(a.device, splits):
         return None
     return gemm_tma.tma_layout(a, b, compute_dtype)
 
@@ -589,15 +596,15 @@ def _rounded_fp32(a, b, compute_dtype, *, rowsum_a: bool, epilogue: bool) -> tup
     which are of its FP32 values."""
     M, K = a.shape
     N = b.shape[1]
-    if 2 * M * N * K < ROUND_FP32_FLOPS or _kernel != "auto" or not _has_tma(a.device):
+    if 2 * M * N * K < ROUND_FP32_FLOPS or _kernel != "auto":
         return a, b
-    if not epilogue and split_k_for(M, N, K, a.device) > 1:  # the TMA kernel splits no K
+    if not _tma_runs(a.device, 1 if epilogue else split_k_for(M, N, K, a.device)):
         return a, b
     for t, uses, summed in ((a, N, rowsum_a), (b, M, False)):
         if t.dtype == torch.float32:
             if summed or uses < ROUND_FP32_REUSE:
                 return a, b
-        elif t.dtype != compute_dtype or not gemm_tma.describable(t):
+        elif not gemm_tma.tma_operand(t, compute_dtype):
             return a, b
     return tuple(_aligned_copy(t, compute_dtype) if t.dtype == torch.float32 else t for t in (a, b))
 

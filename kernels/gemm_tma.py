@@ -378,22 +378,20 @@ def _describable(t: torch.Tensor, transposed: bool) -> bool:
     )
 
 
-def describable(t: torch.Tensor) -> bool:
-    """Whether a TMA descriptor can describe the matrix ``t`` as it is laid out (or its
-    transpose, where its last stride is not 1)."""
-    return _describable(t, t.stride(-1) != 1)
+def tma_operand(t: torch.Tensor, compute_dtype: torch.dtype) -> bool:
+    """Whether the TMA kernel can read ``t`` as an operand: already in the compute dtype
+    (it converts nothing), and describable as itself or, where its last stride is not 1,
+    as its transpose."""
+    return t.dtype == compute_dtype and _describable(t, t.stride(-1) != 1)
 
 
 def tma_layout(
     a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype
 ) -> tuple[bool, bool] | None:
-    """(A_T, B_T) for a launch the TMA kernel can run, else None: A and B already in
-    the compute dtype (the TMA kernel converts nothing), each describable as itself or
-    as its transpose. A and B: (M, K) and (K, N), or batches of them, (B, M, K) and
+    """(A_T, B_T) for a launch the TMA kernel can run, else None: A and B each a
+    ``tma_operand``. A and B: (M, K) and (K, N), or batches of them, (B, M, K) and
     (B, K, N)."""
-    if a.dtype != compute_dtype or b.dtype != compute_dtype:
-        return None
-    if not (describable(a) and describable(b)):
+    if not (tma_operand(a, compute_dtype) and tma_operand(b, compute_dtype)):
         return None
     return a.stride(-1) != 1, b.stride(-1) != 1
 
