@@ -545,13 +545,6 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def takes_tma(
-    a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype, splits: int = 1
-) -> bool:
-    """Whether ``triton_gemm`` runs the TMA kernel for these operands."""
-    return _tma_eligible(a, b, compute_dtype, splits) is not None
-
-
 def _tma_runs(device: torch.device, splits: int) -> bool:
     """Whether the TMA kernel may run a launch on ``device`` split ``splits`` ways,
     whatever its operands: not forced onto the pointer kernel, K unsplit, a GPU with
