@@ -67,6 +67,10 @@ def _hopper_configs() -> list[triton.Config]:
     tiles = [
         # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
         (128, 256, 64, 3, 8),
+        # The tile the autotuner chose for the guide's large GEMMs (run6), one stage deeper,
+        # as cuBLAS's kernel for these shapes runs it: 16-bit outputs only (229,408 bytes
+        # of shared memory compiled; an FP32 output's stores need 32 KB more than fit).
+        (128, 256, 64, 4, 8),
         (128, 128, 64, 4, 8),
         (64, 256, 64, 4, 4),
         (128, 64, 64, 4, 4),
@@ -100,6 +104,11 @@ SMEM_BYTES = 232448
 # tile of the widest output (128x256 of FP32: 128 KB, which with 3 stages of 48 KB would
 # not fit) is stored in two halves.
 EPILOGUE_SCRATCH = 64 * 1024
+# Triton converts a larger part a piece at a time: no binary of the AOT check (triton
+# 3.6 and 3.9) took more than this many elements of the widest output for it (a
+# 128x256 tile of FP16 took half of its 64 KB), and the check fails any binary whose
+# shared memory exceeds SMEM_BYTES, should a triton take more.
+CONVERSION_ELEMENTS = 16384
 
 
 @triton.constexpr_function
@@ -128,14 +137,16 @@ def smem_estimate(config: triton.Config, *, c_bytes: int, store_act_grad: bool) 
     """An upper bound on the shared memory ``config`` takes: each stage holds a tile of
     A and B (16-bit), and the epilogue converts the accumulator's layout through at most
     BLOCK_M x BLOCK_N elements of its widest output, half of them where it stores in
-    halves; 1 KB for the barriers. Checked against the compiled binaries by
-    ``python -m mpgemm.kernels.aot`` (a binary over SMEM_BYTES is a defect there)."""
+    halves, and at most CONVERSION_ELEMENTS of them; 1 KB for the barriers. Checked
+    against the compiled binaries by ``python -m mpgemm.kernels.aot`` (a binary over
+    SMEM_BYTES is a defect there)."""
     bm, bn, bk, _ = tile(config)
     stage = (bm + bn) * bk * 2
-    scratch = epilogue_bytes(bm, bn, c_bytes, store_act_grad) // epilogue_parts(
+    widest = epilogue_bytes(1, 1, c_bytes, store_act_grad)  # an element's bytes
+    part = epilogue_bytes(bm, bn, c_bytes, store_act_grad) // epilogue_parts(
         bm, bn, c_bytes, store_act_grad
     )
-    return config.num_stages * stage + scratch + 1024
+    return config.num_stages * stage + min(part, CONVERSION_ELEMENTS * widest) + 1024
 
 
 def fits(

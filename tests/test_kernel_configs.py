@@ -115,6 +115,25 @@ def test_every_tma_launch_keeps_a_config_within_shared_memory(
     assert len(single) == 1
 
 
+@pytest.mark.parametrize("c_bytes", [2, 4])
+@pytest.mark.parametrize("has_bias, activation, store_act_grad", TMA_EPILOGUES)
+def test_the_four_stage_wide_tile_serves_16_bit_outputs_only(
+    c_bytes, has_bias, activation, store_act_grad
+):
+    # 128x256x64 in 4 stages takes 192 KB of operands: with a 16-bit output's layout
+    # conversion (32 KB compiled) it fits an H100 block; an FP32 output's (64 KB), or
+    # GELU's FP32 derivative beside it, does not.
+    c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
+    flags = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STORE_ACT_GRAD=store_act_grad)
+    kept = gemm_tma._prune_configs(
+        gemm_tma._hopper_configs(), {"c_ptr": c, "N_BUCKET": 4096}, **flags
+    )
+    deep = [k for k in kept if tile(k) == (128, 256, 64, 8) and k.num_stages == 4]
+    assert bool(deep) == (c_bytes == 2 and not store_act_grad)
+    for config in deep:
+        assert gemm_tma.smem_estimate(config, c_bytes=2, store_act_grad=False) == 230400
+
+
 def test_what_tma_pruning_reads_is_in_its_autotune_key():
     # C's dtype triton adds to the key.
     keys = gemm_tma.tuned_gemm_tma_kernel.keys
