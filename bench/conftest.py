@@ -55,8 +55,10 @@ def device() -> torch.device:
 @pytest.fixture
 def run_case(benchmark):
     """``run_case(fn, case=..., impl=..., flops=0, bytes=0, setup=None, wall_clock=False,
-    **extra)`` times ``fn`` (``fn(*setup()[0])`` when a setup builds fresh arguments
-    each round); ``wall_clock`` for whole steps, device time otherwise.
+    check=None, **extra)`` times ``fn`` (``fn(*setup()[0])`` when a setup builds fresh
+    arguments each round); ``wall_clock`` for whole steps, device time otherwise.
+    ``check``: called with what one more call returns once the timing is done (the
+    configs the autotuners chose included: the tests stage runs one config a launch).
 
     While launches are intercepted (recorded by ``gpu_check.sh plan``), mpgemm's cases call
     ``fn`` once and the baselines, which compile nothing of ours, are skipped."""
@@ -70,6 +72,7 @@ def run_case(benchmark):
         bytes: float = 0,
         setup=None,
         wall_clock: bool = False,
+        check=None,
         **extra,
     ):
         if intercepting():
@@ -120,6 +123,8 @@ def run_case(benchmark):
             # A step's time to enqueue, from a synchronised GPU (the rounds', less the
             # warm-up's): against its wall clock, how host-bound it is.
             benchmark.extra_info["host_ms"] = median(enqueue[-ROUNDS:]) * 1e3
+        if check is not None:
+            check(fn(*(setup()[0] if setup else ())))
         if benchmark.stats is not None:  # a line per case in the log as the suite runs
             kernel = benchmark.extra_info.get("kernel_ms")
             host = benchmark.extra_info.get("host_ms")

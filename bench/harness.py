@@ -26,6 +26,21 @@ L2_FLUSH_BYTES = 256 * 2**20
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
+def product_of(a: torch.Tensor, b: torch.Tensor, what: str):
+    """A ``run_case`` check: its output is ``a @ b`` of these 16-bit operands (batched
+    as ``torch.matmul`` batches them) within twice the error of torch's own product of
+    them against FP64 (``tests.accuracy``'s bar)."""
+    # (Imported here: the scripts that import this module run from bench/, where the
+    # tests package is not importable; the benchmarks run from the repository's root.)
+    from tests.accuracy import assert_within_torch_error
+
+    def check(out: torch.Tensor) -> None:
+        exact = torch.matmul(a.double(), b.double())
+        assert_within_torch_error(out, exact, torch.matmul(a, b), what)
+
+    return check
+
+
 def synchronize() -> None:
     if ON_GPU:
         torch.cuda.synchronize()

@@ -7,11 +7,12 @@ Work: 2MNK flops."""
 
 import pytest
 import torch
-from harness import GPU_SCALE
+from harness import GPU_SCALE, product_of
 from report import in_gemm_geomean
 
 import mpgemm
 from mpgemm.kernels.gemm import use_kernel
+from tests.accuracy import assert_within_torch_error
 
 pytestmark = pytest.mark.benchmark(group="gemm")
 
@@ -63,7 +64,11 @@ def test_gemm(run_case, device, shape, impl):
         "autocast": autocast,
         "fp32": lambda: torch.matmul(a32, b32),
     }[impl]
-    run_case(fn, case="x".join(map(str, shape)), impl=impl, flops=2 * m * n * k)
+    case = "x".join(map(str, shape))
+    # mpgemm's product of the same 16-bit operands (rounded in the kernel, or by a cast,
+    # from FP32 ones).
+    check = product_of(a16, b16, f"{case} {impl}") if impl.startswith("mpgemm") else None
+    run_case(fn, case=case, impl=impl, flops=2 * m * n * k, check=check)
 
 
 # BF16, what most training on Hopper computes in: the geomean's shapes (at the CPU's
@@ -82,7 +87,9 @@ def test_gemm_bf16(run_case, device, shape, impl):
         "mpgemm": lambda: mpgemm.matmul(a, b),
         "torch_bf16": lambda: torch.matmul(a, b),
     }[impl]
-    run_case(fn, case="bf16 " + "x".join(map(str, shape)), impl=impl, flops=2 * m * n * k)
+    case = "bf16 " + "x".join(map(str, shape))
+    check = product_of(a, b, case) if impl == "mpgemm" else None
+    run_case(fn, case=case, impl=impl, flops=2 * m * n * k, check=check)
 
 
 # (batch, M, K, N) of batched products (``mpgemm.matmul`` of a batched b, the pointer
@@ -108,7 +115,9 @@ def test_batched_gemm(run_case, device, shape, impl):
         "torch_fp16": lambda: torch.matmul(a16, b16),
         "fp32": lambda: torch.matmul(a32, b32),
     }[impl]
-    run_case(fn, case="x".join(map(str, shape)), impl=impl, flops=2 * batch * m * n * k)
+    case = "x".join(map(str, shape))
+    check = product_of(a16, b16, case) if impl == "mpgemm" else None
+    run_case(fn, case=case, impl=impl, flops=2 * batch * m * n * k, check=check)
 
 
 # (sequences, tokens, heads, head dim): attention's scores q @ k^T on (batch, heads)
@@ -141,12 +150,9 @@ def test_scores_of_transposed_heads(run_case, device, shape, impl):
         "mpgemm_per_index": per_index,
         "torch_fp16": lambda: torch.matmul(q, k.transpose(-1, -2)),
     }[impl]
-    run_case(
-        fn,
-        case="heads " + "x".join(map(str, shape)),
-        impl=impl,
-        flops=2 * batch * heads * tokens * tokens * dim,
-    )
+    case = "heads " + "x".join(map(str, shape))
+    check = product_of(q, k.transpose(-1, -2), f"{case} {impl}") if impl != "torch_fp16" else None
+    run_case(fn, case=case, impl=impl, flops=2 * batch * heads * tokens * tokens * dim, check=check)
 
 
 # (batch, M, K, N): a (M, K) broadcast over b's batch, and a's gradient, dC @ B^T summed
@@ -165,9 +171,18 @@ def test_broadcast_operand_gradient(run_case, device, shape, impl):
     b = torch.randn(batch, k, n, device=device).half()
     c = (mpgemm.matmul if impl == "mpgemm" else torch.matmul)(a, b)
     grad_c = torch.randn_like(c)
+    case = "grad_a " + "x".join(map(str, shape))
+
+    def check(grads):
+        # dC @ B^T summed over the batch, against FP64 with torch's own as the bar.
+        exact = torch.matmul(grad_c.double(), b.double().mT).sum(0)
+        (torch_grad,) = torch.autograd.grad(torch.matmul(a, b), a, grad_c)
+        assert_within_torch_error(grads[0], exact, torch_grad, case)
+
     run_case(
         lambda: torch.autograd.grad(c, a, grad_c, retain_graph=True),
-        case="grad_a " + "x".join(map(str, shape)),
+        case=case,
         impl=impl,
         flops=2 * batch * m * n * k,
+        check=check if impl == "mpgemm" else None,
     )
