@@ -44,7 +44,7 @@ from harness import (
 from report import add_derived_metrics
 
 from mpgemm.app.report import environment
-from mpgemm.kernels.launches import intercepting
+from mpgemm.kernels.launches import chosen_configs, intercepting
 
 
 @pytest.fixture
@@ -164,6 +164,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     add_derived_metrics(output_json["benchmarks"])
+    # The tile each launch kind ran, as the autotuners chose them in this run.
+    output_json["autotuned"] = chosen_configs()
 
 
 @pytest.fixture(autouse=True)

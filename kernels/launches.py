@@ -167,6 +167,17 @@ def relaunch(launched: Launched, args: tuple) -> None:
 _chosen: dict[tuple, tuple[triton.Config, dict]] = {}
 
 
+def chosen_configs() -> list[dict[str, object]]:
+    """What each autotuner chose so far, one entry per launch kind (``_kind``): the JIT
+    function's name, the kind's key values, tensor dtypes and keyword arguments (as
+    strings), and the config; JSON-ready, for a benchmark's record of the tiles that
+    its timings ran."""
+    return [
+        {"kernel": kind[0].fn.__name__, "kind": [str(v) for v in kind[1:]], "config": str(config)}
+        for kind, (config, _) in _chosen.items()
+    ]
+
+
 def _no_hooks(hook) -> bool:
     return hook is None or (type(hook) is HookChain and not hook.calls)
 

@@ -260,6 +260,11 @@ def test_an_autotuner_runs_once_per_launch_kind_then_its_choice_directly(device,
     assert torch.equal(fewer_rows, first[:60])
     mpgemm.matmul(a, b, out_dtype=torch.float32)
     assert len(runs) == 2 and len(launches._chosen) == 2
+    # The record a benchmark keeps of them: a kind each, C's dtype telling them apart.
+    chosen = launches.chosen_configs()
+    assert [c["kernel"] for c in chosen] == [runs[0].fn.__name__] * 2
+    assert [str(torch.float32) in c["kind"] for c in chosen] == [False, True]
+    assert all(c["config"] == str(runs[0].best_config) for c in chosen)
 
 
 def _probe(
