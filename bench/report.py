@@ -210,7 +210,19 @@ def markdown(data: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += _counts(data["benchmarks"], group)
+    lines += _autotuned(data.get("autotuned", []))
     return "\n".join(lines)
+
+
+def _autotuned(chosen: list[dict]) -> list[str]:
+    """The config each launch kind ran (``launches.chosen_configs``), where the run
+    autotuned any."""
+    if not chosen:
+        return []
+    lines = ["### autotuned", "", "| kernel | kind | config |", "|---|---|---|"]
+    for entry in chosen:
+        lines.append(f"| {entry['kernel']} | {', '.join(entry['kind'])} | {entry['config']} |")
+    return [*lines, ""]
 
 
 def _flush_line(flush_ms: float | None) -> list[str]:

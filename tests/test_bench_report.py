@@ -64,6 +64,18 @@ def test_a_run_without_kernel_times_keeps_its_table():
     table = report.markdown({"machine_info": {}, "benchmarks": benchmarks})
     gemm = table[table.index("### gemm") :]
     assert "kernel" not in gemm and "| 2048x2048x2048 | mpgemm | 0.180 |" in gemm
+    assert "### autotuned" not in table  # (nothing autotuned: the CPU's path)
+
+
+def test_the_autotuned_configs_close_the_report():
+    report = _report()
+    benchmarks = [_bench("mpgemm", 180e-6), _bench("torch_fp16", 30e-6)]
+    report.add_derived_metrics(benchmarks)
+    chosen = {"kernel": "_gemm_tma_kernel", "kind": ["8192", "torch.float16"], "config": "BM 128"}
+    table = report.markdown({"machine_info": {}, "benchmarks": benchmarks, "autotuned": [chosen]})
+    lines = table.splitlines()
+    start = lines.index("### autotuned")
+    assert lines[start + 4] == "| _gemm_tma_kernel | 8192, torch.float16 | BM 128 |"
 
 
 def test_a_steps_host_time_has_a_column_of_its_own():
