@@ -123,7 +123,6 @@ def triton_activation_backward(
     grad_y: torch.Tensor,
     saved: torch.Tensor,
     activation: str,
-    compute_dtype: torch.dtype,
     *,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -131,11 +130,9 @@ def triton_activation_backward(
 
     grad_y: (M, N) in y's dtype, any strides; saved: (M, N), y for "relu" (dY's dtype),
     act'(z) in FP32 for "gelu" and "silu", any strides. dZ: (M, N), contiguous, in dY's
-    dtype for ReLU (exact) and ``compute_dtype`` for GELU and SiLU; the bias gradient:
-    (N,), FP32."""
+    dtype (exact for ReLU); the bias gradient: (N,), FP32."""
     M, N = grad_y.shape
-    dtype = grad_y.dtype if activation == "relu" else compute_dtype
-    dz = torch.empty((M, N), device=grad_y.device, dtype=dtype)
+    dz = torch.empty((M, N), device=grad_y.device, dtype=grad_y.dtype)
     if M == 0 or N == 0:
         return dz, torch.zeros(N, device=grad_y.device) if bias_grad else None
     column_blocks = cdiv(N, BLOCK_N)

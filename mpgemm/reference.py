@@ -132,7 +132,6 @@ def activation_backward_ref(
     grad_y: torch.Tensor,
     saved: torch.Tensor,
     activation: str,
-    compute_dtype: torch.dtype,
     *,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -144,12 +143,13 @@ def activation_backward_ref(
     threshold_backward (a NaN y passes its gradient on; a positive z that underflowed to
     0 in a 16-bit y gets none, as under autocast), exact in dY's dtype. GELU (either
     form) and SiLU (``saved`` = act'(z), FP32): the product in FP32, rounded once to
-    ``compute_dtype``."""
+    dY's dtype, which is y's: the dtype autograd gives y's gradient, as which dZ reaches
+    the GEMMs (they round it to the compute dtype, exactly where it is that dtype)."""
     if activation == "relu":
         grad_z = exact = torch.ops.aten.threshold_backward(grad_y, saved, 0)
     else:
         exact = torch.mul(grad_y, saved)  # FP32, for the sums
-        grad_z = exact.to(compute_dtype)
+        grad_z = exact.to(grad_y.dtype)
     return grad_z, torch.sum(exact, dim=0, dtype=torch.float32) if bias_grad else None
 
 
