@@ -804,13 +804,15 @@ def _linear(
     features = weight.shape[0]
     if bias is not None and tuple(bias.shape) != (features,):
         # F.linear adds its bias by broadcasting: a single value (shape () or (1,)) is
-        # one bias for every feature, a stride-0 view the kernels read as it is.
+        # one bias for every feature, a stride-0 view the kernels read as it is. In
+        # FP32: the expansion's backward sums the features' FP32 gradients in the
+        # view's dtype, so that the sum is rounded once, to the bias's own.
         if bias.dim() > 1 or bias.numel() != 1:
             raise ValueError(
                 f"{op}: bias of shape {tuple(bias.shape)} does not match weight of shape "
                 f"{weight_shape}; expected ({features},), or one value"
             )
-        bias = bias.expand(features)
+        bias = bias.to(torch.float32).expand(features)
     # With an activation and a gradient to compute, the activation's node follows the
     # GEMMs' and owns the bias gradient: the GEMMs' node gets the bias's values only.
     activated = activation is not None and _records_grad(input, weight, bias)

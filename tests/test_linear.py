@@ -410,6 +410,27 @@ def test_f_linears_shapes_compute_what_their_explicit_forms_do(device, activatio
         assert torch.equal(got, want), name
 
 
+@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_single_value_bias_gets_its_gradient_rounded_once(device, dtype, activation):
+    """The gradient of one bias value for every feature is the FP32 sum of dZ over all
+    of them, rounded once to the bias's dtype: as the FP32 bias's, rounded. (Expanded in
+    its own dtype, the features' FP32 sums were each rounded to it and then added in it
+    by the expansion's backward: a BF16 bias's gradient 1.3 ulps off, where torch's
+    F.linear sums in FP32.)"""
+    x = torch.randn(64, 48, device=device)
+    w = torch.randn(512, 48, device=device) / 48**0.5
+    bias = torch.randn((), device=device).to(dtype)
+    grad_out = torch.randn(64, 512, device=device).half()
+    grads = []
+    for b in (bias, bias.float()):
+        b = b.detach().requires_grad_()
+        mpgemm.linear(x, w, b, activation=activation).backward(grad_out)
+        grads.append(b.grad)
+    assert grads[0].dtype == dtype
+    assert torch.equal(grads[0], grads[1].to(dtype))
+
+
 def test_f_linears_bias_shapes_beyond_one_value_are_refused():
     with pytest.raises(ValueError, match=r"bias of shape \(2, 4\).*expected \(4,\), or one value"):
         mpgemm.linear(torch.randn(2, 3), torch.randn(4, 3), torch.randn(2, 4))
