@@ -1,23 +1,29 @@
 """Cross-entropy of logits against class indices in FP32, forward and backward in one
 launch each, for ``mpgemm.cross_entropy``:
 
-    lse[i]  = m[i] + log(sum_c exp(x[i, c] - m[i])),  m[i] = max_c x[i, c]
-    loss[i] = lse[i] - (1 - eps) x[i, t[i]] - (eps / C) sum_c x[i, c]
+    s[i]    = log(sum_c exp(x[i, c] - m[i])),  m[i] = max_c x[i, c]
+    loss[i] = s[i] - (1 - eps) (x[i, t[i]] - m[i]) - (eps / C) sum_c (x[i, c] - m[i])
               (0 where t[i] == ignore_index; NaN where t[i] is out of range)
     out     = loss (reduction "none"), sum_i loss[i] ("sum"), or that sum over the
               count of rows not ignored ("mean")
-    dx[i, c] = g[i] (exp(x[i, c] - lse[i]) - (1 - eps) [c == t[i]] - eps / C)
-              (0 in an ignored row, NaN where t[i] is out of range), g[i] the
-              output's gradient (over the count: "mean")
+    dx[i, c] = g[i] (p[i, c] - (1 - eps) [c == t[i]] - eps / C),
+              p[i, c] = exp((x[i, c] - m[i]) - s[i])
+              (NaN where t[i] is out of range), g[i] the output's gradient (over
+              the count: "mean"); in an ignored row p[i, c] * 0: torch's 0 - p * 0
+              of its log-softmax's backward, NaN where the row's logits make p NaN
+              (a NaN, +inf), else 0
 
 torch.nn.functional.cross_entropy's math with class-index targets (label smoothing
-included), each logit widened to FP32, the sums in FP32. torch takes two launches
-forward (log-softmax, NLL) and three backward (NLL's zeros and scatter, log-softmax's
-backward); here one each. The forward's sum over the rows is finished by the last
-program to arrive (``mpgemm.kernels.arrivals``), adding the programs' partial sums in
-a fixed order (BLOCK_P at a time), so it is the same run to run. Each program takes
-BLOCK_M rows and walks their logits BLOCK_C at a time: twice forward (the maximum,
-then the sums), once backward.
+included), each logit widened to FP32, the sums in FP32, the log-softmax taken as torch
+takes it, (x - m) - s: the log-sum-exp m + s is never formed, whose rounding at the
+logits' magnitude (a ulp of 300 is 3e-5) made the gradient 30 to 100 times torch's
+error against FP64 where logits reached the hundreds. The forward saves m and s.
+torch takes two launches forward (log-softmax, NLL) and three backward (NLL's zeros
+and scatter, log-softmax's backward); here one each. The forward's sum over the rows
+is finished by the last program to arrive (``mpgemm.kernels.arrivals``), adding the
+programs' partial sums in a fixed order (BLOCK_P at a time), so it is the same run to
+run. Each program takes BLOCK_M rows and walks their logits BLOCK_C at a time: twice
+forward (the maximum, then the sums), once backward.
 """
 
 from __future__ import annotations
@@ -87,20 +93,23 @@ def _cross_entropy_forward_kernel(
         # torch.maximum's: a NaN logit makes the row's maximum NaN (max.f32 drops it).
         m = tl.maximum(m, tl.max(x, axis=1), propagate_nan=tl.PropagateNan.ALL)
     exp_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    x_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    shifted_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # of x - m
+    shifted_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         cols, mask, x = _logits(x_rows, in_rows, c0, C, stride_xc, INTERPRETED, BLOCK_C)
-        exp_sum += tl.sum(tl.where(mask, tl.exp(x - m[:, None]), 0.0), axis=1)
-        x_sum += tl.sum(tl.where(mask, x, 0.0), axis=1)
-        x_t += tl.sum(tl.where(mask & (cols[None, :] == t[:, None]), x, 0.0), axis=1)
-    lse = m + tl.log(tl.where(in_rows, exp_sum, 1.0))  # (rows past N: not stored)
-    loss = lse - (1.0 - smoothing) * x_t
+        shifted = x - m[:, None]
+        exp_sum += tl.sum(tl.where(mask, tl.exp(shifted), 0.0), axis=1)
+        shifted_sum += tl.sum(tl.where(mask, shifted, 0.0), axis=1)
+        hit = mask & (cols[None, :] == t[:, None])
+        shifted_t += tl.sum(tl.where(hit, shifted, 0.0), axis=1)
+    s = tl.log(tl.where(in_rows, exp_sum, 1.0))  # (rows past N: not stored)
+    loss = s - (1.0 - smoothing) * shifted_t
     if smoothing != 0.0:  # (without, a -inf logit's 0 x -inf would make the loss NaN)
-        loss -= smoothing_per_class * x_sum
+        loss -= smoothing_per_class * shifted_sum
     loss = tl.where((t < 0) | (t >= C), float("nan"), loss)
     loss = tl.where(ignored, 0.0, loss)
-    tl.store(lse_ptr + rows64, lse, mask=in_rows)
+    tl.store(lse_ptr + rows64, m, mask=in_rows)
+    tl.store(lse_ptr + N + rows64, s, mask=in_rows)
     if REDUCTION == 0:
         tl.store(
             out_ptr + rows64, cast_rne(loss, out_ptr.dtype.element_ty, INTERPRETED), mask=in_rows
@@ -164,7 +173,8 @@ def _cross_entropy_backward_kernel(
     rows64 = rows.to(tl.int64)
     mask = in_rows[:, None] & (cols < C)[None, :]
     t = tl.load(t_ptr + rows64, mask=in_rows, other=0)
-    lse = tl.load(lse_ptr + rows64, mask=in_rows, other=0.0)
+    m = tl.load(lse_ptr + rows64, mask=in_rows, other=0.0)
+    s = tl.load(lse_ptr + N + rows64, mask=in_rows, other=0.0)
     if REDUCTION == 0:
         g = widen(tl.load(grad_ptr + rows64 * stride_g, mask=in_rows, other=0.0), INTERPRETED)
     else:
@@ -177,10 +187,12 @@ def _cross_entropy_backward_kernel(
         INTERPRETED,
     )
     target = tl.where(cols[None, :] == t[:, None], 1.0 - smoothing, 0.0)
-    dx = (tl.exp(x - lse[:, None]) - target - smoothing_per_class) * g[:, None]
-    # NaN where the forward's loss is NaN for the target's range, 0 where ignored.
+    p = tl.exp((x - m[:, None]) - s[:, None])
+    dx = (p - target - smoothing_per_class) * g[:, None]
+    # NaN where the forward's loss is NaN for the target's range; where ignored, p * 0
+    # (the module docstring), whatever g.
     dx = tl.where(((t < 0) | (t >= C))[:, None], float("nan"), dx)
-    dx = tl.where((t == ignore_index)[:, None], 0.0, dx)
+    dx = tl.where((t == ignore_index)[:, None], p * 0.0, dx)
     dx_ptrs = dx_ptr + rows64[:, None] * C + cols[None, :]
     tl.store(dx_ptrs, cast_rne(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
@@ -207,12 +219,12 @@ def triton_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lse, count): the forward of the module docstring. x: (N, C) float32,
     float16 or bfloat16, any strides; target: (N,) int64. loss: x's dtype, (N,) for
-    "none", else (); lse: (N,) FP32; count: () FP32, the rows not ignored (for "sum" and
-    "mean"; unset for "none")."""
+    "none", else (); lse: (2, N) FP32, each row's log-sum-exp in its two parts, m then
+    s; count: () FP32, the rows not ignored (for "sum" and "mean"; unset for "none")."""
     N, C = x.shape
     reduced = reduction != "none"
     out = torch.empty(() if reduced else (N,), device=x.device, dtype=x.dtype)
-    lse = torch.empty(N, device=x.device, dtype=torch.float32)
+    lse = torch.empty((2, N), device=x.device, dtype=torch.float32)
     count = torch.empty((), device=x.device, dtype=torch.float32)
     programs = cdiv(N, BLOCK_M)
     if programs == 0:  # no rows: torch's sum is 0, its mean 0 / 0
@@ -251,7 +263,7 @@ def triton_cross_entropy_backward(
 ) -> torch.Tensor:
     """dx, (N, C) contiguous in x's dtype: the backward of the module docstring, from
     the loss's gradient ``grad`` ((N,) for "none", else ()) and the forward's ``lse``
-    and ``count``."""
+    ((2, N): m and s) and ``count``."""
     N, C = x.shape
     dx = torch.empty((N, C), device=x.device, dtype=x.dtype)
     if N == 0 or C == 0:

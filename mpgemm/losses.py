@@ -32,7 +32,8 @@ __all__ = ["cross_entropy"]
 
 class CrossEntropyFunction(torch.autograd.Function):
     """The kernels' cross-entropy (``mpgemm.kernels.cross_entropy``): forward saves the
-    logits, the targets, each row's log-sum-exp and the count of rows not ignored."""
+    logits, the targets, each row's log-sum-exp (in two parts: its largest logit, and
+    the log of its sum of exp(x - that)) and the count of rows not ignored."""
 
     @staticmethod
     def forward(ctx, x, target, ignore_index, reduction, smoothing):

@@ -166,20 +166,24 @@ def cross_entropy_backward_ref(
     """The math of ``mpgemm.kernels.cross_entropy.triton_cross_entropy_backward``, same
     arguments and result: the gradient of the loss with respect to the (N, C) logits
     ``x``, from the loss's gradient ``grad`` ((N,) for "none", else ()), the forward's
-    per-row log-sum-exp ``lse`` (FP32) and its count of rows not ignored. In FP32,
+    per-row log-sum-exp ``lse`` in its two parts ((2, N) FP32: m, the row's largest
+    logit, and the log of its sum of exp(x - m)) and its count of rows not ignored. In
+    FP32,
 
-        dx[i, c] = (exp(x[i, c] - lse[i]) - (1 - s) [c == t_i] - s / C) * g_i
+        dx[i, c] = (exp((x[i, c] - m[i]) - lse[1, i]) - (1 - s) [c == t_i] - s / C) * g_i
 
-    with g_i = grad[i] ("none"), grad ("sum") or grad / count ("mean"); 0 on the rows
-    ignored, NaN on those whose class index is out of range (as their loss); rounded
-    once to x's dtype."""
+    with g_i = grad[i] ("none"), grad ("sum") or grad / count ("mean"); NaN on the rows
+    whose class index is out of range (as their loss); on the rows ignored, the
+    exponential times 0 (torch's 0 - p * 0: NaN where p is, else 0); rounded once to
+    x's dtype."""
     classes = x.shape[1]
     g = grad.float()
     g = g[:, None] if reduction == "none" else g / count if reduction == "mean" else g
     hit = torch.arange(classes, device=x.device)[None, :] == target[:, None]
-    dx = (torch.exp(x.float() - lse[:, None]) - hit * (1.0 - smoothing) - smoothing / classes) * g
+    p = torch.exp((x.float() - lse[0, :, None]) - lse[1, :, None])
+    dx = (p - hit * (1.0 - smoothing) - smoothing / classes) * g
     dx = dx.masked_fill(((target < 0) | (target >= classes))[:, None], float("nan"))
-    return dx.masked_fill((target == ignore_index)[:, None], 0.0).to(x.dtype)
+    return torch.where((target == ignore_index)[:, None], p * 0.0, dx).to(x.dtype)
 
 
 @_autocast_off
