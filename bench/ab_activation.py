@@ -16,7 +16,6 @@ more, left out).
 from __future__ import annotations
 
 import sys
-from inspect import signature
 
 import torch
 from harness import DEVICE, median_us, module_from, write_rows
@@ -54,11 +53,9 @@ def main(argv: list[str]) -> int:
             for impl, module in (("mpgemm", activation), ("mpgemm against", earlier)):
 
                 def call(module=module, dy=dy, saved=saved, name=name):
-                    # (Files before 2026-11-26's fifth session took the compute dtype,
-                    # FP16 here as dY's, in which their dZ was rounded.)
-                    launcher = module.triton_activation_backward
-                    takes = "compute_dtype" in signature(launcher).parameters
-                    return launcher(dy, saved, name, *[torch.float16] * takes, bias_grad=True)
+                    return module.triton_activation_backward(
+                        dy, saved, name, torch.float16, bias_grad=True
+                    )
 
                 results[impl] = call()  # compiles; the results compared below
                 us = median_us(call, calls)

@@ -675,14 +675,14 @@ def _relu_backward(how: str, programs_per_sm: int | None = None, stages: int | N
     dy = torch.randn(8192, 4096, device=DEVICE).half()
     y = torch.randn(8192, 4096, device=DEVICE).relu().half()
     if how == "torch":
-        return lambda: activation_backward_ref(dy, y, "relu", bias_grad=True)
+        return lambda: activation_backward_ref(dy, y, "relu", torch.float16, bias_grad=True)
 
     def run():
         defaults = activation._PROGRAMS_PER_SM, activation._STAGES["relu"]
         activation._PROGRAMS_PER_SM = programs_per_sm or defaults[0]
         activation._STAGES["relu"] = stages or defaults[1]
         try:
-            return triton_activation_backward(dy, y, "relu", bias_grad=True)
+            return triton_activation_backward(dy, y, "relu", torch.float16, bias_grad=True)
         finally:
             activation._PROGRAMS_PER_SM, activation._STAGES["relu"] = defaults
 

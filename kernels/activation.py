@@ -4,7 +4,7 @@
     ReLU (S = y):           dZ = 0 where y <= 0, else dY        (threshold_backward's rule:
                                                                  a NaN y passes dY on)
     GELU, SiLU (S = act'(z), FP32): dZ = round(dY * S)           (the product in FP32,
-                                                                 rounded once to dZ's dtype)
+                                                                 rounded once: ROUND_DTYPE)
     P[c, n] = sum over the rows of chunk c of dZ[:, n], before its rounding (FP32)
     db[n]   = sum over the chunks c of P[c, n]                   (FP32, in a fixed order)
 
@@ -27,6 +27,8 @@ from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import INTERPRET, cdiv, multiprocessors, operands_aligned
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
+from mpgemm.kernels.tensor_table import TRITON_DTYPES
+from mpgemm.reference import dz_rounding
 
 # Columns per program (a row of a block is 256 bytes of FP16: whole 16-byte loads) and
 # rows per step of its loop; 4 warps hold an 8 KB block of each operand.
@@ -62,6 +64,9 @@ def _activation_backward_kernel(
     stride_sm,
     stride_sn,
     RELU: tl.constexpr,
+    # GELU's and SiLU's rounding of the product, where coarser than dZ's dtype (which
+    # then holds its value exactly): mpgemm.reference.dz_rounding; else None
+    ROUND_DTYPE: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -96,7 +101,10 @@ def _activation_backward_kernel(
             exact = tl.where(widen(s, INTERPRETED) <= 0, 0.0, widen(dy, INTERPRETED))
         else:
             exact = widen(dy, INTERPRETED) * s
-        dz = cast_rne(exact, dz_ptr.dtype.element_ty, INTERPRETED)
+        rounded = exact
+        if ROUND_DTYPE is not None:
+            rounded = widen(cast_rne(exact, ROUND_DTYPE, INTERPRETED), INTERPRETED)
+        dz = cast_rne(rounded, dz_ptr.dtype.element_ty, INTERPRETED)
         tl.store(dz_ptr + rows[:, None] * N + cols64[None, :], dz, mask=mask)
         if BIAS_GRAD:
             sums += exact
@@ -123,6 +131,7 @@ def triton_activation_backward(
     grad_y: torch.Tensor,
     saved: torch.Tensor,
     activation: str,
+    compute_dtype: torch.dtype,
     *,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -130,9 +139,12 @@ def triton_activation_backward(
 
     grad_y: (M, N) in y's dtype, any strides; saved: (M, N), y for "relu" (dY's dtype),
     act'(z) in FP32 for "gelu" and "silu", any strides. dZ: (M, N), contiguous, in dY's
-    dtype (exact for ReLU); the bias gradient: (N,), FP32."""
+    dtype (exact for ReLU; GELU's and SiLU's rounded as ``dz_rounding`` says); the bias
+    gradient: (N,), FP32."""
     M, N = grad_y.shape
     dz = torch.empty((M, N), device=grad_y.device, dtype=grad_y.dtype)
+    rounding = dz_rounding(grad_y.dtype, compute_dtype)
+    round_dtype = None if activation == "relu" or rounding == dz.dtype else TRITON_DTYPES[rounding]
     if M == 0 or N == 0:
         return dz, torch.zeros(N, device=grad_y.device) if bias_grad else None
     column_blocks = cdiv(N, BLOCK_N)
@@ -166,6 +178,7 @@ def triton_activation_backward(
         saved.stride(0),
         saved.stride(1),
         RELU=activation == "relu",
+        ROUND_DTYPE=round_dtype,
         BIAS_GRAD=bias_grad,
         INTERPRETED=INTERPRET,
         BLOCK_M=BLOCK_M,

@@ -644,16 +644,16 @@ class ActivationFunction(_Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(y, act_grad, bias, activation):
+    def forward(y, act_grad, bias, activation, compute_dtype):
         return y.detach()  # y's memory, as this node's output
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, act_grad, _, activation = inputs
+        _, act_grad, _, activation, compute_dtype = inputs
         # ReLU's mask reads the output as saved here: an in-place change of it then
         # fails the backward, as it does after torch.relu.
         ctx.save_for_backward(output if activation == "relu" else act_grad)
-        ctx.activation = activation
+        ctx.activation, ctx.compute_dtype = activation, compute_dtype
         ctx.second_order = (inputs[2],)  # the bias (z's part goes through the GEMMs' node)
 
     @staticmethod
@@ -663,24 +663,28 @@ class ActivationFunction(_Function):
         backward = activation_backward
         if torch.compiler.is_compiling():  # one opaque op, as for the GEMMs' backward
             from mpgemm.ops import activation_backward as backward
-        grad_z, grad_b = backward(grad_y, saved, ctx.activation, bias_grad=ctx.needs_input_grad[2])
-        return grad_z, None, grad_b, None
+        grad_z, grad_b = backward(
+            grad_y, saved, ctx.activation, ctx.compute_dtype, bias_grad=ctx.needs_input_grad[2]
+        )
+        return grad_z, None, grad_b, None, None
 
 
 def activation_backward(
     grad_y: torch.Tensor,
     saved: torch.Tensor,
     activation: str,
+    compute_dtype: torch.dtype,
     *,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dZ, bias gradient or None) of ``ActivationFunction``, for (*, N) tensors:
     ``mpgemm.reference.activation_backward_ref``'s math, by the Triton kernel
     (``mpgemm.kernels.activation``: one pass) or that reference (torch ops). dZ is in
-    dY's dtype: it is y's gradient, which autograd would otherwise cast to y's dtype,
-    a second rounding where the product had been rounded to another."""
+    dY's dtype, as y's gradient must be (``mpgemm.reference.dz_rounding``)."""
     impl = _implementation(grad_y.device, grad_y, saved, op="activation_backward")
-    grad_z, grad_b = impl(_as_rows(grad_y), _as_rows(saved), activation, bias_grad=bias_grad)
+    grad_z, grad_b = impl(
+        _as_rows(grad_y), _as_rows(saved), activation, compute_dtype, bias_grad=bias_grad
+    )
     return grad_z.view(grad_y.shape), grad_b
 
 
@@ -827,7 +831,7 @@ def _linear(
         activated and activation in STORED_DERIVATIVE,
     )
     if activated:
-        out = ActivationFunction.apply(out, act_grad, bias, activation)
+        out = ActivationFunction.apply(out, act_grad, bias, activation, compute_dtype)
     return out.squeeze(-1) if vector else out
 
 

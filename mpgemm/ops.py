@@ -210,16 +210,20 @@ def linear_backward(
 
 @torch.library.custom_op("mpgemm::activation_backward", mutates_args=())
 def _activation_backward_op(
-    grad_y: torch.Tensor, saved: torch.Tensor, activation: str, bias_grad: bool
+    grad_y: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+    compute_dtype: torch.dtype,
+    bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from mpgemm.functional import activation_backward as implementation
 
-    grad_z, grad_b = implementation(grad_y, saved, activation, bias_grad=bias_grad)
+    grad_z, grad_b = implementation(grad_y, saved, activation, compute_dtype, bias_grad=bias_grad)
     return grad_z, grad_y.new_empty((0,), dtype=torch.float32) if grad_b is None else grad_b
 
 
 @_activation_backward_op.register_fake
-def _(grad_y, saved, activation, bias_grad):
+def _(grad_y, saved, activation, compute_dtype, bias_grad):
     n = grad_y.shape[-1] if bias_grad else 0
     return torch.empty_like(grad_y), grad_y.new_empty((n,), dtype=torch.float32)
 
@@ -228,13 +232,14 @@ def activation_backward(
     grad_y: torch.Tensor,
     saved: torch.Tensor,
     activation: str,
+    compute_dtype: torch.dtype,
     *,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``mpgemm.functional.activation_backward`` as ``torch.ops.mpgemm.
     activation_backward``: opaque, so that the bias gradient's FP32 sums are eager's,
     bit for bit (inductor would fuse the product into a reduction of its own order)."""
-    grad_z, grad_b = _activation_backward_op(grad_y, saved, activation, bias_grad)
+    grad_z, grad_b = _activation_backward_op(grad_y, saved, activation, compute_dtype, bias_grad)
     return grad_z, grad_b if bias_grad else None
 
 

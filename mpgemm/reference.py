@@ -50,6 +50,17 @@ def compute_dtype_for(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
     return bf16 if a.dtype == bf16 or b.dtype == bf16 else torch.float16
 
 
+def dz_rounding(grad_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an activation's dZ = dY * act'(z) is rounded to from FP32, once: the
+    coarser of dY's (y's) and the compute dtype. dZ goes to the GEMMs' node as y's
+    gradient, in y's dtype (autograd casts it to that), and the GEMMs round it to the
+    compute dtype; a value of the coarser dtype passes both exactly (bar FP16's range),
+    where rounding to the finer first rounded it twice (an FP16 layer writing BF16, a
+    BF16 layer writing FP16)."""
+    coarser = torch.finfo(compute_dtype).eps >= torch.finfo(grad_dtype).eps
+    return compute_dtype if coarser else grad_dtype
+
+
 def round_to(t: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     """``t`` rounded to ``compute_dtype`` and widened back to FP32 (exact)."""
     return t.to(compute_dtype).to(torch.float32)
@@ -132,6 +143,7 @@ def activation_backward_ref(
     grad_y: torch.Tensor,
     saved: torch.Tensor,
     activation: str,
+    compute_dtype: torch.dtype,
     *,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,13 +155,12 @@ def activation_backward_ref(
     threshold_backward (a NaN y passes its gradient on; a positive z that underflowed to
     0 in a 16-bit y gets none, as under autocast), exact in dY's dtype. GELU (either
     form) and SiLU (``saved`` = act'(z), FP32): the product in FP32, rounded once to
-    dY's dtype, which is y's: the dtype autograd gives y's gradient, as which dZ reaches
-    the GEMMs (they round it to the compute dtype, exactly where it is that dtype)."""
+    ``dz_rounding(dY's dtype, compute_dtype)``, in dY's dtype."""
     if activation == "relu":
         grad_z = exact = torch.ops.aten.threshold_backward(grad_y, saved, 0)
     else:
         exact = torch.mul(grad_y, saved)  # FP32, for the sums
-        grad_z = exact.to(grad_y.dtype)
+        grad_z = exact.to(dz_rounding(grad_y.dtype, compute_dtype)).to(grad_y.dtype)
     return grad_z, torch.sum(exact, dim=0, dtype=torch.float32) if bias_grad else None
 
 

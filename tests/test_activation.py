@@ -38,28 +38,42 @@ def _operands(activation, dtype, device, transposed):
     return grad_y, saved
 
 
+# (dY's dtype, the compute dtype): dZ rounded to the coarser, in dY's dtype; an FP32
+# dY is a layer's with out_dtype=torch.float32.
+DTYPES = [
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.bfloat16),
+    (torch.bfloat16, torch.float16),
+    (torch.float32, torch.float16),
+]
+
+
 @pytest.mark.parametrize("bias_grad", [True, False])
-# dY of an FP32 output too (a layer with out_dtype=torch.float32): dZ in FP32, unrounded.
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype, compute_dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
-def test_matches_the_reference(activation, dtype, bias_grad, device, monkeypatch):
+def test_matches_the_reference(activation, dtype, compute_dtype, bias_grad, device, monkeypatch):
     # 4 programs per SM on 2 "SMs" over 2 column blocks: 4 chunks of 32 rows.
     monkeypatch.setattr(kernel_module, "multiprocessors", lambda device: 2)
     torch.manual_seed(0)
     grad_y, saved = _operands(activation, dtype, device, transposed=bias_grad)
+    args = (grad_y, saved, activation, compute_dtype)
     names, (dz, db) = launched_kernels(
-        lambda: triton_activation_backward(grad_y, saved, activation, bias_grad=bias_grad)
+        lambda: triton_activation_backward(*args, bias_grad=bias_grad)
     )
     assert names == ["_activation_backward_kernel"]
-    ref_dz, ref_db = activation_backward_ref(grad_y, saved, activation, bias_grad=bias_grad)
+    ref_dz, ref_db = activation_backward_ref(*args, bias_grad=bias_grad)
     assert dz.is_contiguous() and dz.dtype == ref_dz.dtype == dtype
     assert_same_bits(dz, ref_dz, "dZ")
+    if activation != "relu":  # rounded once, to the coarser dtype
+        coarser = torch.bfloat16 if torch.bfloat16 in (dtype, compute_dtype) else torch.float16
+        assert torch.equal(dz, (grad_y.float() * saved).to(coarser).to(dtype))
     if not bias_grad:
         assert db is None
         return
     exact = grad_y.double() * (saved > 0 if activation == "relu" else saved.double())
     assert_sum_within_torch_error(db, exact, ref_db, "bias gradient", dim=0)
-    again = triton_activation_backward(grad_y, saved, activation, bias_grad=True)
+    again = triton_activation_backward(*args, bias_grad=True)
     assert torch.equal(again[0], dz) and torch.equal(again[1], db)
 
 
@@ -89,9 +103,11 @@ def test_programs_that_loop_over_row_steps(activation, stages, cols, device, mon
     else:
         saved = torch.rand(200, cols, device=device) * 1.2 - 0.1
     saved = nan_padded(saved, aligned=True, multiple=16)
-    dz, db = triton_activation_backward(grad_y, saved, activation, bias_grad=True)
+    dz, db = triton_activation_backward(grad_y, saved, activation, torch.float16, bias_grad=True)
     assert launched == [stages if cols == 256 else 1]
-    ref_dz, ref_db = activation_backward_ref(grad_y, saved, activation, bias_grad=True)
+    ref_dz, ref_db = activation_backward_ref(
+        grad_y, saved, activation, torch.float16, bias_grad=True
+    )
     assert_same_bits(dz, ref_dz, "dZ")
     exact = grad_y.double() * (saved > 0 if activation == "relu" else saved.double())
     assert_sum_within_torch_error(db, exact, ref_db, "bias gradient", dim=0)
@@ -105,8 +121,12 @@ def test_nan_and_inf_pass_as_through_torchs_ops(device):
     g = torch.tensor([[0.5, 1.0, 0.0, float("nan"), 1.0, 0.0]] * 3)
     for activation, saved in (("relu", y.half()), ("gelu", g)):
         dy = grad_y.half().to(device)
-        got = triton_activation_backward(dy, saved.to(device), activation, bias_grad=True)
-        want = activation_backward_ref(dy, saved.to(device), activation, bias_grad=True)
+        got = triton_activation_backward(
+            dy, saved.to(device), activation, torch.float16, bias_grad=True
+        )
+        want = activation_backward_ref(
+            dy, saved.to(device), activation, torch.float16, bias_grad=True
+        )
         assert_same_bits(got[0], want[0], f"{activation} dZ")
         assert_same_bits(got[1], want[1], f"{activation} bias gradient")
 
@@ -115,11 +135,11 @@ def test_a_broadcast_gradient_and_empty_shapes(device):
     # The gradient of y.sum() arrives expanded (strides 0): read through its strides.
     y = torch.randn(40, 16, device=device).relu().half()
     grad_y = torch.ones((), device=device, dtype=torch.float16).expand(40, 16)
-    dz, db = triton_activation_backward(grad_y, y, "relu", bias_grad=True)
+    dz, db = triton_activation_backward(grad_y, y, "relu", torch.float16, bias_grad=True)
     assert torch.equal(dz, (y > 0).half()) and torch.equal(db, (y > 0).float().sum(0))
     for m, n in ((0, 16), (40, 0)):
         empty = torch.empty(m, n, device=device, dtype=torch.float16)
-        dz, db = triton_activation_backward(empty, empty, "relu", bias_grad=True)
+        dz, db = triton_activation_backward(empty, empty, "relu", torch.float16, bias_grad=True)
         assert dz.shape == (m, n) and torch.equal(db, torch.zeros(n, device=device))
 
 
@@ -132,10 +152,10 @@ def test_the_bias_gradient_is_summed_in_the_one_launch(device, monkeypatch):
     torch.manual_seed(0)
     grad_y, saved = _operands("silu", torch.float16, device, transposed=False)
     with torch_ops_besides_launches() as ops:
-        dz, db = triton_activation_backward(grad_y, saved, "silu", bias_grad=True)
+        dz, db = triton_activation_backward(grad_y, saved, "silu", torch.float16, bias_grad=True)
     assert set(ops) <= {"empty.memory_format", "zeros"}, ops
     assert all(not buffer.any() for buffer in arrivals._buffers.values())
-    ref_dz, ref_db = activation_backward_ref(grad_y, saved, "silu", bias_grad=True)
+    ref_dz, ref_db = activation_backward_ref(grad_y, saved, "silu", torch.float16, bias_grad=True)
     exact = grad_y.double() * saved.double()
     assert_sum_within_torch_error(db, exact, ref_db, "bias gradient", dim=0)
 
@@ -151,12 +171,12 @@ def test_many_chunks_sum_to_the_same_bits_every_launch(device, monkeypatch):
     torch.manual_seed(1)
     grad_y = torch.randn(rows, cols, device=device).half()
     y = torch.randn(rows, cols, device=device).relu().half()
-    first = triton_activation_backward(grad_y, y, "relu", bias_grad=True)[1]
+    first = triton_activation_backward(grad_y, y, "relu", torch.float16, bias_grad=True)[1]
     exact = (grad_y.double() * (y > 0)).sum(0)
-    _, ref_db = activation_backward_ref(grad_y, y, "relu", bias_grad=True)
+    _, ref_db = activation_backward_ref(grad_y, y, "relu", torch.float16, bias_grad=True)
     assert_within_torch_error(first, exact, ref_db, "bias gradient")
     for _ in range(20 if device.type == "cuda" else 2):
-        again = triton_activation_backward(grad_y, y, "relu", bias_grad=True)[1]
+        again = triton_activation_backward(grad_y, y, "relu", torch.float16, bias_grad=True)[1]
         assert torch.equal(again, first)
 
 
@@ -196,11 +216,11 @@ def test_each_stream_has_its_counters_and_a_capture_fresh_ones():
     torch.manual_seed(2)
     grad_y = torch.randn(4096, 512, device=device).half()
     y = torch.randn(4096, 512, device=device).relu().half()
-    eager = triton_activation_backward(grad_y, y, "relu", bias_grad=True)
+    eager = triton_activation_backward(grad_y, y, "relu", torch.float16, bias_grad=True)
     buffers = {key: id(buffer) for key, buffer in arrivals._buffers.items()}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = triton_activation_backward(grad_y, y, "relu", bias_grad=True)
+        captured = triton_activation_backward(grad_y, y, "relu", torch.float16, bias_grad=True)
     assert {key: id(buffer) for key, buffer in arrivals._buffers.items()} == buffers
     for _ in range(3):
         captured[1].fill_(float("nan"))

@@ -299,10 +299,12 @@ def test_dz_reaches_the_gemms_rounded_once_whatever_the_output_dtype(
     device, activation, compute_dtype, out_dtype, monkeypatch
 ):
     """dZ = dY * act'(z) goes from the activation's node to the GEMMs' as y's gradient,
-    which autograd makes y's dtype: rounded once from the FP32 product to it. (Rounded
-    to the compute dtype first, an FP16 layer writing BF16 had its dZ rounded twice, to
-    FP16 and again to BF16, and its input gradient 7 half-ulps off where torch's was
-    within one: a randomised search over linear's arguments found it.)"""
+    in y's dtype (autograd casts it to that), and the GEMMs round it to the compute
+    dtype: rounded once from the FP32 product, to the coarser of the two, it passes both
+    exactly. (Rounded to the compute dtype, an FP16 layer writing BF16 had its dZ
+    rounded to FP16 and again to BF16, its input gradient 7 half-ulps off where torch's
+    own 16-bit computation was within one: a randomised search over linear's arguments
+    found it.)"""
     seen = {}
     activation_backward, linear_backward = (
         functional.activation_backward,
@@ -326,8 +328,10 @@ def test_dz_reaches_the_gemms_rounded_once_whatever_the_output_dtype(
         x, w, b, activation=activation, compute_dtype=compute_dtype, out_dtype=out_dtype
     )
     y.backward(torch.randn(y.shape, device=device).to(y.dtype))
+    coarser = torch.bfloat16 if torch.bfloat16 in (compute_dtype, out_dtype) else torch.float16
+    product = seen["dY"].float() * seen["act'(z)"]
     assert seen["dY"].dtype == seen["dZ"].dtype == out_dtype
-    assert torch.equal(seen["dZ"], (seen["dY"].float() * seen["act'(z)"]).to(out_dtype))
+    assert torch.equal(seen["dZ"], product.to(coarser).to(out_dtype))
 
 
 @pytest.mark.parametrize(

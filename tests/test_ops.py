@@ -83,6 +83,7 @@ CASES = {
         _randn(16, 24, dtype=f16),
         _randn(16, 24, dtype=f16),
         "relu",
+        f16,
         True,
     ),
     "unscale_": lambda: (
