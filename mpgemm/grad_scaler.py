@@ -400,7 +400,7 @@ class GradScaler:
                 scale.device,
             )
             if combined is None:
-                raise _OutOfOrder("No inf checks were recorded prior to update().")
+                raise _OutOfOrder("No inf checks were recorded prior to update.")
             update_scale_(
                 scale,
                 tracker,
