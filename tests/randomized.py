@@ -1,0 +1,379 @@
+"""Randomised searches of mpgemm's ops against torch's: each case is drawn from its
+seed (shapes, strides, dtypes, options, inf and NaN), run through mpgemm and torch,
+and held to the suite's bars against FP64. Through the interpreter on a CPU, compiled
+on a GPU.
+
+    TRITON_INTERPRET=1 python -m tests.randomized linear 0 500   # op, first seed, count
+    python -m tests.randomized linear 0 500                      # on a GPU
+
+Ops: ``matmul``, ``linear`` (with the activations, biases of any dtype and shape, the
+output dtypes), ``cross_entropy`` (ignore_index, smoothing, reductions, inf and NaN
+logits, classes out of range) and ``optim`` (SGD, Adam, AdamW against torch's, with
+and without a scaler, param groups, 16-bit parameters against FP64). Prints each
+failing case and a count; exit status 1 on any. Searches like these found four faults
+(``bench/NOTES.md``, 2026-11-26, fifth session); ``tests/test_randomized.py`` runs a
+few seeds of each.
+
+Where a product's terms cancel, its error against FP64 is bounded by the sum of their
+magnitudes, not by the result's: each bar adds half a unit of the coarsest rounding the
+operands pass through (the compute dtype, or a coarser 16-bit output whose gradient
+carries dZ) times the largest such sum (``_cancelling``).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import mpgemm
+from mpgemm.reference import linear_ref, torch_activation
+from tests.accuracy import assert_within_torch_error
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HALVES = (torch.float16, torch.bfloat16)
+# Where the cases' tensors live (``search``): drawn on the CPU, from the seed, and moved.
+_device = torch.device("cpu")
+
+
+def _randn(*size: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(size, generator=g).to(_device)
+
+
+def _coarsest(*dtypes: torch.dtype | None) -> torch.dtype:
+    return max((d for d in dtypes if d is not None), key=lambda d: torch.finfo(d).eps)
+
+
+def _cancelling(dtype: torch.dtype, magnitudes: torch.Tensor) -> float:
+    """Half a unit of ``dtype`` times the largest sum of the terms' magnitudes."""
+    return torch.finfo(dtype).eps / 2 * (magnitudes.abs().max().item() if magnitudes.numel() else 0)
+
+
+def _operand(
+    shape: tuple, dtype: torch.dtype, g: torch.Generator, scale: float = 1.0
+) -> torch.Tensor:
+    """Normal values times ``scale`` in a tensor of ``shape``: contiguous, a transposed
+    view, every other column of a wider one, or (batched) expanded over its first
+    dimension."""
+    kind = random.choice(["contiguous", "transposed", "sliced", "expanded"])
+
+    def values(*size: int) -> torch.Tensor:
+        return (_randn(*size, g=g) * scale).to(dtype)
+
+    if kind == "transposed" and len(shape) >= 2:
+        return values(*shape[:-2], shape[-1], shape[-2]).mT
+    if kind == "sliced" and shape[-1] > 0:
+        return values(*shape[:-1], 2 * shape[-1])[..., ::2]
+    if kind == "expanded" and len(shape) >= 3:
+        return values(1, *shape[1:]).expand(*shape)
+    return values(*shape)
+
+
+def matmul_case(seed: int) -> None:
+    random.seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    m, k, n = (random.choice([0, 1, 2, 3, 5, 8, 16, 17, 31, 33, 40, 64, 70]) for _ in range(3))
+    batch = tuple(random.choice([1, 2, 3]) for _ in range(random.choice([1, 2])))
+    batched = random.random() < 0.3
+    a_shape = (*batch, m, k) if batched and random.random() < 0.8 else (m, k)
+    b_shape = (*batch, k, n) if batched else (k,) if random.random() < 0.1 else (k, n)
+    a = _operand(a_shape, random.choice(DTYPES), g)
+    b = _operand(b_shape, random.choice(DTYPES), g)
+    compute = random.choice([None, *HALVES])
+    out_dtype = random.choice([None, *DTYPES])
+    grad = random.random() < 0.5
+    a, b = a.detach().requires_grad_(grad), b.detach().requires_grad_(grad)
+    what = f"matmul seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b {tuple(b.shape)} "
+    what += f"{b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, grad {grad}"
+    c = mpgemm.matmul(a, b, compute_dtype=compute, out_dtype=out_dtype)
+    compute = compute or (torch.bfloat16 if torch.bfloat16 in (a.dtype, b.dtype) else torch.float16)
+    ar, br = a.detach().to(compute), b.detach().to(compute)
+    assert c.dtype == (out_dtype or compute), what
+    terms = torch.matmul(ar.abs().double(), br.abs().double())
+    exact = torch.matmul(ar.double(), br.double())
+    base = torch.matmul(ar.float(), br.float()).to(c.dtype)
+    assert_within_torch_error(c, exact, base, what, atol=_cancelling(torch.float32, terms))
+    if not (grad and c.numel()):
+        return
+    grad_c = _randn(*c.shape, g=g).to(c.dtype)
+    c.backward(grad_c)
+    # FP64, FP32 (torch's product of the rounded operands), and the magnitudes of the
+    # gradients' terms: the backward of |A| @ |B| from |dC|.
+    runs = [
+        ([t.double() for t in (ar, br)], grad_c.to(compute).double()),
+        ([t.float() for t in (ar, br)], grad_c.to(compute).float()),
+        ([t.abs().double() for t in (ar, br)], grad_c.abs().double()),
+    ]
+    for leaves, seed_grad in runs:
+        for leaf in leaves:
+            leaf.requires_grad_()
+        torch.matmul(*leaves).backward(seed_grad)
+    rounding = _coarsest(compute, c.dtype)
+    for i, (name, t) in enumerate(zip("ab", (a, b), strict=True)):
+        exact, theirs, magnitudes = (leaves[i].grad for leaves, _ in runs)
+        assert t.grad.dtype == t.dtype and t.grad.shape == t.shape, f"{what}: d{name}"
+        atol = _cancelling(rounding, magnitudes) + _cancelling(t.dtype, exact)
+        assert_within_torch_error(t.grad, exact, theirs.to(t.dtype), f"{what}: d{name}", atol=atol)
+
+
+def linear_case(seed: int) -> None:
+    random.seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    lead = tuple(random.choice([1, 2, 3, 5, 17, 33]) for _ in range(random.choice([0, 1, 2])))
+    k, n = random.choice([1, 3, 8, 16, 17, 40]), random.choice([1, 2, 10, 16, 24, 33])
+    x = _operand((*lead, k), random.choice(DTYPES), g)
+    w = _operand((n, k), random.choice(DTYPES), g, scale=k**-0.5)
+    shape = random.choice([None, (n,), ()])
+    bias = None if shape is None else _randn(*shape, g=g).to(random.choice(DTYPES))
+    activation = random.choice([None, "relu", "gelu", "gelu_tanh", "silu"])
+    compute = random.choice([None, *HALVES])
+    out_dtype = random.choice([None, *DTYPES])
+    what = f"linear seed {seed}: x {tuple(x.shape)} {x.dtype} {x.stride()}, w {w.dtype} "
+    what += f"{w.stride()}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}, "
+    what += f"{activation}, compute {compute}, out {out_dtype}"
+    compute = compute or (torch.bfloat16 if torch.bfloat16 in (x.dtype, w.dtype) else torch.float16)
+    results, grad_y = [], None
+    for fn, cast in ((mpgemm.linear, None), (None, torch.float64), (linear_ref, None)):
+        xl, wl, bl = (
+            None if t is None else t.detach().to(cast or t.dtype).requires_grad_()
+            for t in (x, w, bias)
+        )
+        if fn is None:  # FP64
+            z = xl @ wl.T if bl is None else xl @ wl.T + bl
+            y = torch_activation(z, activation)
+        else:
+            y = fn(xl, wl, bl, activation=activation, compute_dtype=compute, out_dtype=out_dtype)
+        if grad_y is None:
+            grad_y = _randn(*y.shape, g=g)
+            if activation == "relu":  # away from the kink, where rounding decides the mask
+                z = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                grad_y = torch.where(z.abs() < 0.02 * z.abs().max(), 0.0, grad_y.double())
+            grad_y = grad_y.to(y.dtype)
+        if y.numel():
+            y.backward(grad_y.to(y.dtype))
+        results.append((y, [None if t is None else t.grad for t in (xl, wl, bl)]))
+    (y, grads), (y64, grads64), (y_ref, grads_ref) = results
+    assert y.dtype == y_ref.dtype == (out_dtype or compute) and y.shape == y_ref.shape, what
+    terms = F.linear(x.to(compute).abs().double(), w.to(compute).abs().double())
+    atol = _cancelling(torch.float32, terms)
+    assert_within_torch_error(y, y64.detach(), y_ref.detach(), f"{what}: y", atol=atol)
+    if not y.numel():
+        return
+    # dZ reaches the GEMMs rounded to the coarser of y's dtype and the compute dtype
+    # (the bar cannot tell that from a second rounding to the finer one: a test does).
+    # The magnitudes of the gradients' terms: the backward of |x| W^T + |b| (their
+    # absolute values) from 1.13 |dY| (GELU's derivative's largest).
+    rounding = _coarsest(compute, y.dtype if y.dtype in HALVES else None)
+    magnitudes = [
+        None if t is None else t.detach().abs().double().requires_grad_() for t in (x, w, bias)
+    ]
+    z = F.linear(magnitudes[0], magnitudes[1])
+    (z if magnitudes[2] is None else z + magnitudes[2]).backward(1.13 * grad_y.abs().double())
+    for name, t, got, exact, theirs, terms in zip(
+        "xwb", (x, w, bias), grads, grads64, grads_ref, magnitudes, strict=True
+    ):
+        if t is None:
+            continue
+        assert got is not None and got.dtype == t.dtype and got.shape == t.shape, f"{what}: d{name}"
+        # (The bias gradient sums dZ in FP32, before its rounding.)
+        summed = torch.float32 if name == "b" else rounding
+        atol = _cancelling(summed, terms.grad) + _cancelling(t.dtype, exact)
+        assert_within_torch_error(got, exact, theirs, f"{what}: d{name}", atol=atol)
+
+
+def cross_entropy_case(seed: int) -> None:
+    random.seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    rows, classes = random.choice([0, 1, 2, 5, 17, 64]), random.choice([1, 2, 10, 33, 100])
+    dtype = random.choice(DTYPES)
+    x = _randn(rows, classes, g=g) * random.choice([1.0, 10.0, 100.0])
+    if random.random() < 0.2 and rows:
+        x[random.randrange(rows), random.randrange(classes)] = random.choice(
+            [float("inf"), -float("inf"), float("nan")]
+        )
+    x = x.to(dtype)
+    if random.random() < 0.3:
+        x = _randn(classes, rows, g=g).to(dtype).T
+    target = torch.randint(0, classes, (rows,), generator=g).to(_device)
+    ignore = random.choice([-100, 0, 3])
+    if rows and random.random() < 0.4:
+        target[random.randrange(rows)] = random.choice([ignore, -1, classes])
+    options = dict(
+        ignore_index=ignore,
+        reduction=random.choice(["mean", "sum", "none"]),
+        label_smoothing=random.choice([0.0, 0.0, 0.1, 0.5]),
+    )
+    what = f"cross_entropy seed {seed}: {rows} x {classes} {dtype} {x.stride()}, {options}"
+    ours = x.detach().clone().requires_grad_()
+    loss = mpgemm.cross_entropy(ours, target, **options)
+    if (((target < 0) | (target >= classes)) & (target != ignore)).any():
+        # torch refuses; mpgemm gives the row NaN (its documented difference)
+        assert loss.isnan().any(), f"{what}: a class out of range without a NaN"
+        return
+    theirs = x.detach().float().requires_grad_()
+    their_loss = F.cross_entropy(theirs, target, **options)
+    exact = x.detach().double().requires_grad_()
+    exact_loss = F.cross_entropy(exact, target, **options)
+    assert loss.dtype == dtype and loss.shape == their_loss.shape, what
+    _same_nonfinite(loss, their_loss.to(dtype), f"{what}: loss")
+    finite = torch.isfinite(exact_loss).detach()
+    rtol = torch.finfo(dtype).eps / 2
+    assert_within_torch_error(
+        loss[finite], exact_loss[finite].detach(), their_loss[finite].to(dtype), what, rtol=rtol
+    )
+    if not loss.numel():
+        return
+    grad = _randn(*loss.shape, g=g).to(dtype)
+    for out, scalar in ((loss, dtype), (their_loss, torch.float32), (exact_loss, torch.float64)):
+        out.backward(grad.to(scalar))
+    _same_nonfinite(ours.grad, theirs.grad.to(dtype), f"{what}: gradient")
+    finite = torch.isfinite(exact.grad)
+    # dx = g (p - target): terms of at most 2 |g| that cancel where p nears the target.
+    atol = 2 * torch.finfo(torch.float32).eps * grad.abs().max().item()
+    assert_within_torch_error(
+        ours.grad[finite],
+        exact.grad[finite],
+        theirs.grad[finite].to(dtype),
+        f"{what}: gradient",
+        rtol=rtol,
+        atol=atol,
+    )
+
+
+def _same_nonfinite(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN where torch's differ"
+    assert torch.equal(got.isinf(), want.isinf()), f"{what}: inf where torch's differ"
+
+
+def optim_case(seed: int) -> None:
+    random.seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    kind = random.choice(["SGD", "Adam", "AdamW"])
+    shapes = [
+        random.choice([(), (1,), (5,), (3, 4), (0, 3), (17, 9), (4, 1, 2)])
+        for _ in range(random.randint(1, 5))
+    ]
+    dtype = random.choice([torch.float32, torch.float32, *HALVES])
+    params = [_randn(*s, g=g).to(dtype) for s in shapes]
+    hyper: dict = {"lr": random.choice([1e-3, 0.1, 0.5])}
+    if random.random() < 0.3:
+        hyper["weight_decay"] = random.choice([0.0, 0.01, 0.1])
+    if random.random() < 0.3:
+        hyper["maximize"] = True
+    if kind == "SGD" and random.random() < 0.6:
+        hyper["momentum"] = random.choice([0.5, 0.9])
+        if random.random() < 0.4:
+            hyper["dampening"] = random.choice([0.1, 0.5])
+        elif random.random() < 0.3:
+            hyper["nesterov"] = True
+    if kind != "SGD":
+        if random.random() < 0.4:
+            hyper["betas"] = (random.choice([0.8, 0.9]), random.choice([0.99, 0.999]))
+        if random.random() < 0.3:
+            hyper["amsgrad"] = True
+        if random.random() < 0.3:
+            hyper["eps"] = random.choice([1e-6, 1e-3])
+    groups = len(params) > 1 and random.random() < 0.3
+    # A scaler for FP32 parameters (16-bit ones are refused by both); against torch's
+    # fused Adam and AdamW, which leave a skipped step's gradients as mpgemm's do
+    # (torch's fused SGD on the CPU read stale buffers where a gradient was None).
+    scaled = dtype == torch.float32 and random.random() < 0.5
+    fused = scaled and kind != "SGD"
+    steps = random.randint(1, 4)
+    what = f"optim seed {seed}: {kind} {hyper} {dtype} {shapes} groups {groups} scaled {scaled}"
+
+    def make(library, cast=None, **extra):
+        leaves = [torch.nn.Parameter(p.to(cast or p.dtype)) for p in params]
+        if groups:
+            lr = hyper["lr"] / 2
+            leaves_or_groups = [{"params": leaves[:1]}, {"params": leaves[1:], "lr": lr}]
+        else:
+            leaves_or_groups = leaves
+        return leaves, getattr(library, kind)(leaves_or_groups, **hyper, **extra)
+
+    ours, ours_opt = make(mpgemm.optim)
+    theirs, their_opt = make(torch.optim, **({"fused": True} if fused else {}))
+    exact, exact_opt = make(torch.optim, torch.float64)
+    scalers = []
+    if scaled:
+        scalers = [mpgemm.GradScaler(_device.type, init_scale=256.0, growth_interval=2)]
+        scalers.append(torch.amp.GradScaler(_device.type, init_scale=256.0, growth_interval=2))
+        for scaler in scalers:
+            scaler.scale(torch.ones((), device=_device))
+    for _ in range(steps):
+        grads = [_randn(*s, g=g).to(dtype) for s in shapes]
+        if scaled and grads[0].numel() and random.random() < 0.3:
+            grads[0].view(-1)[0] = float("inf")
+        missing = [random.random() < 0.15 for _ in shapes]
+        if all(missing):
+            missing[-1] = False  # (with no gradient at all, both scalers raise)
+        for leaves, scale in ((ours, 0), (theirs, 1), (exact, None)):
+            for p, grad, absent in zip(leaves, grads, missing, strict=True):
+                factor = 1.0 if scale is None or not scalers else scalers[scale].get_scale()
+                p.grad = None if absent else (grad.to(p.dtype) * factor)
+        if scalers:
+            for scaler, optimizer in zip(scalers, (ours_opt, their_opt), strict=True):
+                scaler.step(optimizer)
+                scaler.update()
+            assert scalers[0].get_scale() == scalers[1].get_scale(), f"{what}: scale"
+        else:
+            ours_opt.step()
+            their_opt.step()
+            exact_opt.step()
+    for i, (mine, torchs, fp64) in enumerate(zip(ours, theirs, exact, strict=True)):
+        assert mine.dtype == torchs.dtype, what
+        if scalers or dtype == torch.float32:  # FP32 rounding apart
+            torch.testing.assert_close(mine, torchs, rtol=1e-5, atol=1e-6, msg=what)
+            if mine.grad is not None and not (scalers and not fused):
+                torch.testing.assert_close(mine.grad, torchs.grad, equal_nan=True, msg=what)
+        else:  # 16-bit parameters: within twice torch's error against FP64
+            # Their state is in their dtype too, as torch's: a second moment that
+            # underflows to 0 sends a parameter to inf in both, which FP64 does not.
+            finite = torch.isfinite(torchs.detach())
+            _same_nonfinite(mine.detach(), torchs.detach(), f"{what}: {i}")
+            mine, torchs, fp64 = (t.detach()[finite] for t in (mine, torchs, fp64))
+            atol = _cancelling(dtype, fp64) * 2
+            assert_within_torch_error(mine, fp64, torchs.double(), f"{what}: {i}", atol=atol)
+    # The state dicts load both ways.
+    make(torch.optim)[1].load_state_dict(ours_opt.state_dict())
+    make(mpgemm.optim)[1].load_state_dict(their_opt.state_dict())
+
+
+CASES: dict[str, Callable[[int], None]] = {
+    "matmul": matmul_case,
+    "linear": linear_case,
+    "cross_entropy": cross_entropy_case,
+    "optim": optim_case,
+}
+
+
+def search(op: str, seeds: range, device: torch.device | str = "cpu") -> list[str]:
+    """The failures of ``op``'s cases over ``seeds`` with tensors on ``device``, one line
+    each."""
+    global _device
+    _device = torch.device(device)
+    failures = []
+    for seed in seeds:
+        try:
+            CASES[op](seed)
+        except AssertionError as error:
+            failures.append(f"{op} seed {seed}: {str(error).splitlines()[0][:600]}")
+    return failures
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] not in CASES:
+        sys.exit(f"usage: python -m tests.randomized {{{','.join(CASES)}}} FIRST_SEED COUNT")
+    first, count = int(argv[1]), int(argv[2])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    failures = search(argv[0], range(first, first + count), device)
+    print(*failures, sep="\n")
+    print(f"{argv[0]}: {count} cases, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
