@@ -94,16 +94,17 @@ def _cross_entropy_forward_kernel(
         m = tl.maximum(m, tl.max(x, axis=1), propagate_nan=tl.PropagateNan.ALL)
     exp_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     shifted_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # of x - m
-    shifted_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    x_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         cols, mask, x = _logits(x_rows, in_rows, c0, C, stride_xc, INTERPRETED, BLOCK_C)
-        shifted = x - m[:, None]
-        exp_sum += tl.sum(tl.where(mask, tl.exp(shifted), 0.0), axis=1)
-        shifted_sum += tl.sum(tl.where(mask, shifted, 0.0), axis=1)
-        hit = mask & (cols[None, :] == t[:, None])
-        shifted_t += tl.sum(tl.where(hit, shifted, 0.0), axis=1)
+        shifted = tl.where(mask, x - m[:, None], float("-inf"))
+        exp_sum += tl.sum(tl.exp(shifted), axis=1)
+        if smoothing != 0.0:
+            shifted_sum += tl.sum(tl.where(mask, shifted, 0.0), axis=1)
+        x_t += tl.sum(tl.where(cols[None, :] == t[:, None], x, 0.0), axis=1)
     s = tl.log(tl.where(in_rows, exp_sum, 1.0))  # (rows past N: not stored)
-    loss = s - (1.0 - smoothing) * shifted_t
+    # (x_t - m: the target's logit shifted after the loop, the same bits as within it)
+    loss = s - (1.0 - smoothing) * (x_t - m)
     if smoothing != 0.0:  # (without, a -inf logit's 0 x -inf would make the loss NaN)
         loss -= smoothing_per_class * shifted_sum
     loss = tl.where((t < 0) | (t >= C), float("nan"), loss)
