@@ -6,10 +6,12 @@ on a GPU.
     TRITON_INTERPRET=1 python -m tests.randomized linear 0 500   # op, first seed, count
     python -m tests.randomized linear 0 500                      # on a GPU
 
-Ops: ``matmul``, ``linear`` (with the activations, biases of any dtype and shape, the
-output dtypes), ``cross_entropy`` (ignore_index, smoothing, reductions, inf and NaN
-logits, classes out of range) and ``optim`` (SGD, Adam, AdamW against torch's, with
-and without a scaler, param groups, 16-bit parameters against FP64). Prints each
+Ops: ``amp`` (unscale against torch's op, bit for bit; ``LossScaleOptimizer`` against
+torch's scaler recipe), ``matmul``, ``linear`` (with the activations, biases of any
+dtype and shape, the output dtypes), ``cross_entropy`` (ignore_index, smoothing,
+reductions, inf and NaN logits, classes out of range) and ``optim`` (SGD, Adam, AdamW
+against torch's, with and without a scaler, param groups, 16-bit parameters against
+FP64). Prints each
 failing case and a count; exit status 1 on any. Searches like these found four faults
 (``bench/NOTES.md``, 2026-11-26, fifth session); ``tests/test_randomized.py`` runs a
 few seeds of each.
@@ -342,7 +344,70 @@ def optim_case(seed: int) -> None:
     make(mpgemm.optim)[1].load_state_dict(their_opt.state_dict())
 
 
+def amp_case(seed: int) -> None:
+    """``mpgemm.scaling.unscale_`` against torch's op, bit for bit, on lists of every
+    dtype with inf and NaN, in place or into other tensors; then a ``LossScaleOptimizer``
+    around torch's SGD or Adam against torch's ``GradScaler`` recipe over a few steps,
+    inf gradients among them: the same scale, skips and parameters, bit for bit."""
+    from mpgemm.scaling import unscale_
+
+    random.seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    shapes = [random.choice([(), (0,), (1,), (7,), (3, 5), (4099,)]) for _ in range(5)]
+    dtype = random.choice(DTYPES)
+    grads = [_randn(*s, g=g).to(dtype) * random.choice([1.0, 1e4]) for s in shapes]
+    for grad in grads:
+        if grad.numel() and random.random() < 0.2:
+            grad.view(-1)[random.randrange(grad.numel())] = random.choice(
+                [float("inf"), -float("inf"), float("nan")]
+            )
+    inv_scale = torch.full((), random.choice([1.0, 2.0**-16, 3.0]), device=_device)
+    what = f"amp seed {seed}: {dtype} {shapes} inv_scale {inv_scale.item()}"
+    into_fp32 = random.random() < 0.5  # as a master's gradient from a 16-bit one
+    theirs = [t.to(torch.float32 if into_fp32 else t.dtype, copy=True) for t in grads]
+    their_flag = torch.zeros((), device=_device)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, their_flag, inv_scale)
+    ours, flag = [t.clone() for t in grads], torch.zeros((), device=_device)
+    if into_fp32:
+        dst = [torch.empty(t.shape, device=_device) for t in ours]
+        unscale_(ours, flag, inv_scale, dst=dst)
+        ours = dst
+    else:
+        unscale_(ours, flag, inv_scale)
+    assert torch.equal(flag, their_flag), f"{what}: flag"
+    for mine, torchs in zip(ours, theirs, strict=True):
+        _same_nonfinite(mine, torchs, what)
+        assert torch.equal(mine.nan_to_num(), torchs.nan_to_num()), f"{what}: values"
+
+    kind = random.choice(["SGD", "Adam"])
+    options = {"lr": 0.1, "momentum": 0.9} if kind == "SGD" else {"lr": 0.01}
+    params = [_randn(*s, g=g) for s in ((3, 4), (4,))]
+    leaves = [[torch.nn.Parameter(p.clone()) for p in params] for _ in range(2)]
+    wrapped = mpgemm.LossScaleOptimizer(
+        getattr(torch.optim, kind)(leaves[0], **options), init_scale=2.0**10, growth_interval=2
+    )
+    optimizer = getattr(torch.optim, kind)(leaves[1], **options)
+    scaler = torch.amp.GradScaler(_device.type, init_scale=2.0**10, growth_interval=2)
+    wrapped.scale_loss(torch.ones((), device=_device))  # (each makes its scale at its
+    scaler.scale(torch.ones((), device=_device))  # first scaled loss)
+    for step in range(5):
+        grads = [_randn(*p.shape, g=g) for p in params]
+        if random.random() < 0.3:
+            grads[random.randrange(2)].view(-1)[0] = float("inf")
+        for p, grad in zip(leaves[0], grads, strict=True):
+            p.grad = grad * wrapped.loss_scale
+        for p, grad in zip(leaves[1], grads, strict=True):
+            p.grad = grad * scaler.get_scale()
+        wrapped.step()
+        scaler.step(optimizer)
+        scaler.update()
+        assert wrapped.loss_scale == scaler.get_scale(), f"{what}: {kind} step {step}, scale"
+    for mine, torchs in zip(*leaves, strict=True):
+        assert torch.equal(mine, torchs), f"{what}: {kind} parameters"
+
+
 CASES: dict[str, Callable[[int], None]] = {
+    "amp": amp_case,
     "matmul": matmul_case,
     "linear": linear_case,
     "cross_entropy": cross_entropy_case,
