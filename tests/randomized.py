@@ -90,9 +90,19 @@ def matmul_case(seed: int) -> None:
     a, b = a.detach().requires_grad_(grad), b.detach().requires_grad_(grad)
     what = f"matmul seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b {tuple(b.shape)} "
     what += f"{b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, grad {grad}"
-    c = mpgemm.matmul(a, b, compute_dtype=compute, out_dtype=out_dtype)
+    compute_given = compute
     compute = compute or (torch.bfloat16 if torch.bfloat16 in (a.dtype, b.dtype) else torch.float16)
     ar, br = a.detach().to(compute), b.detach().to(compute)
+    if not grad and random.random() < 0.3:
+        # out=, as torch.matmul's: written in place, transposed or not, returned.
+        shape = torch.matmul(ar.float(), br.float()).shape
+        out = torch.full(shape[::-1], float("nan"), device=_device, dtype=out_dtype or compute)
+        out = out.permute(*reversed(range(out.dim()))) if random.random() < 0.5 else out.view(shape)
+        what += f", out= {out.stride()}"
+        c = mpgemm.matmul(a, b, compute_dtype=compute_given, out_dtype=out_dtype, out=out)
+        assert c is out, f"{what}: out= not returned"
+    else:
+        c = mpgemm.matmul(a, b, compute_dtype=compute_given, out_dtype=out_dtype)
     assert c.dtype == (out_dtype or compute), what
     terms = torch.matmul(ar.abs().double(), br.abs().double())
     exact = torch.matmul(ar.double(), br.double())
