@@ -7,12 +7,13 @@ on a GPU.
     python -m tests.randomized linear 0 500                      # on a GPU
 
 Ops: ``amp`` (unscale against torch's op, bit for bit; ``LossScaleOptimizer`` against
-torch's scaler recipe), ``matmul``, ``linear`` (with the activations, biases of any
-dtype and shape, the output dtypes), ``cross_entropy`` (ignore_index, smoothing,
-reductions, inf and NaN logits, classes out of range) and ``optim`` (SGD, Adam, AdamW
-against torch's, with and without a scaler, param groups, 16-bit parameters against
-FP64). Prints each
-failing case and a count; exit status 1 on any. Searches like these found four faults
+torch's scaler recipe), ``copies`` (a converted model's weight copies current through
+steps, edits, loads and freezes: its outputs those of a fresh deep copy), ``matmul``,
+``linear`` (with the activations, biases of any dtype and shape, the output dtypes),
+``cross_entropy`` (ignore_index, smoothing, reductions, inf and NaN logits, classes out
+of range) and ``optim`` (SGD, Adam, AdamW against torch's, with and without a scaler,
+param groups, 16-bit parameters against FP64). Prints each failing case and a count;
+exit status 1 on any. Searches like these found four faults
 (``bench/NOTES.md``, 2026-11-26, fifth session); ``tests/test_randomized.py`` runs a
 few seeds of each.
 
@@ -416,8 +417,83 @@ def amp_case(seed: int) -> None:
         assert torch.equal(mine, torchs), f"{what}: {kind} parameters"
 
 
+def copies_case(seed: int) -> None:
+    """A converted model's 16-bit weight copies kept current through a random run of
+    what training scripts do between forwards: steps of torch's and mpgemm's optimizers
+    (one or two of them, a LossScaleOptimizer among them), in-place edits under
+    ``no_grad``, state dicts loaded, parameters frozen and unfrozen, evaluation under
+    ``no_grad`` and ``inference_mode``. After each, the model's output must be, bit for
+    bit, that of a deep copy of it (which has no copies: it makes them anew)."""
+    import copy
+
+    from torch import nn
+
+    random.seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # (the layers' initialisation)
+    dims = [random.choice([3, 8, 16, 17]) for _ in range(random.randint(2, 4))]
+    layers: list[nn.Module] = []
+    for i in range(len(dims) - 1):
+        layers.append(nn.Linear(dims[i], dims[i + 1], bias=random.random() < 0.8))
+        if i < len(dims) - 2 and random.random() < 0.7:
+            layers.append(random.choice([nn.ReLU, nn.GELU, nn.SiLU])())
+    model = mpgemm.convert(nn.Sequential(*layers).to(_device), compute_dtype=random.choice(HALVES))
+    params = list(model.parameters())
+    split = random.random() < 0.3 and len(params) > 1
+    groups = [params[: len(params) // 2], params[len(params) // 2 :]] if split else [params]
+    makers = [
+        lambda ps: mpgemm.optim.Adam(ps, lr=0.01),
+        lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+        lambda ps: torch.optim.AdamW(ps, lr=0.01),
+        lambda ps: mpgemm.LossScaleOptimizer(mpgemm.optim.AdamW(ps, lr=0.01)),
+    ]
+    optimizers = [random.choice(makers)(ps) for ps in groups]
+    x = _randn(5, dims[0], g=g)
+    kinds = [type(layer).__name__ for layer in model]
+    what = f"copies seed {seed}: {dims} {kinds}, {[type(o).__name__ for o in optimizers]}"
+    done = []
+    for _ in range(8):
+        op = random.choice(["train", "train", "edit", "load", "freeze", "eval"])
+        done.append(op)
+        # (An optimizer with nothing to step: torch's scaler asserts, as mpgemm's does.)
+        trained = [
+            o for o, ps in zip(optimizers, groups, strict=True) if any(p.requires_grad for p in ps)
+        ]
+        if op == "train" and trained:
+            optimizer = random.choice(trained)
+            optimizer.zero_grad()
+            loss = model(x).float().square().mean()
+            if isinstance(optimizer, mpgemm.LossScaleOptimizer):
+                optimizer.backward(loss)
+            else:
+                loss.backward()
+            optimizer.step()
+        elif op == "edit":
+            p, edit = random.choice(params), random.choice(["mul_", "add_", "copy_", "zero_"])
+            with torch.no_grad():
+                if edit == "mul_":
+                    p.mul_(0.5)
+                elif edit == "zero_":
+                    p.zero_()
+                else:
+                    getattr(p, edit)(_randn(*p.shape, g=g))
+        elif op == "load":
+            state = {k: v + _randn(*v.shape, g=g) for k, v in model.state_dict().items()}
+            model.load_state_dict(state)
+        elif op == "freeze":
+            p = random.choice(params)
+            p.requires_grad_(not p.requires_grad)
+        else:
+            with random.choice([torch.no_grad, torch.inference_mode, torch.enable_grad])():
+                model(x)
+        fresh = copy.deepcopy(model)
+        with torch.no_grad():
+            assert torch.equal(model(x), fresh(x)), f"{what}: after {done}"
+
+
 CASES: dict[str, Callable[[int], None]] = {
     "amp": amp_case,
+    "copies": copies_case,
     "matmul": matmul_case,
     "linear": linear_case,
     "cross_entropy": cross_entropy_case,
