@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import mpgemm
 from mpgemm.reference import linear_ref, torch_activation
-from tests.accuracy import assert_within_torch_error
+from tests.accuracy import assert_same_bits, assert_within_torch_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HALVES = (torch.float16, torch.bfloat16)
@@ -487,8 +487,8 @@ def copies_case(seed: int) -> None:
             with random.choice([torch.no_grad, torch.inference_mode, torch.enable_grad])():
                 model(x)
         fresh = copy.deepcopy(model)
-        with torch.no_grad():
-            assert torch.equal(model(x), fresh(x)), f"{what}: after {done}"
+        with torch.no_grad():  # (NaN where a run of loads and steps diverged: in both)
+            assert_same_bits(model(x), fresh(x), f"{what}: after {done}")
 
 
 CASES: dict[str, Callable[[int], None]] = {
