@@ -181,7 +181,7 @@ def cross_entropy_backward_ref(
     logit, and the log of its sum of exp(x - m)) and its count of rows not ignored. In
     FP32,
 
-        dx[i, c] = (exp((x[i, c] - m[i]) - lse[1, i]) - (1 - s) [c == t_i] - s / C) * g_i
+        dx[i, c] = (exp((x[i, c] - lse[0, i]) - lse[1, i]) - (1 - s) [c == t_i] - s / C) * g_i
 
     with g_i = grad[i] ("none"), grad ("sum") or grad / count ("mean"); NaN on the rows
     whose class index is out of range (as their loss); on the rows ignored, the

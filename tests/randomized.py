@@ -25,15 +25,18 @@ carries dZ) times the largest such sum (``_cancelling``).
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import mpgemm
-from mpgemm.reference import linear_ref, torch_activation
+from mpgemm.reference import dz_rounding, linear_ref, torch_activation
+from mpgemm.scaling import unscale_
 from tests.accuracy import assert_same_bits, assert_within_torch_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -44,10 +47,6 @@ _device = torch.device("cpu")
 
 def _randn(*size: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(size, generator=g).to(_device)
-
-
-def _coarsest(*dtypes: torch.dtype | None) -> torch.dtype:
-    return max((d for d in dtypes if d is not None), key=lambda d: torch.finfo(d).eps)
 
 
 def _cancelling(dtype: torch.dtype, magnitudes: torch.Tensor) -> float:
@@ -124,7 +123,7 @@ def matmul_case(seed: int) -> None:
         for leaf in leaves:
             leaf.requires_grad_()
         torch.matmul(*leaves).backward(seed_grad)
-    rounding = _coarsest(compute, c.dtype)
+    rounding = dz_rounding(c.dtype, compute)
     for i, (name, t) in enumerate(zip("ab", (a, b), strict=True)):
         exact, theirs, magnitudes = (leaves[i].grad for leaves, _ in runs)
         assert t.grad.dtype == t.dtype and t.grad.shape == t.shape, f"{what}: d{name}"
@@ -179,7 +178,7 @@ def linear_case(seed: int) -> None:
     # (the bar cannot tell that from a second rounding to the finer one: a test does).
     # The magnitudes of the gradients' terms: the backward of |x| W^T + |b| (their
     # absolute values) from 1.13 |dY| (GELU's derivative's largest).
-    rounding = _coarsest(compute, y.dtype if y.dtype in HALVES else None)
+    rounding = dz_rounding(y.dtype, compute)
     magnitudes = [
         None if t is None else t.detach().abs().double().requires_grad_() for t in (x, w, bias)
     ]
@@ -360,8 +359,6 @@ def amp_case(seed: int) -> None:
     dtype with inf and NaN, in place or into other tensors; then a ``LossScaleOptimizer``
     around torch's SGD or Adam against torch's ``GradScaler`` recipe over a few steps,
     inf gradients among them: the same scale, skips and parameters, bit for bit."""
-    from mpgemm.scaling import unscale_
-
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
     shapes = [random.choice([(), (0,), (1,), (7,), (3, 5), (4099,)]) for _ in range(5)]
@@ -424,10 +421,6 @@ def copies_case(seed: int) -> None:
     ``no_grad``, state dicts loaded, parameters frozen and unfrozen, evaluation under
     ``no_grad`` and ``inference_mode``. After each, the model's output must be, bit for
     bit, that of a deep copy of it (which has no copies: it makes them anew)."""
-    import copy
-
-    from torch import nn
-
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # (the layers' initialisation)
