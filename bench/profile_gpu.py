@@ -174,8 +174,8 @@ def launch_costs(out: Path) -> None:
         ),
         "  launch_tma_gemm (output given)": tma_launcher,
         "  two TMA descriptors": lambda: (
-            gemm_tma._descriptor(a, False, gemm_tma.TensorDescriptor),
-            gemm_tma._descriptor(b, False, gemm_tma.TensorDescriptor),
+            gemm_tma._descriptor(a, False, gemm_tma.TensorDescriptor, None),
+            gemm_tma._descriptor(b, False, gemm_tma.TensorDescriptor, None),
         ),
         "  autotuner[grid](captured arguments)": lambda: kernel[grid](*args, **kwargs),
         "  launch(captured arguments): kind, pre-hook, the binary's launcher": lambda: launch(

@@ -711,12 +711,13 @@ class _Replay(NamedTuple):
     ``_relaunch`` for its later calls: each launch (binary, config and grid: the
     kernel's, then split-K's reduction where it splits), the TMA kernel's layout of A
     and B (None: the pointer kernel), whether the pointer kernel computes C.T, the
-    kernel's integer arguments, and for a batch of products, the batch's size and A's,
+    kernel's integer arguments, for a batch of products, the batch's size and A's,
     B's and C's stride over it (the merged batch dimensions of ``_launch_batched``'s one
-    launch). Every decision ``triton_gemm`` makes for a launch (kernel, layout, split,
-    config) and every integer argument is a function of the signature, and an eager
-    training step repeats its signatures step after step: the decisions and
-    ``launch``'s key took about 40% of ``mpgemm.matmul``'s host time
+    launch), and the tiles of the TMA kernel's config (``gemm_tma.tile_shapes``), which
+    its replays' descriptors are made with. Every decision ``triton_gemm`` makes for a
+    launch (kernel, layout, split, config) and every integer argument is a function of
+    the signature, and an eager training step repeats its signatures step after step:
+    the decisions and ``launch``'s key took about 40% of ``mpgemm.matmul``'s host time
     (``bench/host_time.py --replays``)."""
 
     launches: tuple[Launched, ...]
@@ -724,6 +725,7 @@ class _Replay(NamedTuple):
     swapped: bool
     integers: tuple[int, ...]
     batch: tuple[int, tuple[int, ...]] | None
+    tiles: tuple[list[int], list[int]] | None
 
 
 def _replayed(signature: tuple, a, b, c, bias, g, r) -> bool:
@@ -751,7 +753,7 @@ def _relaunch(replay: _Replay, a, b, c, bias, g, r) -> None:
     if replay.layout is not None:
         if r is not None:
             _row_sums(a, r)
-        descriptors = gemm_tma.tma_tensors(a, b, c, bias, g, replay.layout, replay=True)
+        descriptors = gemm_tma.tma_tensors(a, b, c, bias, g, replay.layout, tiles=replay.tiles)
         relaunch(first, (*descriptors, *replay.integers))
         return
     a, b, c = _operands(a, b, c, replay.swapped)
@@ -1072,7 +1074,7 @@ def _launch_pointer(
         launches += (reduced,)
     if None in launches:
         return None
-    return _Replay(launches, None, False, integers, None)
+    return _Replay(launches, None, False, integers, None, None)
 
 
 def _launch_tma(a, b, c, *, bias, g, layout: tuple[bool, bool], flags: dict) -> _Replay | None:
@@ -1084,7 +1086,9 @@ def _launch_tma(a, b, c, *, bias, g, layout: tuple[bool, bool], flags: dict) -> 
     )
     if launched is None:
         return None
-    return _Replay((launched,), layout, False, gemm_tma.tma_integers(a, b, c, bias, g), None)
+    integers = gemm_tma.tma_integers(a, b, c, bias, g)
+    meta = {**launched.binary.config.kwargs, "A_T": layout[0], "B_T": layout[1]}
+    return _Replay((launched,), layout, False, integers, None, gemm_tma.tile_shapes(meta))
 
 
 def _partials(a, b, r, splits: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -28,6 +28,8 @@ pointer kernel.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import triton
@@ -50,15 +52,29 @@ from mpgemm.kernels.gemm_common import (
 from mpgemm.kernels.launches import Launched, launch
 
 
+def tile_shapes(meta: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+    """The tiles A's and B's descriptors read for a config, ``meta`` (its BLOCK_M,
+    BLOCK_N and BLOCK_K, and the launch's A_T and B_T: an operand described as its
+    transpose reads its tile transposed)."""
+    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    a_tile = [bk, bm] if meta["A_T"] else [bm, bk]
+    b_tile = [bn, bk] if meta["B_T"] else [bk, bn]
+    return a_tile, b_tile
+
+
+def _block_shape(descriptor: TensorDescriptor, tile: list[int]) -> list[int]:
+    # A batch's descriptor (3-D) reads one matrix's tile.
+    return [1, *tile] if len(descriptor.shape) == 3 else tile
+
+
 def _set_block_shapes(nargs: dict) -> None:
     """Give the descriptors the config's tile shapes (triton runs this before each
-    launch of a config, timed or not); a batch's descriptor reads one matrix's tile."""
-    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    a_block = [bk, bm] if nargs["A_T"] else [bm, bk]
-    b_block = [bn, bk] if nargs["B_T"] else [bk, bn]
+    launch of a config, timed or not; a replay makes its descriptors with them:
+    ``tma_tensors``'s ``tiles``)."""
     a_desc, b_desc = nargs["a_desc"], nargs["b_desc"]
-    a_desc.block_shape = [1, *a_block] if len(a_desc.shape) == 3 else a_block
-    b_desc.block_shape = [1, *b_block] if len(b_desc.shape) == 3 else b_block
+    a_tile, b_tile = tile_shapes(nargs)
+    a_desc.block_shape = _block_shape(a_desc, a_tile)
+    b_desc.block_shape = _block_shape(b_desc, b_tile)
 
 
 def _hopper_configs() -> list[triton.Config]:
@@ -440,17 +456,19 @@ class _Vouched(TensorDescriptor):
 
 
 def _descriptor(
-    t: torch.Tensor, transposed: bool, kind: type[TensorDescriptor]
+    t: torch.Tensor, transposed: bool, kind: type[TensorDescriptor], tile: list[int] | None
 ) -> TensorDescriptor:
-    # The block shape is the config's, set by _set_block_shapes before each launch.
+    """``t``'s descriptor (its transpose's where ``transposed``), reading ``tile``; None:
+    a placeholder, which the config's pre-hook replaces (_set_block_shapes)."""
+    tile = tile or [16, 16]
     if t.dim() == 2:
         view = t.t() if transposed else t
-        return kind(view, list(view.shape), list(view.stride()), [16, 16])
+        return kind(view, list(view.shape), list(view.stride()), tile)
     view = t.transpose(1, 2) if transposed else t
     if not _batched(view):  # one matrix, read by every product
         view = view[0]
-    placeholder = [1, 16, 16] if view.dim() == 3 else [16, 16]
-    return kind(view, list(view.shape), list(view.stride()), placeholder)
+    block = [1, *tile] if view.dim() == 3 else tile
+    return kind(view, list(view.shape), list(view.stride()), block)
 
 
 def launch_tma_gemm(
@@ -500,19 +518,25 @@ def launch_tma_gemm(
     )
 
 
-def tma_tensors(a, b, c, bias, g, layout: tuple[bool, bool], *, replay: bool = False) -> tuple:
+def tma_tensors(
+    a, b, c, bias, g, layout: tuple[bool, bool], *, tiles: tuple[list[int], list[int]] | None = None
+) -> tuple:
     """The TMA kernel's leading arguments: A's and B's descriptors (``layout``: whether
     each is described as its transpose), then C, the bias and G (C where absent, so that
     no null pointer is formed). Binds the device's context to this thread first, which
-    the descriptors' encoding at launch needs (``_bind_context``). ``replay``: the
-    tensors match a signature whose descriptors were checked before (``_Vouched``)."""
+    the descriptors' encoding at launch needs (``_bind_context``). ``tiles``: a replay's
+    (the tensors match a signature whose descriptors were checked before: ``_Vouched``),
+    the tiles of its config (``tile_shapes``), with which the descriptors are made, so
+    that no pre-hook need set them: it took 4 of a replayed 512^2 ``mpgemm.matmul``'s
+    27 us of host time (``bench/host_time.py``'s stubs)."""
     if a.is_cuda:
         _bind_context(a.device)
     a_t, b_t = layout
-    kind = _Vouched if replay else TensorDescriptor
+    kind = TensorDescriptor if tiles is None else _Vouched
+    a_tile, b_tile = (None, None) if tiles is None else tiles
     return (
-        _descriptor(a, a_t, kind),
-        _descriptor(b, b_t, kind),
+        _descriptor(a, a_t, kind, a_tile),
+        _descriptor(b, b_t, kind, b_tile),
         c,
         bias if bias is not None else c,
         g if g is not None else c,

@@ -152,11 +152,12 @@ def current(launched: Launched) -> bool:
 def relaunch(launched: Launched, args: tuple) -> None:
     """Launch ``launched``'s binary again on the current stream, with ``args``: the
     caller vouches that ``args`` have the binary key and grid of the launch repeated
-    (the same integers, tensor dtypes and alignments, descriptor block shapes), and
-    that ``current(launched)`` holds. This skips ``launch``'s key and the caller's
+    (the same integers, tensor dtypes and alignments), descriptors with the block
+    shapes its config's pre-hook would give them (which is not run), and that
+    ``current(launched)`` holds. This skips ``launch``'s key and the caller's
     decisions: what a launch site of fixed signature need not repeat (``triton_gemm``'s
     eager launches)."""
-    launched.binary.launch(driver.active, launched.device, launched.grid, args)
+    launched.binary.launch(driver.active, launched.device, launched.grid, args, hooked=False)
 
 
 # The config an autotuner chose, by launch kind, with the JIT function's keyword
@@ -244,8 +245,8 @@ class _Binary:
     """A compiled kernel and how ``launch`` calls its launcher: its function handle and
     packed metadata, the arguments after the positional ones (constexprs given by
     keyword and defaults, constant for a key) as the JIT binds them, and the chosen
-    config's pre-hook, if any. ``launched``: the kernel given to ``launch`` (a JIT
-    function or its autotuner)."""
+    config (None for a kernel not autotuned) and its pre-hook, if any. ``launched``:
+    the kernel given to ``launch`` (a JIT function or its autotuner)."""
 
     def __init__(self, launched, compiled, jit, args: tuple, options: dict, config) -> None:
         self.launched = launched
@@ -253,6 +254,7 @@ class _Binary:
         self.launcher = compiled.run  # loads the module on first use: before .function
         self.function = compiled.function
         self.packed_metadata = compiled.packed_metadata
+        self.config = config
         self.pre_hook = None if config is None else config.pre_hook
         # The JIT's own signature of the kernel, its parameters in order.
         given = {name: value for name, value in options.items() if name in jit.arg_names}
@@ -261,13 +263,15 @@ class _Binary:
         self.tail = [bound.arguments[name] for name in jit.arg_names[len(args) :]]
         self.positions = {name: index for index, name in enumerate(jit.arg_names)}
 
-    def launch(self, active, device: int, grid, args: tuple) -> tuple:
-        """Launch on ``device``'s current stream; returns the grid launched."""
+    def launch(self, active, device: int, grid, args: tuple, *, hooked: bool = True) -> tuple:
+        """Launch on ``device``'s current stream, after the config's pre-hook unless not
+        ``hooked``; returns the grid launched."""
         values = [*args, *self.tail]
-        if self.pre_hook is not None or callable(grid):
+        pre_hook = self.pre_hook if hooked else None
+        if pre_hook is not None or callable(grid):
             named = _Arguments(self.positions, values)
-            if self.pre_hook is not None:
-                self.pre_hook(named)
+            if pre_hook is not None:
+                pre_hook(named)
             if callable(grid):
                 grid = grid(named)
         size = len(grid)
