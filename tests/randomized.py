@@ -11,11 +11,12 @@ torch's scaler recipe), ``copies`` (a converted model's weight copies current th
 steps, edits, loads and freezes: its outputs those of a fresh deep copy), ``matmul``,
 ``linear`` (with the activations, biases of any dtype and shape, the output dtypes),
 ``cross_entropy`` (ignore_index, smoothing, reductions, inf and NaN logits, classes out
-of range) and ``optim`` (SGD, Adam, AdamW against torch's, with and without a scaler,
-param groups, 16-bit parameters against FP64). Prints each failing case and a count;
-exit status 1 on any. Searches like these found four faults
-(``bench/NOTES.md``, 2026-11-26, fifth session); ``tests/test_randomized.py`` runs a
-few seeds of each.
+of range), ``optim`` (SGD, Adam, AdamW against torch's, with and without a scaler,
+param groups, 16-bit parameters against FP64) and ``scaler`` (``mpgemm.GradScaler``
+against torch's through drawn runs of its API, bit for bit, state dicts loaded
+across). Prints each failing case and a count; exit status 1 on any. Searches like
+these found four faults (``bench/NOTES.md``, 2026-11-26, fifth session);
+``tests/test_randomized.py`` runs a few seeds of each.
 
 Where a product's terms cancel, its error against FP64 is bounded by the sum of their
 magnitudes, not by the result's: each bar adds half a unit of the coarsest rounding the
@@ -414,6 +415,112 @@ def amp_case(seed: int) -> None:
         assert torch.equal(mine, torchs), f"{what}: {kind} parameters"
 
 
+def _scaler_world(library, base, kinds, opts):
+    """Deep copies of the ``base`` layers, an optimizer for each of ``kinds`` (one: all
+    the parameters; two: a layer each) and a GradScaler of ``library``'s."""
+    models = [copy.deepcopy(m).to(_device) for m in base]
+    optimizers = []
+    for i, (kind, source) in enumerate(kinds):
+        params = (
+            list(models[i].parameters())
+            if len(kinds) == 2
+            else [p for m in models for p in m.parameters()]
+        )
+        extra = {"momentum": 0.9} if kind == "SGD" else {}
+        if source == "torch fused":
+            extra["fused"] = True
+        make = getattr(mpgemm.optim if source == "mpgemm" else torch.optim, kind)
+        optimizers.append(make(params, lr=0.01, **extra))
+    return [models, optimizers, library.GradScaler(_device.type, **opts)]
+
+
+def scaler_case(seed: int) -> None:
+    """``mpgemm.GradScaler`` against ``torch.amp.GradScaler`` over a drawn run of
+    iterations, each scaler driving its own copy of a two-layer model and one or two
+    optimizers (torch's SGD, Adam or AdamW, the latter two fused or not, or mpgemm's):
+    gradients accumulated over two backwards, a list and tuple of outputs scaled, an
+    inf gradient, ``unscale_`` then clipping, an optimizer left unstepped, ``update``
+    with a new scale (a float or a tensor), ``zero_grad`` to None or to zeros, and each
+    scaler replaced by the other library's loaded from its state dict. After every
+    iteration: the same scale and state dict, parameters and gradients bit for bit.
+    (torch's fused SGD is not drawn: on a step a scaler skips, it updates its momentum
+    buffers, uninitialised on a first step, where torch's other SGDs do not.)"""
+    random.seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    opts = {
+        "init_scale": random.choice([2.0**4, 2.0**10, 2.0**16]),
+        "growth_factor": random.choice([2.0, 1.5]),
+        "backoff_factor": random.choice([0.5, 0.25]),
+        "growth_interval": random.choice([1, 2, 3]),
+    }
+    kinds = []
+    for _ in range(random.choice([1, 2])):
+        kind = random.choice(["SGD", "Adam", "AdamW"])
+        sources = ["torch", "mpgemm"] + (["torch fused"] if kind != "SGD" else [])
+        kinds.append((kind, random.choice(sources)))
+    what = f"scaler seed {seed}: {opts} {kinds}"
+    torch.manual_seed(seed)
+    base = [nn.Linear(4, 3), nn.Linear(3, 2)]
+    worlds = [_scaler_world(library, base, kinds, opts) for library in (mpgemm, torch.amp)]
+    for iteration in range(random.randint(2, 8)):
+        x = _randn(5, 4, g=g)
+        backwards = random.choice([1, 1, 2])
+        nested, inf, clip = (random.random() < p for p in (0.3, 0.3, 0.5))
+        unscaled = [random.random() < 0.3 for _ in kinds]
+        stepped = [random.random() < 0.9 for _ in kinds]
+        stepped[-1] = stepped[-1] or not any(stepped)  # (no step at all: both raise)
+        new_scale = random.choice([None] * 6 + [128.0, "tensor"])
+        to_none, swap = random.random() < 0.5, random.random() < 0.15
+        step_what = (
+            f"{what}: iteration {iteration}: backwards {backwards} nested {nested} inf {inf} "
+            f"unscaled {unscaled} clip {clip} stepped {stepped} new scale {new_scale} "
+            f"to none {to_none} swap {swap}"
+        )
+        for world in worlds:
+            models, optimizers, scaler = world
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=to_none)
+            for _ in range(backwards):
+                hidden = models[0](x)
+                out = models[1](torch.relu(hidden))
+                if nested:
+                    first, (second,) = scaler.scale([out.sum(), (hidden.square().mean(),)])
+                    (first + second).backward()
+                else:
+                    scaler.scale(out.square().sum()).backward()
+            if inf:
+                models[0].weight.grad.view(-1)[0] = float("inf")
+            for optimizer, unscale, step in zip(optimizers, unscaled, stepped, strict=True):
+                if unscale:
+                    scaler.unscale_(optimizer)
+                    if clip:
+                        params = [p for group in optimizer.param_groups for p in group["params"]]
+                        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)
+                if step:
+                    scaler.step(optimizer)
+            if new_scale == "tensor":
+                scaler.update(torch.full((), 64.0, device=_device))
+            else:
+                scaler.update(new_scale)
+            if swap:
+                other = torch.amp if isinstance(scaler, mpgemm.GradScaler) else mpgemm
+                world[2] = other.GradScaler(_device.type)
+                world[2].load_state_dict(scaler.state_dict())
+        (ours, _, our_scaler), (theirs, _, their_scaler) = worlds
+        assert our_scaler.get_scale() == their_scaler.get_scale(), f"{step_what}: scale"
+        assert our_scaler.state_dict() == their_scaler.state_dict(), f"{step_what}: state"
+        pairs = zip(
+            (p for m in ours for p in m.parameters()),
+            (p for m in theirs for p in m.parameters()),
+            strict=True,
+        )
+        for i, (mine, torchs) in enumerate(pairs):
+            assert_same_bits(mine.detach(), torchs.detach(), f"{step_what}: parameter {i}")
+            assert (mine.grad is None) == (torchs.grad is None), f"{step_what}: gradient {i}"
+            if mine.grad is not None:
+                assert_same_bits(mine.grad, torchs.grad, f"{step_what}: gradient {i}")
+
+
 def copies_case(seed: int) -> None:
     """A converted model's 16-bit weight copies kept current through a random run of
     what training scripts do between forwards: steps of torch's and mpgemm's optimizers
@@ -491,6 +598,7 @@ CASES: dict[str, Callable[[int], None]] = {
     "linear": linear_case,
     "cross_entropy": cross_entropy_case,
     "optim": optim_case,
+    "scaler": scaler_case,
 }
 
 

@@ -1,7 +1,7 @@
 """A few seeds of each randomised search against torch (``tests/randomized.py``): drawn
-cases of unscale and loss scaling, weight copies, matmul, linear, cross_entropy and the
-optimizers, each within the suite's bars; ``python -m tests.randomized OP FIRST COUNT``
-searches further."""
+cases of unscale and loss scaling, weight copies, matmul, linear, cross_entropy, the
+optimizers and runs of the GradScaler's API, each within the suite's bars;
+``python -m tests.randomized OP FIRST COUNT`` searches further."""
 
 import pytest
 
