@@ -79,10 +79,16 @@ def matmul_case(seed: int) -> None:
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
     m, k, n = (random.choice([0, 1, 2, 3, 5, 8, 16, 17, 31, 33, 40, 64, 70]) for _ in range(3))
-    batch = tuple(random.choice([1, 2, 3]) for _ in range(random.choice([1, 2])))
+    batch = tuple(random.choice([1, 2, 3]) for _ in range(random.choice([1, 2, 3])))
     batched = random.random() < 0.3
-    a_shape = (*batch, m, k) if batched and random.random() < 0.8 else (m, k)
-    b_shape = (*batch, k, n) if batched else (k,) if random.random() < 0.1 else (k, n)
+    # a's batch: b's, b's with sizes broadcast from 1 or leading dimensions dropped, or
+    # none (a matrix, or a vector, against a batch of matrices).
+    a_batch = tuple(d if random.random() < 0.7 else 1 for d in batch)[random.choice([0, 0, 1]) :]
+    a_shape = (*a_batch, m, k) if batched and random.random() < 0.8 else (m, k)
+    if random.random() < 0.1:
+        a_shape = (k,)
+    b_batch = tuple(d if random.random() < 0.8 else 1 for d in batch)
+    b_shape = (*b_batch, k, n) if batched else (k,) if random.random() < 0.1 else (k, n)
     a = _operand(a_shape, random.choice(DTYPES), g)
     b = _operand(b_shape, random.choice(DTYPES), g)
     compute = random.choice([None, *HALVES])
@@ -98,7 +104,8 @@ def matmul_case(seed: int) -> None:
         # out=, as torch.matmul's: written in place, transposed or not, returned.
         shape = torch.matmul(ar.float(), br.float()).shape
         out = torch.full(shape[::-1], float("nan"), device=_device, dtype=out_dtype or compute)
-        out = out.permute(*reversed(range(out.dim()))) if random.random() < 0.5 else out.view(shape)
+        reverse = tuple(reversed(range(out.dim())))  # (a tuple: a 0-dim out has none)
+        out = out.permute(reverse) if random.random() < 0.5 else out.view(shape)
         what += f", out= {out.stride()}"
         c = mpgemm.matmul(a, b, compute_dtype=compute_given, out_dtype=out_dtype, out=out)
         assert c is out, f"{what}: out= not returned"
