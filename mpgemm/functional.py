@@ -156,8 +156,10 @@ def _implementation(
 ) -> Callable:
     """Op ``op``'s implementation for these tensors: its reference (torch ops) on the
     reference backend or for a tensor subclass, else its Triton kernel."""
-    plain = all(t is None or is_plain(t) for t in tensors)
-    if backend(device) == "reference" or not plain:
+    for t in tensors:
+        if t is not None and not is_plain(t):
+            return _OPS[op][0]
+    if backend(device) == "reference":
         return _OPS[op][0]
     try:
         return _launcher(op)
@@ -219,15 +221,15 @@ _OPTIONAL = ("bias", "out")
 
 def _check_tensors(op: str, **tensors: torch.Tensor | None) -> None:
     """Each tensor must be a dense float32/float16/bfloat16 tensor, all on one device;
-    only a bias and an out may be None."""
-    given: dict[str, torch.Tensor] = {}
+    only a bias and an out may be None. (One pass over them, asked by every call; a
+    type or dtype is named before devices, as a check of each in turn would.)"""
+    device = None
+    mixed = False
     for name, t in tensors.items():
         if t is None and name in _OPTIONAL:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        given[name] = t
-    for name, t in given.items():
         if t.layout != torch.strided:
             raise TypeError(
                 f"{op}: {name} is a {t.layout} tensor; only dense (torch.strided) tensors are "
@@ -238,8 +240,12 @@ def _check_tensors(op: str, **tensors: torch.Tensor | None) -> None:
                 f"{op}: {name} has dtype {t.dtype}; supported are torch.float32, "
                 "torch.float16 and torch.bfloat16"
             )
-    devices = {t.device for t in given.values()}
-    if len(devices) > 1:
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            mixed = True
+    if mixed:
+        given = {name: t for name, t in tensors.items() if t is not None}
         listing = ", ".join(f"{name} on {t.device}" for name, t in given.items())
         raise ValueError(f"{op}: tensors must be on one device, got {listing}")
 
@@ -497,7 +503,12 @@ def _check_differentiated_once() -> None:
 def _records_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records a graph for an op on ``tensors``: grad mode is on and
     one of them requires grad."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def _autograd_idle(*tensors: torch.Tensor | None) -> bool:
