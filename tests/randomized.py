@@ -12,11 +12,12 @@ steps, edits, loads and freezes: its outputs those of a fresh deep copy), ``matm
 ``linear`` (with the activations, biases of any dtype and shape, the output dtypes),
 ``cross_entropy`` (ignore_index, smoothing, reductions, inf and NaN logits, classes out
 of range), ``optim`` (SGD, Adam, AdamW against torch's, with and without a scaler,
-param groups, 16-bit parameters against FP64) and ``scaler`` (``mpgemm.GradScaler``
+param groups, 16-bit parameters against FP64), ``scaler`` (``mpgemm.GradScaler``
 against torch's through drawn runs of its API, bit for bit, state dicts loaded
-across). Prints each failing case and a count; exit status 1 on any. Searches like
-these found four faults (``bench/NOTES.md``, 2026-11-26, fifth session);
-``tests/test_randomized.py`` runs a few seeds of each.
+across) and ``masters`` (``LossScaleOptimizer`` over a 16-bit model against torch's
+recipe with FP32 masters by hand, bit for bit). Prints each failing case and a
+count; exit status 1 on any. Searches like these found four faults (``bench/NOTES.md``,
+2026-11-26, fifth session); ``tests/test_randomized.py`` runs a few seeds of each.
 
 Where a product's terms cancel, its error against FP64 is bounded by the sum of their
 magnitudes, not by the result's: each bar adds half a unit of the coarsest rounding the
@@ -528,6 +529,91 @@ def scaler_case(seed: int) -> None:
                 assert_same_bits(mine.grad, torchs.grad, f"{step_what}: gradient {i}")
 
 
+def masters_case(seed: int) -> None:
+    """``LossScaleOptimizer`` over a 16-bit model (FP32 masters) against torch's recipe
+    done by hand: FP32 copies of the parameters stepped by the same optimizer class,
+    gradients unscaled into them by torch's op, the scale updated by torch's, the model
+    rewritten from them. Through a drawn run: inf gradients, ``unscale_`` then
+    clipping, the last layer's parameters added by ``add_param_group`` mid-run, the
+    optimizer rebuilt from its and its scaler's state dicts, ``zero_grad`` either way.
+    After every iteration: the same scale, and the model and the masters bit for bit."""
+    random.seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    dtype = random.choice(HALVES)
+    kind = random.choice(["SGD", "Adam", "AdamW"])
+    library = random.choice([torch.optim, mpgemm.optim])
+    hyper = {"lr": 0.01, **({"momentum": 0.9} if kind == "SGD" else {})}
+    opts = {
+        "init_scale": random.choice([2.0**8, 2.0**16]),
+        "growth_interval": random.choice([1, 3]),
+    }
+    late = random.random() < 0.5  # the last layer's two parameters join mid-run
+    what = f"masters seed {seed}: {dtype} {library.__name__}.{kind} {opts} late {late}"
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3), nn.ReLU(), nn.Linear(3, 2))
+    model, reference = (copy.deepcopy(base).to(device=_device, dtype=dtype) for _ in range(2))
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in ref_params]
+    joined = 4 if late else len(params)
+    groups = [params[:joined]]  # the model's parameters of each param group
+
+    def wrapped() -> mpgemm.LossScaleOptimizer:
+        rest = [{"params": group, "lr": 0.005} for group in groups[1:]]
+        inner = getattr(library, kind)([{"params": groups[0]}, *rest], **hyper)
+        return mpgemm.LossScaleOptimizer(inner, **opts)
+
+    ours = wrapped()
+    theirs = getattr(library, kind)(masters[:joined], **hyper)
+    scale = torch.full((), opts["init_scale"], device=_device)
+    tracker = torch.zeros((), dtype=torch.int32, device=_device)
+    for iteration in range(random.randint(3, 8)):
+        x = _randn(5, 4, g=g).to(dtype)
+        inf, clip, rebuild, to_none = (random.random() < p for p in (0.25, 0.3, 0.15, 0.5))
+        join = joined < len(params) and random.random() < 0.4
+        step_what = f"{what}: iteration {iteration}: inf {inf} clip {clip} join {join} "
+        step_what += f"rebuild {rebuild} to none {to_none}"
+        if join:
+            groups.append(params[joined:])
+            ours.add_param_group({"params": params[joined:], "lr": 0.005})
+            theirs.add_param_group({"params": masters[joined:], "lr": 0.005})
+            joined = len(params)
+        ours.zero_grad(set_to_none=to_none)
+        ours.backward(model(x).float().square().sum())
+        for p in ref_params:
+            p.grad = None
+        (reference(x).float().square().sum() * scale).backward()
+        for p in (params[0], ref_params[0]):
+            if inf:
+                p.grad.view(-1)[0] = float("inf")
+        if clip:
+            ours.unscale_()
+            torch.nn.utils.clip_grad_norm_(list(ours.master_params()), 1.0, foreach=False)
+        ours.step()
+        found = torch.zeros((), device=_device)
+        unscaled = [p.grad.float() for p in ref_params[:joined]]
+        torch._amp_foreach_non_finite_check_and_unscale_(unscaled, found, scale.reciprocal())
+        for master, grad in zip(masters, unscaled, strict=False):
+            master.grad = grad
+        if clip:
+            torch.nn.utils.clip_grad_norm_(masters[:joined], 1.0, foreach=False)
+        if not found.item():
+            theirs.step()
+        torch._amp_update_scale_(scale, tracker, found, 2.0, 0.5, opts["growth_interval"])
+        with torch.no_grad():
+            for p, master in zip(ref_params, masters, strict=True):
+                p.copy_(master)
+        if rebuild:
+            state, scaler_state = copy.deepcopy((ours.state_dict(), ours.scaler.state_dict()))
+            ours = wrapped()
+            ours.load_state_dict(state)
+            ours.scaler.load_state_dict(scaler_state)
+        assert ours.loss_scale == scale.item(), f"{step_what}: scale"
+        for i, (mine, torchs) in enumerate(zip(params, ref_params, strict=True)):
+            assert_same_bits(mine.detach(), torchs.detach(), f"{step_what}: parameter {i}")
+        for i, (mine, torchs) in enumerate(zip(ours.master_params(), masters, strict=False)):
+            assert_same_bits(mine.detach(), torchs.detach(), f"{step_what}: master {i}")
+
+
 def copies_case(seed: int) -> None:
     """A converted model's 16-bit weight copies kept current through a random run of
     what training scripts do between forwards: steps of torch's and mpgemm's optimizers
@@ -603,6 +689,7 @@ CASES: dict[str, Callable[[int], None]] = {
     "copies": copies_case,
     "matmul": matmul_case,
     "linear": linear_case,
+    "masters": masters_case,
     "cross_entropy": cross_entropy_case,
     "optim": optim_case,
     "scaler": scaler_case,

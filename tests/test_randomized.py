@@ -1,7 +1,8 @@
 """A few seeds of each randomised search against torch (``tests/randomized.py``): drawn
 cases of unscale and loss scaling, weight copies, matmul, linear, cross_entropy, the
-optimizers and runs of the GradScaler's API, each within the suite's bars;
-``python -m tests.randomized OP FIRST COUNT`` searches further."""
+optimizers, runs of the GradScaler's API and of LossScaleOptimizer's FP32 masters,
+each within the suite's bars; ``python -m tests.randomized OP FIRST COUNT`` searches
+further."""
 
 import pytest
 
@@ -19,4 +20,6 @@ def test_drawn_cases_match_torch(op, device):
     count = 40 if device.type == "cpu" else 2
     if op == "copies":
         count = 10 if device.type == "cpu" else 1
+    if op == "masters":  # (runs of 3 to 8 steps: half a second each here)
+        count = 20 if device.type == "cpu" else 2
     assert randomized.search(op, range(count), device) == []
