@@ -20,15 +20,27 @@ groups, weights decayed and biases not. Then a tiny MLP's step (8-8-10, batch 4,
 CPU's arithmetic hardly counts) split into its phases (``phase_times``: medians of 300
 steps), mpgemm's and FP32's (torch's Adam runs its for-loop implementation on a CPU,
 foreach on a GPU). On a shared machine compare two trees by alternating runs and
-reading each one's minimum. ``--replays`` instead compares, in one process, the GEMM
-cases with ``triton_gemm``'s replays off and on (``replays_ab``)."""
+reading each one's minimum: ``--against REV`` does, running this script on commit REV's
+package and on this tree's by turns (``against``). ``--replays`` instead compares, in
+one process, the GEMM cases with ``triton_gemm``'s replays off and on (``replays_ab``).
+
+    python3 bench/host_time.py --against 2245e49 [--runs 3]"""
 
 from __future__ import annotations
 
+import io
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from triton.runtime.autotuner import Autotuner
@@ -41,6 +53,8 @@ from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import gemm, launches
 from mpgemm.kernels.aot import _hopper_target
 from mpgemm.scaling import unscale_
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _kernel_path() -> bool:
@@ -203,7 +217,80 @@ def replays_ab(cases: dict, rounds: int = 4) -> None:
         print(f"| {name} | {off:.1f} | {on:.1f} | {on / off:.2f}x |", flush=True)
 
 
+def package_at(rev: str, into: Path) -> Path:
+    """Commit ``rev``'s package, laid out for import from the returned folder (its
+    ``mpgemm/``, with ``kernels/`` as ``mpgemm/kernels``, as the install maps them):
+    put first on ``PYTHONPATH``, it shadows the installed tree."""
+    archive = subprocess.run(
+        ["git", "archive", rev, "mpgemm", "kernels"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into / "src", filter="data")
+    package = into / "package"
+    shutil.copytree(into / "src" / "mpgemm", package / "mpgemm")
+    shutil.copytree(into / "src" / "kernels", package / "mpgemm" / "kernels")
+    return package
+
+
+# A case's line (``name: 24.1 us``), and a phase table's (``tiny MLP step by phase,
+# mpgemm (us): zero_grad 21, forward + loss 237, ...``).
+_CASE = re.compile(r"^(?P<name>[^:]+): (?P<us>[0-9.]+) us$")
+_PHASES = re.compile(r"^tiny MLP step by phase, (?P<mode>\w+) \(us\): (?P<row>.*)$")
+
+
+def parse_times(output: str) -> dict[str, float]:
+    """Microseconds by case from this script's output; a phase of the tiny MLP's step
+    as ``tiny MLP step, MODE: PHASE``."""
+    times = {}
+    for line in output.splitlines():
+        if case := _CASE.match(line):
+            times[case["name"]] = float(case["us"])
+        elif phases := _PHASES.match(line):
+            for entry in phases["row"].split(", "):
+                phase, _, us = entry.rpartition(" ")
+                times[f"tiny MLP step, {phases['mode']}: {phase}"] = float(us)
+    return times
+
+
+def against(rev: str, runs: int) -> None:
+    """Print each case's host time on commit ``rev``'s package and on this tree's, the
+    minimum over ``runs`` runs of this script each, the two taking turns (a change in
+    the machine's load falls on both), and the ratio. This script's cases and stubs
+    are the same for both: they reach into the launch layer, so a commit much older
+    than this script may not run under them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    times: dict[str, dict[str, list[float]]] = defaultdict(lambda: {rev: [], "this tree": []})
+    with tempfile.TemporaryDirectory() as folder:
+        trees = {rev: {"PYTHONPATH": str(package_at(rev, Path(folder)))}, "this tree": {}}
+        for _ in range(runs):
+            for tree, extra in trees.items():
+                run = subprocess.run(
+                    [sys.executable, __file__],
+                    env={**env, **extra},
+                    cwd=folder,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                for name, us in parse_times(run.stdout).items():
+                    times[name][tree].append(us)
+    print(f"| host us, best of {runs} runs | {rev} | this tree | ratio |")
+    print("| --- | --- | --- | --- |")
+    for name, measured in times.items():
+        if measured[rev] and measured["this tree"]:
+            old, new = min(measured[rev]), min(measured["this tree"])
+            print(f"| {name} | {old:.1f} | {new:.1f} | {new / old:.2f}x |", flush=True)
+
+
 def main() -> None:
+    if "--against" in sys.argv:
+        rev = sys.argv[sys.argv.index("--against") + 1]
+        runs = int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else 3
+        against(rev, runs)
+        return
     torch.manual_seed(0)
     a, b = (torch.randn(512, 512, dtype=torch.float16) for _ in range(2))
     layer = mpgemm.Linear(512, 512, activation="relu")

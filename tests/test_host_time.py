@@ -5,6 +5,7 @@ replays, and stop it at triton's, restoring triton and the launch layer's chosen
 configs afterwards."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -46,17 +47,25 @@ def test_compiled_kernels_reach_triton_gemms_replays(tmp_path):
     """With compiled kernels (the interpreter's launch through the JIT every time): the
     autotuner, the JIT with its choice, the cached binary, then ``triton_gemm``'s
     replay, as on a GPU. In a process of its own, without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = "from tests.test_host_time import _replays_in_the_stub; print(_replays_in_the_stub())"
+    output = _compiled(script, TRITON_CACHE_DIR=str(tmp_path))
+    assert output.split() == ["[0,", "0,", "0,", "1]"]
+
+
+def _compiled(script: str, cwd=None, **env: str) -> str:
+    """The output of ``script`` run in a Python process of its own without the
+    interpreter, with ``env`` added to the environment; it must succeed."""
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-c", script],
-        env={**env, "TRITON_CACHE_DIR": str(tmp_path)},
+        env={**base, **env},
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["[0,", "0,", "0,", "1]"]
+    return run.stdout
 
 
 def _replays_in_the_stub() -> list[int]:
@@ -74,3 +83,35 @@ def _replays_in_the_stub() -> list[int]:
             mpgemm.matmul(a, b)
             counts.append(len(relaunched) - before)
     return counts
+
+
+def test_a_commits_package_imports_in_place_of_the_installed_one(tmp_path):
+    """``--against``'s tree: commit HEAD's package laid out as installed (kernels as
+    ``mpgemm.kernels``), imported from ``PYTHONPATH`` ahead of the installed tree. (A
+    git checkout's: a copy of the files without their history, as the GPU machines'
+    may be, has no commit to take.)"""
+    git = shutil.which("git")
+    if git is None or subprocess.run([git, "rev-parse", "HEAD"], cwd=host_time.REPO).returncode:
+        pytest.skip("not a git checkout")
+    package = host_time.package_at("HEAD", tmp_path)
+    script = "import mpgemm.kernels.gemm as g, mpgemm; print(mpgemm.__file__); print(g.__file__)"
+    output = _compiled(script, cwd=tmp_path, PYTHONPATH=str(package))
+    assert output.split() == [
+        str(package / "mpgemm" / "__init__.py"),
+        str(package / "mpgemm" / "kernels" / "gemm.py"),
+    ]
+
+
+def test_the_times_are_read_back_from_the_scripts_output():
+    output = (
+        "matmul 512^2 fp16: 24.1 us\n"
+        "guide MLP step, batch 64: 1327.5 us\n"
+        "tiny MLP step by phase, mpgemm (us): zero_grad 21, forward + loss 237, step 838\n"
+    )
+    assert host_time.parse_times(output) == {
+        "matmul 512^2 fp16": 24.1,
+        "guide MLP step, batch 64": 1327.5,
+        "tiny MLP step, mpgemm: zero_grad": 21.0,
+        "tiny MLP step, mpgemm: forward + loss": 237.0,
+        "tiny MLP step, mpgemm: step": 838.0,
+    }
