@@ -62,9 +62,9 @@ def tile_shapes(meta: Mapping[str, Any]) -> tuple[list[int], list[int]]:
     return a_tile, b_tile
 
 
-def _block_shape(descriptor: TensorDescriptor, tile: list[int]) -> list[int]:
-    # A batch's descriptor (3-D) reads one matrix's tile.
-    return [1, *tile] if len(descriptor.shape) == 3 else tile
+def _block_shape(rank: int, tile: list[int]) -> list[int]:
+    # A batch's descriptor (rank 3) reads one matrix's tile.
+    return [1, *tile] if rank == 3 else tile
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -73,8 +73,8 @@ def _set_block_shapes(nargs: dict) -> None:
     ``tma_tensors``'s ``tiles``)."""
     a_desc, b_desc = nargs["a_desc"], nargs["b_desc"]
     a_tile, b_tile = tile_shapes(nargs)
-    a_desc.block_shape = _block_shape(a_desc, a_tile)
-    b_desc.block_shape = _block_shape(b_desc, b_tile)
+    a_desc.block_shape = _block_shape(len(a_desc.shape), a_tile)
+    b_desc.block_shape = _block_shape(len(b_desc.shape), b_tile)
 
 
 def _hopper_configs() -> list[triton.Config]:
@@ -467,8 +467,7 @@ def _descriptor(
     view = t.transpose(1, 2) if transposed else t
     if not _batched(view):  # one matrix, read by every product
         view = view[0]
-    block = [1, *tile] if view.dim() == 3 else tile
-    return kind(view, list(view.shape), list(view.stride()), block)
+    return kind(view, list(view.shape), list(view.stride()), _block_shape(view.dim(), tile))
 
 
 def launch_tma_gemm(

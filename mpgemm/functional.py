@@ -245,8 +245,7 @@ def _check_tensors(op: str, **tensors: torch.Tensor | None) -> None:
         elif t.device != device:
             mixed = True
     if mixed:
-        given = {name: t for name, t in tensors.items() if t is not None}
-        listing = ", ".join(f"{name} on {t.device}" for name, t in given.items())
+        listing = ", ".join(f"{name} on {t.device}" for name, t in tensors.items() if t is not None)
         raise ValueError(f"{op}: tensors must be on one device, got {listing}")
 
 
