@@ -46,6 +46,18 @@ class _OutOfOrder(RuntimeError, AssertionError):
     from."""
 
 
+def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (the scale, its inverse or a flag) on ``device``, without waiting for
+    the copy, except into the CPU's memory. A GPU tensor copied to the CPU with
+    ``non_blocking=True`` lands in pinned memory after the call returns, and the CPU op
+    that reads it next (unscaling a CPU gradient, scaling a CPU loss) would read the
+    memory before the copy. On an H200 under load, CPU parameters under a CUDA scaler
+    stepped wrongly on a process's first step, and did not with
+    ``CUDA_LAUNCH_BLOCKING=1`` (``bench/results/h200-2026-11-26/run9-two-failures``).
+    pytorch/pytorch#176429 is the same race in FSDP's offloaded scaler."""
+    return tensor.to(device, non_blocking=device.type != "cpu")
+
+
 def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
@@ -130,7 +142,7 @@ class GradScaler:
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(device)
         scale, _ = self._check_scale_growth_tracker("scale")
-        return scale.to(device, non_blocking=True)
+        return _copy_to(scale, device)
 
     # Torch's names and signatures, which scripts call: to make the scale before a CUDA
     # graph's capture, to read it after update().
@@ -208,7 +220,7 @@ class GradScaler:
         for device_srcs, device_dsts in by_device(srcs, dsts):
             device = device_srcs[0].device
             flag = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
-            inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
+            inv = None if inv_scale is None else _copy_to(inv_scale, device)
             with torch.no_grad():
                 unscale_(device_srcs, flag, inv, dst=None if in_place else device_dsts)
             self._reduce_found_inf(flag)
@@ -371,7 +383,7 @@ class GradScaler:
         """The sum of inf/NaN flags on ``device``; None when there are none."""
         total = None
         for flag in flags:
-            flag = flag.to(device, non_blocking=True)
+            flag = _copy_to(flag, device)
             total = flag if total is None else total + flag
         return total
 

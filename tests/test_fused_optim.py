@@ -907,9 +907,22 @@ def test_a_param_group_on_two_devices_takes_a_launch_per_device(device, name, fa
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a parameter on the GPU")
 @pytest.mark.parametrize("name", ["sgd", "adam"])
-def test_parameters_on_the_cpu_and_the_gpu_step_as_torchs(name):
+def test_parameters_on_the_cpu_and_the_gpu_step_as_torchs(name, monkeypatch):
     """One param group on two devices, under a scaler on the GPU: each device's
-    parameters get the scale and flag on their device."""
+    parameters get the scale and flag on their device. Torch's scaler copies them to
+    the CPU asynchronously and reads them at once, a race (pytorch/pytorch#176429 has
+    it in FSDP's scaler) that made ours step CPU parameters wrongly on a loaded H200
+    until ``grad_scaler._copy_to``: torch's copies are waited for here, so that the
+    reference is torch's arithmetic without its race."""
+    replicator = torch.amp.grad_scaler._MultiDeviceReplicator
+    torch_get = replicator.get
+
+    def landed(self, device):
+        copy = torch_get(self, device)
+        torch.cuda.synchronize()
+        return copy
+
+    monkeypatch.setattr(replicator, "get", landed)
     ours_make, torch_make = OPTIMIZERS[name]
     runs = []
     for make, scaler_class in ((ours_make, mpgemm.GradScaler), (torch_make, torch.amp.GradScaler)):

@@ -486,6 +486,35 @@ def test_gradients_are_unscaled_per_device_in_their_order(monkeypatch, fake_seco
     assert not rest and only_srcs is srcs and only_dsts is srcs
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA scaler")
+@pytest.mark.parametrize("make", [torch.optim.SGD, mpgemm.optim.SGD])
+def test_cpu_tensors_under_a_cuda_scaler_read_the_scale_once_it_has_landed(make):
+    """A CUDA scaler's scale, inverse and flag reach CPU tensors (a CPU loss scaled, CPU
+    gradients unscaled and checked) only once the GPU has copied them, however far
+    behind the host the GPU runs: here its stream spins ~0.1 s before each. A copy
+    left asynchronous reads pinned memory the copy has not reached yet. 2**21 is a scale
+    no earlier copy in the process left in that memory."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = make([param], lr=1.0)
+    scaler = mpgemm.GradScaler("cuda", init_scale=2.0**21)
+    scaler.scale(torch.ones((), device="cuda"))  # the scale, made on the GPU
+    torch.cuda._sleep(200_000_000)
+    scaled = scaler.scale(torch.full((), 3.0))
+    assert scaled.item() == 3.0 * 2**21
+    param.grad = torch.tensor([3.0, -1.0, 0.5, 2.0]) * 2**21
+    torch.cuda._sleep(200_000_000)
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(param.grad, torch.tensor([3.0, -1.0, 0.5, 2.0]))
+    assert torch.equal(param.detach(), torch.tensor([-3.0, 1.0, -0.5, -2.0]))
+    param.grad[1] = float("inf")  # and a CPU inf is seen: the step skipped, the scale halved
+    torch.cuda._sleep(200_000_000)
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(param.detach(), torch.tensor([-3.0, 1.0, -0.5, -2.0]))
+    assert scaler.get_scale() == 2.0**20
+
+
 def _penalty(scaler_class, device, x, y):
     """torch's AMP example "Gradient penalty": the penalty's gradients taken from the
     scaled loss with ``create_graph``, unscaled by hand, then the whole loss scaled."""
