@@ -60,7 +60,7 @@ def test_replayed_steps_match_eager_steps_bit_for_bit():
         losses, params, recipe = _steps(mode, 12, inf_at=6)
         return losses, params, recipe.skipped_steps(12), recipe.loss_scale(), recipe
 
-    eager_losses, eager_params, eager_skipped, eager_scale, _ = run("mpgemm")
+    eager_losses, eager_params, eager_skipped, eager_scale, eager = run("mpgemm")
     losses, params, skipped, scale, recipe = run("mpgemm_cuda_graph")
     assert recipe._step.graph is not None  # captured at the 4th step, replayed after
     assert skipped == eager_skipped == 1 and scale == eager_scale
@@ -68,6 +68,15 @@ def test_replayed_steps_match_eager_steps_bit_for_bit():
     assert torch.equal(losses.nan_to_num(), eager_losses.nan_to_num())
     for p, q in zip(params, eager_params, strict=True):
         assert torch.equal(p, q)
+    # The gradients the replays leave are the eager step's, in the tensors the capture
+    # made (set to None before it, as in eager steps), which every replay rewrites.
+    grads = [p.grad for p in recipe.model.parameters()]
+    for g, p in zip(grads, eager.model.parameters(), strict=True):
+        assert torch.equal(g, p.grad)
+    x, y = torch.randn(128, 784, device="cuda"), torch.randint(0, 10, (128,), device="cuda")
+    recipe.step(x, y)
+    for g, p in zip(grads, recipe.model.parameters(), strict=True):
+        assert p.grad is g
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")

@@ -226,9 +226,12 @@ class Recipe:
         return self._step(x, y)
 
     def _eager_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        # Gradients zeroed in place under a graph: tensors that outlive the capture keep
-        # their addresses, so the kernels' tensor tables are the ones built in warm-up.
-        self.optimizer.zero_grad(set_to_none=not isinstance(self._step, GraphedStep))
+        # Set to None under a graph too, as torch's capture recipe does: the captured
+        # backward then makes the gradients in the graph's pool, where every replay
+        # writes them again, and the optimizer's tensor tables are built in the capture
+        # (kept for its replays). Zeroed in place, each replay zeroed every gradient and
+        # then added the new one into it: two passes over them more a step.
+        self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss(x, y)
         if self.uses_mpgemm and self.scales_loss:
             self.optimizer.backward(loss)  # scale_loss(loss).backward(), 3 launches fewer
