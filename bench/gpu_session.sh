@@ -3,14 +3,13 @@
 # $OUT as soon as it ends (a .tgz a part: the device returns at most 8 files), all
 # within SESSION_SECONDS (default 560, under the device's 600 s a call).
 #   OUT=DIR bash bench/gpu_session.sh [PART ...]
-#   (default: tests targets profile sweep ab adam pdl)
+#   (default: tests targets graph profile train; also bench, sweep, ab, adam)
 # Parts: a gpu_check stage (tests, targets, bench, train: bench/gpu_check.py); profile
 # (bench/profile_gpu.py, the runbook's sections); sweep (bench/sweep_optim.py, against
 # $SCRATCH/old_fused_optim.py where it exists); ab (bench/ab_activation.py against
 # $SCRATCH/old_activation.py, skipped without it; SCRATCH is .scratch unless set); adam
-# (bench/probe_adam.py, then ncu on its Adam step and 4/4 stream, every stall reason); pdl
-# (bench/ab_pdl.py: the graphed steps with programmatic dependent launch and without;
-# then three test files with it on). A
+# (bench/probe_adam.py, then ncu on its Adam step and 4/4 stream, every stall reason); graph
+# (bench/ab_graph.py: the graphed steps as shipped against variants). A
 # part starts only with its minimum time left, and every part is cut at the session's
 # end. GPU_CHECK_DRY_RUN=1: the same on a CPU at toy scale (the stages' dry runs, the
 # scripts' --smoke, their kernels interpreted).
@@ -23,16 +22,13 @@ trap 'rm -rf "$work"' EXIT  # (what a part made is in its archive)
 end=$((SECONDS + ${SESSION_SECONDS:-560}))
 dry=${GPU_CHECK_DRY_RUN:-0}
 scratch=${SCRATCH:-.scratch}
-sections="launch,phases,idle,head dW,head dW unswapped,head dW torch,head dX"
-sections+=",head dX fp16 padded,head dX fp32 padded,head dX torch,head forward"
-sections+=",head forward torch,matmul 8192x4096x4096"
-sections+=",matmul 8192x4096x4096 A.T,torch 8192x4096x4096 A.T,dZ relu,dZ relu torch"
-sections+=",dZ relu 6 per SM,dZ relu 8 per SM,dZ relu 16 per SM,dZ relu 1 stage"
-sections+=",dZ relu 2 stages,dZ relu 3 stages,guide mpgemm"
+# (run8 answered the head's, the ReLU backward's and the 8192x4096x4096 products'
+# sections; they stay in profile_gpu.py)
+sections="launch,phases,guide mpgemm,guide mpgemm_cuda_graph,guide autocast_fused"
 # Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
 declare -A minimum=(
   [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60
-  [pdl]=60
+  [graph]=40
 )
 # ncu on probe_adam.py --ncu's third Adam step and its stream: speed of light, memory,
 # and the warps' stall reasons, each one (the section's table names only the largest);
@@ -76,25 +72,17 @@ run() {  # run PART: its command, cut at the session's end, its output in $work/
         "${ncu_extra[@]}" "$python" bench/probe_adam.py --ncu > "$work/$part/ncu_adam.txt" 2>&1 ||
         timeout -s INT $((end - SECONDS)) ncu "${ncu_options[@]}" "$python" \
           bench/probe_adam.py --ncu > "$work/$part/ncu_adam_sections.txt" 2>&1 ;;
-    pdl)  # then, with PDL on, the tests of graphs and of the fused steps (one config a launch)
-      install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/ab_pdl.py \
-        "$work/$part/ab_pdl.json" "${smoke[@]}" || return
-      [ "$dry" = 1 ] && return
-      MPGEMM_PDL=1 MPGEMM_SINGLE_CONFIG=1 timeout -s INT $((end - SECONDS)) \
-        "$python" -m pytest -p no:cacheprovider -q -n 8 --dist loadfile --timeout 180 \
-        tests/test_graphs.py tests/test_fused_optim.py tests/test_linear.py \
-        > "$work/$part/tests_pdl.log" 2>&1
-      local status=$?
-      tail -1 "$work/$part/tests_pdl.log"  # (pytest's summary, for the part's lines)
-      return $status ;;
+    graph)
+      install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/ab_graph.py \
+        "$work/$part/ab_graph.json" "${smoke[@]}" ;;
   esac
 }
 
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests targets profile sweep ab adam pdl)
+[ ${#parts[@]} -gt 0 ] || parts=(tests targets graph profile train)
 for part in "${parts[@]}"; do  # all names checked before anything runs
   if [ -z "${minimum[$part]:-}" ]; then
-    echo "gpu_session: no part $part (parts: tests targets bench train profile sweep ab adam pdl)"
+    echo "gpu_session: no part $part (parts: tests targets bench train profile sweep ab adam graph)"
     exit 2
   fi
 done

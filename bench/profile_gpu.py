@@ -508,6 +508,9 @@ def main() -> None:
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
     cases = {
         "guide mpgemm": lambda: step_case("mpgemm", 8192, (4096, 4096), False),
+        "guide mpgemm_cuda_graph": lambda: step_case(
+            "mpgemm_cuda_graph", 8192, (4096, 4096), False
+        ),
         "guide autocast_fused": lambda: step_case("autocast", 8192, (4096, 4096), True),
         "small mpgemm": lambda: step_case("mpgemm", 128, (128,), False),
         "small fp32": lambda: step_case("fp32", 128, (128,), False),

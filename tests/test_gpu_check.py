@@ -279,25 +279,27 @@ def test_the_activation_ab_runs_both_kernels_to_the_same_results():
     ]
 
 
-def test_the_dependent_launch_ab_steps_every_recipe_to_the_same_bits():
-    """bench/ab_pdl.py, the A/B a GPU session runs for programmatic dependent launch, on
+def test_the_graph_ab_steps_every_variant_to_the_same_bits():
+    """bench/ab_graph.py, the A/B a GPU session runs for the graphed steps' variants, on
     a small eager step through the interpreter (where PDL stays off, as the rows say):
-    two alternating rounds of the three recipes (without, with, the control), then
-    their medians, each recipe's weights the first's bit for bit."""
-    rows = _interpreted_rows("ab_pdl.py", "--smoke")
-    impls = ["no pdl", "pdl", "no pdl, control"]
-    timed, [summary] = rows[:-1], rows[-1:]
+    two alternating rounds of the shipped recipe, the variants and the control, then
+    each one's median against the shipped recipe's, its weights the shipped recipe's
+    bit for bit (gradients zeroed in place or set to None step alike)."""
+    rows = _interpreted_rows("ab_graph.py", "--smoke")
+    impls = ["as shipped", "grads zeroed in place", "pdl", "as shipped, control"]
+    timed, summaries = rows[:-3], rows[-3:]
     assert [(r["round"], r["impl"]) for r in timed] == [(i, n) for i in range(2) for n in impls]
     assert all(r["us"] > 0 and r["pdl"] is False for r in timed)
-    assert summary["pdl_same_bits"] and summary["control_same_bits"]
-    assert summary["pdl_speedup"] > 0 and summary["mode"] == "mpgemm"
+    assert [s["impl"] for s in summaries] == impls[1:]
+    assert all(s["same_bits"] and s["shipped_speedup"] > 0 for s in summaries)
+    assert all(s["mode"] == "mpgemm" for s in summaries)
 
 
 def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_path):
     """bench/gpu_session.sh, a device call's parts in order, as a dry run on the CPU: the
     profile (every section fails here: no GPU) is archived with its log; the activation
     A/B is skipped without an earlier kernel file; the Adam probe runs interpreted (its
-    ncu not: no GPU) and is archived with its rows, as the dependent-launch A/B is; a
+    ncu not: no GPU) and is archived with its rows, as the graphed steps' A/B is; a
     part that needs more time than is left is skipped; an unknown part stops the call
     before anything runs."""
 
@@ -318,15 +320,15 @@ def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_pat
             timeout=300,
         )
 
-    run = session("profile", "ab", "adam", "pdl")
+    run = session("profile", "ab", "adam", "graph")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "gpu_session: profile rc=1" in run.stdout
     assert "ab skipped: no " in run.stdout
     assert "gpu_session: adam rc=0" in run.stdout
-    assert "gpu_session: pdl rc=0" in run.stdout
+    assert "gpu_session: graph rc=0" in run.stdout
     archives = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert archives == ["adam.tgz", "pdl.tgz", "profile.tgz"]
-    for part, rows in (("adam", "probe.json"), ("pdl", "ab_pdl.json")):
+    assert archives == ["adam.tgz", "graph.tgz", "profile.tgz"]
+    for part, rows in (("adam", "probe.json"), ("graph", "ab_graph.json")):
         with tarfile.open(tmp_path / "out" / f"{part}.tgz") as archive:
             assert f"{part}/{rows}" in archive.getnames()
     with tarfile.open(tmp_path / "out" / "profile.tgz") as archive:
