@@ -44,11 +44,17 @@ from mpgemm.scaling import adam_step_, sgd_step_
 
 GUIDE = [(4096, 784), (4096,), (4096, 4096), (4096,), (10, 4096), (10,)]
 SMOKE = [(64, 48), (64,), (10, 64), (10,)]
-# (block, warps); the first is the default (8 warps: _launch's).
-DEFAULT = (fused_optim.OPTIMIZER_BLOCK, 8)
+# (block, warps, register cap); the first is the default (8 warps, no cap: _launch's).
+DEFAULT = (fused_optim.OPTIMIZER_BLOCK, 8, None)
 SHAPES = [DEFAULT] + [
-    shape for shape in itertools.product((1024, 2048, 4096), (4, 8)) if shape != DEFAULT
+    (block, warps, None)
+    for block, warps in itertools.product((1024, 2048, 4096), (4, 8))
+    if (block, warps, None) != DEFAULT
 ]
+# Register caps: Adam's default shape took 84 registers under triton 3.6 (run8's ncu),
+# two 8-warp programs an SM; 80 fit three and 64 four, with spills (triton 3.9 here:
+# 84 and 144 bytes). 1024 on 8 warps took 62 and no shared-memory stores (3.9).
+SHAPES += [(2048, 8, 80), (2048, 8, 64), (1024, 4, 80), (1024, 4, 64)]
 HYPER = dict(
     lr=1e-3,
     beta1=0.9,
@@ -127,16 +133,41 @@ def _torch_fused(name, state, grad_scale, found_inf):
     return fused
 
 
-def _with_shape(block, num_warps):
+def _with_shape(block, num_warps, maxnreg):
     """fused_optim's launcher with this launch shape, whatever its callers pass."""
     launch = fused_optim._launch
 
     @functools.wraps(launch)
     def shaped(*args, **kwargs):
-        kwargs.update(block=block, num_warps=num_warps)
+        kwargs.update(block=block, num_warps=num_warps, maxnreg=maxnreg)
         return launch(*args, **kwargs)
 
     return shaped
+
+
+def _recording_binaries() -> list:
+    """Make fused_optim's launches record what ``launch`` returns (a cached binary's
+    launch, else None) into the list returned."""
+    launch = fused_optim.launch
+    launched: list = []
+
+    @functools.wraps(launch)
+    def recording(*args, **kwargs):
+        launched.append(launch(*args, **kwargs))
+        return launched[-1]
+
+    fused_optim.launch = recording
+    return launched
+
+
+def _binary_facts(launched: list) -> dict:
+    """The registers and spilled registers a thread of the last launch's binary used
+    (None through the interpreter, whose launches have no binary)."""
+    last = launched[-1] if launched else None
+    if last is None:
+        return dict(registers=None, spills=None)
+    compiled = last.binary.compiled
+    return dict(registers=compiled.n_regs, spills=compiled.n_spills)
 
 
 def _against(path: str, state, grad_scale, found_inf, numel, copied, calls) -> list[dict]:
@@ -195,11 +226,12 @@ def main(argv: list[str]) -> int:
     found_inf = torch.zeros((), device=DEVICE)
     state = _state(shapes)
     rows, expected = [], {}
-    original = fused_optim._launch
+    original, original_launch = fused_optim._launch, fused_optim.launch
+    launched = _recording_binaries()
     for name in ("adam", "sgd"):
         try:
-            for copies, (block, warps) in itertools.product((True, False), SHAPES):
-                fused_optim._launch = _with_shape(block, warps)
+            for copies, (block, warps, cap) in itertools.product((True, False), SHAPES):
+                fused_optim._launch = _with_shape(block, warps, cap)
                 once = _fresh(state)
                 _ours(name, once, grad_scale, found_inf, copies)  # compiles; the bits
                 want = expected.setdefault((name, copies), once)
@@ -219,6 +251,8 @@ def main(argv: list[str]) -> int:
                         copies=copies,
                         block=block,
                         num_warps=warps,
+                        maxnreg=cap,
+                        **_binary_facts(launched),
                         us=us,
                         gb_per_s=nbytes / us / 1e3,
                         same_bits_as_default=same,
@@ -230,6 +264,7 @@ def main(argv: list[str]) -> int:
         # Its rate as the bytes ours moves less the copies, which torch's does not write.
         nbytes = numel * 4 * FP32_ACCESSES[name]
         rows.append(dict(impl=f"torch fused {name}", us=us, gb_per_s=nbytes / us / 1e3))
+    fused_optim.launch = original_launch
     if against:
         rows += _against(against, state, grad_scale, found_inf, numel, copied, calls)
     write_rows(rows, out, elements=numel)

@@ -611,6 +611,7 @@ def _launch(
     counts_steps: bool,
     block: int = OPTIMIZER_BLOCK,
     num_warps: int = 8,
+    maxnreg: int | None = None,
     **flags,
 ) -> None:
     """One launch over the parallel ``lists`` and the compute ``copies`` (the table's last
@@ -622,8 +623,9 @@ def _launch(
     ``counts_steps``: the last of ``lists`` holds step counts that the kernel advances
     where the step is taken (every tensor gets a program then, a zero-size one too,
     and the programs of a tensor arrive on a counter of their own: the last stores
-    the count). ``block``: the elements per program. ``bench/sweep_optim.py`` times
-    other values of it and ``num_warps`` on a GPU."""
+    the count). ``block``: the elements per program; ``maxnreg``: a cap on a thread's
+    registers (ptxas spills above it; None: no cap). ``bench/sweep_optim.py`` times
+    other values of these and ``num_warps`` on a GPU."""
     params = lists[0]
     if copies is None:
         copies = params  # each parameter its own copy: nothing more is written
@@ -663,6 +665,8 @@ def _launch(
         INTERPRETED=INTERPRET,
         BLOCK=block,
         num_warps=num_warps,
+        # (only when set: the launch's options, and so its binary, stay as they were)
+        **({"maxnreg": maxnreg} if maxnreg is not None else {}),
         **dict(zip(tensor_flags, from_tensors, strict=True)),
         **flags,
     )

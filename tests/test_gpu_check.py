@@ -200,16 +200,21 @@ def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
     rows = _interpreted_rows(
         "sweep_optim.py", "--smoke", f"--against={ROOT / 'kernels' / 'fused_optim.py'}"
     )
-    # Per optimizer, (block, warps): 1024, 2048 and 4096 elements a program, 4 or 8
-    # warps; with the weights' FP16 copies and without copies; then torch's fused step.
-    for name, block in (("adam", rows[:13]), ("sgd", rows[13:26])):
+    # Per optimizer, (block, warps, register cap): 1024, 2048 and 4096 elements a
+    # program on 4 or 8 warps, uncapped, then four capped; with the weights' FP16 copies
+    # and without copies; then torch's fused step. The interpreter has no binary whose
+    # registers a row could give.
+    caps = [None] * 6 + [80, 64, 80, 64]
+    for name, block in (("adam", rows[:21]), ("sgd", rows[21:42])):
         ours = block[:-1]
-        assert len(ours) == 12 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
+        assert len(ours) == 20 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
         assert all(r["optimizer"] == name for r in ours)
-        assert [r["copies"] for r in ours] == [True] * 6 + [False] * 6
+        assert [r["copies"] for r in ours] == [True] * 10 + [False] * 10
+        assert [r["maxnreg"] for r in ours] == caps * 2
+        assert all(r["registers"] is None and r["spills"] is None for r in ours)
         assert block[-1]["impl"] == f"torch fused {name}"
     # Three rounds of (unscaled, scaled) x (installed, against).
-    against = rows[26:]
+    against = rows[42:]
     assert [(r["round"], r["scaled"], r["impl"]) for r in against] == [
         (i, scaled, impl)
         for i in range(3)
