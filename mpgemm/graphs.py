@@ -213,7 +213,10 @@ class GraphedStep:
     CUDA tensors; ``fn`` must not synchronise with the host (capture raises if it does).
     A replay first checks what the capture's optimizer steps read on the host
     (``HostReads``: the param groups, their parameters and host values): a change
-    raises ``RuntimeError``.
+    raises ``RuntimeError``. A ``fn`` that sets the gradients to None
+    (``zero_grad()``'s default) has the replays rewrite the gradients the capture made;
+    gradients kept and zeroed in place cost each replay a pass to zero them and one to
+    add the new ones into them.
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], *, warmup_steps: int = 3) -> None:
