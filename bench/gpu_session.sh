@@ -3,7 +3,7 @@
 # $OUT as soon as it ends (a .tgz a part: the device returns at most 8 files), all
 # within SESSION_SECONDS (default 560, under the device's 600 s a call).
 #   OUT=DIR bash bench/gpu_session.sh [PART ...]
-#   (default: tests targets graph profile sweep train; also bench, ab, adam)
+#   (default: tests targets graph profile sweep adam train; also bench, ab)
 # Parts: a gpu_check stage (tests, targets, bench, train: bench/gpu_check.py); profile
 # (bench/profile_gpu.py, the runbook's sections); sweep (bench/sweep_optim.py, against
 # $SCRATCH/old_fused_optim.py where it exists); ab (bench/ab_activation.py against
@@ -79,7 +79,7 @@ run() {  # run PART: its command, cut at the session's end, its output in $work/
 }
 
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests targets graph profile sweep train)
+[ ${#parts[@]} -gt 0 ] || parts=(tests targets graph profile sweep adam train)
 for part in "${parts[@]}"; do  # all names checked before anything runs
   if [ -z "${minimum[$part]:-}" ]; then
     echo "gpu_session: no part $part (parts: tests targets bench train profile sweep ab adam graph)"
