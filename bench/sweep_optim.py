@@ -133,31 +133,18 @@ def _torch_fused(name, state, grad_scale, found_inf):
     return fused
 
 
-def _with_shape(block, num_warps, maxnreg):
-    """fused_optim's launcher with this launch shape, whatever its callers pass."""
+def _with_shape(block, num_warps, maxnreg, launched: list):
+    """fused_optim's launcher with this launch shape, whatever its callers pass; each
+    launch's answer (a cached binary's launch, else None) appended to ``launched``."""
     launch = fused_optim._launch
 
     @functools.wraps(launch)
     def shaped(*args, **kwargs):
         kwargs.update(block=block, num_warps=num_warps, maxnreg=maxnreg)
-        return launch(*args, **kwargs)
-
-    return shaped
-
-
-def _recording_binaries() -> list:
-    """Make fused_optim's launches record what ``launch`` returns (a cached binary's
-    launch, else None) into the list returned."""
-    launch = fused_optim.launch
-    launched: list = []
-
-    @functools.wraps(launch)
-    def recording(*args, **kwargs):
         launched.append(launch(*args, **kwargs))
         return launched[-1]
 
-    fused_optim.launch = recording
-    return launched
+    return shaped
 
 
 def _binary_facts(launched: list) -> dict:
@@ -226,12 +213,12 @@ def main(argv: list[str]) -> int:
     found_inf = torch.zeros((), device=DEVICE)
     state = _state(shapes)
     rows, expected = [], {}
-    original, original_launch = fused_optim._launch, fused_optim.launch
-    launched = _recording_binaries()
+    original = fused_optim._launch
     for name in ("adam", "sgd"):
         try:
             for copies, (block, warps, cap) in itertools.product((True, False), SHAPES):
-                fused_optim._launch = _with_shape(block, warps, cap)
+                launched: list = []
+                fused_optim._launch = _with_shape(block, warps, cap, launched)
                 once = _fresh(state)
                 _ours(name, once, grad_scale, found_inf, copies)  # compiles; the bits
                 want = expected.setdefault((name, copies), once)
@@ -264,7 +251,6 @@ def main(argv: list[str]) -> int:
         # Its rate as the bytes ours moves less the copies, which torch's does not write.
         nbytes = numel * 4 * FP32_ACCESSES[name]
         rows.append(dict(impl=f"torch fused {name}", us=us, gb_per_s=nbytes / us / 1e3))
-    fused_optim.launch = original_launch
     if against:
         rows += _against(against, state, grad_scale, found_inf, numel, copied, calls)
     write_rows(rows, out, elements=numel)

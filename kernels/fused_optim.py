@@ -44,7 +44,7 @@ import triton.language as tl
 from mpgemm.kernels.arrivals import arrive, counters, leave
 from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import INTERPRET
-from mpgemm.kernels.launches import launch
+from mpgemm.kernels.launches import Launched, launch
 from mpgemm.kernels.rounding import cast_rne, widen
 from mpgemm.kernels.tensor_table import (
     TRITON_DTYPES,
@@ -613,7 +613,7 @@ def _launch(
     num_warps: int = 8,
     maxnreg: int | None = None,
     **flags,
-) -> None:
+) -> Launched | None:
     """One launch over the parallel ``lists`` and the compute ``copies`` (the table's last
     list); the first ``strided`` lists, and the copies, are walked element by element.
     ``hyper``: the hyperparameters, by ``names``, of which the first
@@ -625,7 +625,8 @@ def _launch(
     and the programs of a tensor arrive on a counter of their own: the last stores
     the count). ``block``: the elements per program; ``maxnreg``: a cap on a thread's
     registers (ptxas spills above it; None: no cap). ``bench/sweep_optim.py`` times
-    other values of these and ``num_warps`` on a GPU."""
+    other values of these and ``num_warps`` on a GPU, and reads the binary's registers
+    from what this returns: ``launch``'s answer (None without a launch)."""
     params = lists[0]
     if copies is None:
         copies = params  # each parameter its own copy: nothing more is written
@@ -637,14 +638,14 @@ def _launch(
         [*lists, copies], block, every_tensor=counts_steps, groups=run_of_each
     )
     if num_blocks == 0:
-        return
+        return None
     # The lists walked element by element: the strided ones, and the copies if written.
     walked = [*aligned[:strided], *(aligned[-1:] if has_copy else ())]
     from_tensors = [isinstance(value, torch.Tensor) for value in hyper[: len(tensor_flags)]]
     # A tensor's slot of the FP64 table is not read: 0 keeps the table's cache key.
     values = [0.0 if isinstance(value, torch.Tensor) else value for row in rows for value in row]
     hyper_table = scalar_table(values, table.device)
-    launch(
+    return launch(
         kernel,
         (num_blocks,),
         table,
