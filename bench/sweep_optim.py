@@ -52,8 +52,10 @@ SHAPES = [DEFAULT] + [
     if (block, warps, None) != DEFAULT
 ]
 # Register caps: Adam's default shape took 84 registers under triton 3.6 (run8's ncu),
-# two 8-warp programs an SM; 80 fit three and 64 four, with spills (triton 3.9 here:
-# 84 and 144 bytes). 1024 on 8 warps took 62 and no shared-memory stores (3.9).
+# two 8-warp programs an SM; 80 fit three and 64 four. With its stores in one layout
+# (narrow_pointers), ptxas here gives it 84 under triton 3.6 and 3.9; a cap of 80
+# spills 96 bytes under 3.6 and none under 3.9, 64 spills 120. 1024 on 8 warps took 62
+# and no shared-memory stores (3.9).
 SHAPES += [(2048, 8, 80), (2048, 8, 64), (1024, 4, 80), (1024, 4, 64)]
 HYPER = dict(
     lr=1e-3,

@@ -18,7 +18,8 @@ A defect: a GEMM without wgmma, with register spills or with more shared memory 
 an H100 block may have (it would fail to launch); a streaming kernel (loss scaling, an
 activation's backward, the cross-entropy) with spills, approximate FP32 math (torch
 divides and takes square roots exactly and keeps denormals) or, when aligned, no
-16-byte vector loads.
+16-byte vector loads; an elementwise table kernel (unscale, SGD, Adam) that moves values
+between thread layouts (``layout_conversions``: through shared memory, with barriers).
 The report also says, per binary, how many wgmma groups stay in flight
 (``wgmma_pending``: the largest N of ``wgmma.wait_group N``; 0 means every MMA is waited
 for at once, no overlap), and whether ``cp.async`` or TMA (``cp.async.bulk.tensor``)
@@ -408,6 +409,7 @@ def _launches(run) -> list[tuple]:
 
 
 _GEMMS = ("_gemm_kernel", "_gemm_tma_kernel")
+_ELEMENTWISE = ("_unscale_kernel", "_sgd_kernel", "_adam_kernel")
 
 
 def _operand(named: dict, name: str) -> torch.Tensor:
@@ -537,6 +539,8 @@ def compile_job(job: Job) -> dict:
         "smem_bytes": compiled.metadata.shared,
         "compile_s": round(seconds, 2),
         "pdl": bool(compiled.metadata.launch_pdl),
+        # Values moved between thread layouts through shared memory, with barriers.
+        "layout_conversions": compiled.asm["ttgir"].count("ttg.convert_layout"),
         **ptx_facts(ptx),
         **ptxas_report(ptx),
     }
@@ -555,7 +559,11 @@ def compile_job(job: Job) -> dict:
         # reduction have no such blocks).
         streams = name not in ("_update_scale_kernel", "_split_k_reduce_kernel")
         vectorised = report["vector_loads"] > 0 or job.spec == "unaligned" or not streams
-        report["ok"] = report["spill_bytes"] == 0 and not report["approx_fp32"] and vectorised
+        # The table kernels are elementwise: every list in one layout (narrow_pointers).
+        one_layout = name not in _ELEMENTWISE or report["layout_conversions"] == 0
+        report["ok"] = (
+            report["spill_bytes"] == 0 and not report["approx_fp32"] and vectorised and one_layout
+        )
     if job.pdl:
         report["ok"] = (
             report["ok"]

@@ -49,6 +49,7 @@ from mpgemm.kernels.rounding import cast_rne, widen
 from mpgemm.kernels.tensor_table import (
     TRITON_DTYPES,
     load_block,
+    narrow_pointers,
     scalar_table,
     table_address,
     table_block,
@@ -61,13 +62,14 @@ if TYPE_CHECKING:
     from mpgemm.scaling import ParamGroups
 
 # Elements per program of the optimizer steps: 8 per thread for 8 warps, half the tensor
-# table's BLOCK. Under Triton 3.6 Adam takes 88 registers a thread (102 writing a copy),
-# so two 8-warp programs fit on an SM, one program's loads in flight while the other
-# waits on its table; at 16 per thread it took 153 (one program). On the H100, two
-# programs per SM moved the guide's step from 54% to 82% of DRAM bandwidth
+# table's BLOCK. Under Triton 3.6 and 3.9 Adam takes 84 registers a thread (100 writing
+# a 16-bit copy until its stores kept one layout: narrow_pointers), so two 8-warp
+# programs fit on an SM, one program's loads in flight while the other waits on its
+# table; at 16 per thread it took 153 (one program). On the H100, two programs per SM
+# moved the guide's step from 54% to 82% of DRAM bandwidth
 # (bench/results/h100-2026-11-22). SGD at 16 took 122 to 132 registers (146 under 3.9:
-# one program per SM above 128), at 8 it takes 52 to 69 (three), not yet timed
-# (python -m mpgemm.kernels.aot; bench/sweep_optim.py).
+# one program per SM above 128), at 8 it takes 52 to 60 (four) (python -m
+# mpgemm.kernels.aot; bench/sweep_optim.py).
 OPTIMIZER_BLOCK = 2048
 
 
@@ -186,6 +188,7 @@ def _compute_copy(
     offsets,
     COPY_LIST: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr,
     HAS_COPY: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
@@ -195,11 +198,12 @@ def _compute_copy(
     its bias, which has none. False, with nothing read, when no tensor of the launch
     has one (``HAS_COPY`` off)."""
     c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, COPY_LIST, COPY_DTYPE, ALIGNED)
+    c_ptr = narrow_pointers(c_ptr, offsets, PARAM_DTYPE)
     has_copy = False
     if HAS_COPY:
         copy = table_address(table_ptr, num_tensors, tensor, COPY_LIST)
         has_copy = copy != table_address(table_ptr, num_tensors, tensor, 0)
-    return c_ptr + offsets, has_copy
+    return c_ptr, has_copy
 
 
 @triton.jit
@@ -306,12 +310,22 @@ def _sgd_kernel(
     tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, num_lists, BLOCK)
     hyper_ptr = _group_row(hyper_ptr, table_ptr, num_tensors, tensor, 4 + DAMPENING, 4, GROUPED)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
-    g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
+    g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED)
+    g_ptr = narrow_pointers(g_ptr, offsets, PARAM_DTYPE)
     buf_ptr = (
         table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
     )
     c_ptr, has_copy = _compute_copy(
-        table_ptr, num_tensors, tensor, start, offsets, 3 + DAMPENING, COPY_DTYPE, HAS_COPY, ALIGNED
+        table_ptr,
+        num_tensors,
+        tensor,
+        start,
+        offsets,
+        3 + DAMPENING,
+        COPY_DTYPE,
+        PARAM_DTYPE,
+        HAS_COPY,
+        ALIGNED,
     )
     lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
     momentum = tl.load(hyper_ptr + 1)
@@ -511,7 +525,8 @@ def _adam_kernel(
     tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, num_lists, BLOCK)
     hyper_ptr = _group_row(hyper_ptr, table_ptr, num_tensors, tensor, 6 + AMSGRAD, 5, GROUPED)
     p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
-    g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED) + offsets
+    g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED)
+    g_ptr = narrow_pointers(g_ptr, offsets, PARAM_DTYPE)
     m_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
     v_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, PARAM_DTYPE, ALIGNED) + offsets
     v_max_ptr = v_ptr  # (not read without AMSGrad)
@@ -520,7 +535,16 @@ def _adam_kernel(
             table_pointer(table_ptr, num_tensors, tensor, start, 4, PARAM_DTYPE, ALIGNED) + offsets
         )
     c_ptr, has_copy = _compute_copy(
-        table_ptr, num_tensors, tensor, start, offsets, 5 + AMSGRAD, COPY_DTYPE, HAS_COPY, ALIGNED
+        table_ptr,
+        num_tensors,
+        tensor,
+        start,
+        offsets,
+        5 + AMSGRAD,
+        COPY_DTYPE,
+        PARAM_DTYPE,
+        HAS_COPY,
+        ALIGNED,
     )
     lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
     beta1 = _hyperparameter(hyper_ptr, 1, beta1_ptr, TENSOR_BETA1)

@@ -210,6 +210,20 @@ def table_pointer(
 
 
 @triton.jit
+def narrow_pointers(pointer, offsets, WIDE_DTYPE: tl.constexpr):
+    """``pointer + offsets`` for a list whose dtype is narrower than the launch's widest
+    stored list, ``WIDE_DTYPE`` (a 16-bit gradient or compute copy beside FP32
+    parameters), each thread taking no more of it than 16 bytes of ``WIDE_DTYPE``.
+    Triton gives every access of a block as many elements a thread as the widest
+    16-byte access among them takes (8 of a 16-bit list) but a store at most 16 bytes
+    (4 FP32), and changed the layout of every FP32 value stored through shared memory
+    (8 KB and some 16 barriers a program; Adam writing a 16-bit copy went from 84
+    registers to 100). At 4 a thread the narrow list's accesses are 8 bytes wide,
+    still whole 256-byte runs a warp."""
+    return tl.max_contiguous(pointer + offsets, 128 // WIDE_DTYPE.primitive_bitwidth)
+
+
+@triton.jit
 def load_block(pointer, mask):
     """``pointer``'s block, masked (zeros outside) unless ``mask`` is None."""
     if mask is None:

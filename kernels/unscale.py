@@ -28,6 +28,7 @@ from mpgemm.kernels.tensor_table import (
     BLOCK,
     TRITON_DTYPES,
     load_block,
+    narrow_pointers,
     table_block,
     table_pointer,
     tensor_table,
@@ -76,7 +77,8 @@ def _unscale_kernel(
 ):
     wait_for_prior_grid(PDL)
     tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, 2, BLOCK)
-    src = table_pointer(table_ptr, num_tensors, tensor, start, 0, SRC_DTYPE, ALIGNED) + offsets
+    src = table_pointer(table_ptr, num_tensors, tensor, start, 0, SRC_DTYPE, ALIGNED)
+    src = narrow_pointers(src, offsets, DST_DTYPE)
     dst = table_pointer(table_ptr, num_tensors, tensor, start, 1, DST_DTYPE, ALIGNED) + offsets
     # Whole blocks go unmasked, which lets the compiler vectorise their loads.
     if full:

@@ -6,7 +6,8 @@ next tiles load (async wgmma, at least one group pending) when aligned, those wi
 16-bit operands in the TMA kernel, but a 10-class head's weight gradient (run as its
 transpose on 16-wide tiles);
 the loss-scaling kernels and the activation's backward with no spills, vector loads
-and no approximate FP32 math; each kernel once more with programmatic dependent launch,
+and no approximate FP32 math, the elementwise ones (unscale, SGD, Adam) in one thread
+layout throughout; each kernel once more with programmatic dependent launch,
 its wait for the prior grid before any global memory access. This
 runs the GPU compiler, which the interpreter never does, and needs no GPU."""
 
@@ -141,6 +142,12 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     }
     bad = [r for r in streaming if not r["ok"] or r["spill_bytes"] or r["approx_fp32"]]
     assert not bad, bad
+    # A 16-bit list beside FP32 ones (a weight's compute copy, an FP16 model's gradients
+    # for FP32 masters) once sent every FP32 store through shared memory.
+    elementwise = [
+        r for r in streaming if r["kernel"] in ("_unscale_kernel", "_sgd_kernel", "_adam_kernel")
+    ]
+    assert elementwise and all(r["layout_conversions"] == 0 for r in elementwise)
     aligned = [
         r
         for r in streaming
