@@ -149,9 +149,17 @@ def _cached(key: tuple, build):
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         # Pinned memory lets the copy run asynchronously: no wait for the GPU.
-        pinned = host.pin_memory()
-        if graphs.capturing(device):  # each replay copies from it again (a few KB)
+        graphs.note_host_copy(host.numel() * host.element_size())
+        if graphs.capturing(device):
+            # Each replay copies from it again (a few KB), so it is kept. Memory set
+            # aside before the capture where there is some (GraphedStep's): asking
+            # torch's pinned allocator during a capture fails in some torch versions.
+            pinned = graphs.staged_for_capture(host)
+            if pinned is None:
+                pinned = host.pin_memory()
             graphs.keep_for_replays((pinned,))
+        else:
+            pinned = host.pin_memory()
         return pinned.to(device, non_blocking=True)
     return host.to(device)
 

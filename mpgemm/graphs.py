@@ -172,6 +172,49 @@ def keep_for_replays(values: Iterable[object]) -> None:
     _kept_for_replays.extend(values)
 
 
+# Pinned host memory set aside before a capture, which the host-to-device copies made
+# during it read from (``staged_for_capture``): asked for memory, torch's pinned
+# allocator queried CUDA events, which a capture forbids, in torch versions without
+# pytorch/pytorch#167507 (the oldest torch mpgemm supports, 2.11, may lack it). A
+# region handed out is never handed out again: every replay copies from it. uint8.
+_reserve: torch.Tensor | None = None
+_reserved_used = 0
+# Bytes copied from the host to a GPU by ``note_host_copy``'s callers, ever.
+_host_copied = 0
+
+
+def note_host_copy(nbytes: int) -> None:
+    """Say that ``nbytes`` are about to be copied from the host to a GPU (a kernel's
+    table): what a ``GraphedStep``'s warm-up copies sizes its capture's reserve."""
+    global _host_copied
+    _host_copied += nbytes
+
+
+def reserve_host_memory(nbytes: int) -> None:
+    """Outside a capture: have at least ``nbytes`` of pinned host memory ready for
+    ``staged_for_capture``, in one block. Regions already handed out stay where they
+    are (their tensors keep their memory)."""
+    global _reserve, _reserved_used
+    if _reserve is None or _reserve.numel() - _reserved_used < nbytes:
+        _reserve = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        _reserved_used = 0
+
+
+def staged_for_capture(host: torch.Tensor) -> torch.Tensor | None:
+    """A copy of the CPU tensor ``host`` in the reserved pinned memory, for a capture's
+    host-to-device copy to read at every replay (16-byte aligned; never handed out
+    again); None where the reserve is too small (``reserve_host_memory``)."""
+    global _reserved_used
+    start = -(-_reserved_used // 16) * 16
+    end = start + host.numel() * host.element_size()
+    if _reserve is None or end > _reserve.numel():
+        return None
+    region = _reserve[start:end]
+    _reserved_used = end
+    region.copy_(host.contiguous().view(-1).view(torch.uint8))
+    return region.view(host.dtype).view(host.shape)
+
+
 # While a GraphedStep captures, what its step reads on the host; else None.
 _host_reads: HostReads | None = None
 
@@ -213,7 +256,10 @@ class GraphedStep:
     CUDA tensors; ``fn`` must not synchronise with the host (capture raises if it does).
     A replay first checks what the capture's optimizer steps read on the host
     (``HostReads``: the param groups, their parameters and host values): a change
-    raises ``RuntimeError``. A ``fn`` that sets the gradients to None
+    raises ``RuntimeError``. The kernels' tables that the capture builds (for gradients
+    it allocates anew) are copied to the GPU from pinned host memory set aside before
+    it, twice what the largest warm-up call copied (``reserve_host_memory``). A ``fn``
+    that sets the gradients to None
     (``zero_grad()``'s default) has the replays rewrite the gradients the capture made;
     gradients kept and zeroed in place cost each replay a pass to zero them and one to
     add the new ones into them.
@@ -232,6 +278,8 @@ class GraphedStep:
         self._side: torch.cuda.Stream | None = None
         # What the capture read on the host (``note_host_values``).
         self._host_reads = HostReads()
+        # The most bytes a warm-up call copied from the host (``note_host_copy``).
+        self._host_copied = 0
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -273,13 +321,18 @@ class GraphedStep:
             self._side = torch.cuda.Stream(inputs[0].device)
         side = self._side
         side.wait_stream(torch.cuda.current_stream())
+        copied = _host_copied
         with torch.cuda.stream(side):
             out = self.fn(*inputs)
         torch.cuda.current_stream().wait_stream(side)
+        self._host_copied = max(self._host_copied, _host_copied - copied)
         return out
 
     def _capture(self, inputs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._inputs = [x.clone() for x in inputs]
+        # The capture rebuilds the tables of tensors it allocates (gradients set to None
+        # before the step), at the warm-up's sizes; more than 64 KB is rarely needed.
+        reserve_host_memory(2 * self._host_copied + 65536)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with _recording_host_reads() as self._host_reads, torch.cuda.graph(graph):

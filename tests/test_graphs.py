@@ -270,6 +270,57 @@ def test_tables_a_capture_used_outlive_the_cache(monkeypatch):
     assert kept[True]() is not None and kept[False]() is None
 
 
+def test_a_capture_stages_its_host_copies_in_memory_set_aside_before_it(monkeypatch):
+    """During a capture, a table's host bytes go into the pinned memory reserved before
+    it (a CPU tensor stands in for it here), 16-byte aligned, each region handed out
+    once; None where none is reserved or it is used up (the table then pins its own)."""
+    from mpgemm import graphs
+
+    monkeypatch.setattr(graphs, "_reserve", None)
+    monkeypatch.setattr(graphs, "_reserved_used", 0)
+    a = torch.arange(3, dtype=torch.int64)
+    assert graphs.staged_for_capture(a) is None
+    reserve = torch.zeros(100, dtype=torch.uint8)
+    monkeypatch.setattr(graphs, "_reserve", reserve)
+    staged_a = graphs.staged_for_capture(a)
+    b = torch.tensor([1.5, -2.5], dtype=torch.float64)
+    staged_b = graphs.staged_for_capture(b)
+    assert torch.equal(staged_a, a) and torch.equal(staged_b, b)
+    assert staged_b.dtype == torch.float64
+    base = reserve.data_ptr()
+    assert [t.data_ptr() - base for t in (staged_a, staged_b)] == [0, 32]
+    a.add_(7)  # a copy: the replays read what the capture saw
+    assert staged_a.tolist() == [0, 1, 2]
+    assert graphs.staged_for_capture(torch.zeros(9, dtype=torch.int64)) is None  # 48 + 72
+    # Room enough left: the reserve stays (no new pinned block, whose allocation a
+    # CPU-only torch could not make).
+    graphs.reserve_host_memory(100 - 48)
+    assert graphs._reserve is reserve and graphs._reserved_used == 48
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
+def test_a_capture_of_a_step_that_sets_gradients_to_none_pins_nothing(monkeypatch):
+    """The graphed recipe sets gradients to None, so its capture builds the optimizer's
+    tables anew: their host bytes come from the memory reserved before the capture, and
+    torch's pinned allocator is not asked during it (some torch versions fail there)."""
+    from mpgemm import graphs
+
+    asked = []
+    pin_memory = torch.Tensor.pin_memory
+
+    def watched(self, *args, **kwargs):
+        asked.append(torch.cuda.is_current_stream_capturing())
+        return pin_memory(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", watched)
+    monkeypatch.setattr(graphs, "_reserve", None)
+    monkeypatch.setattr(graphs, "_reserved_used", 0)
+    _, _, recipe = _steps("mpgemm_cuda_graph", 6)
+    assert recipe._step.graph is not None
+    assert asked and not any(asked)  # pinned in the warm-up only
+    assert graphs._reserve.is_pinned() and graphs._reserved_used > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
 def test_a_float_lr_changed_after_the_capture_is_refused():
     """A float lr changed in param_groups (as a scheduler does with a float) would not
