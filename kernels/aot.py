@@ -106,19 +106,25 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     """(label, run) pairs: each ``run`` makes one layer's launches, in the order
     LinearFunction makes them (forward; input gradient, then weight gradient)."""
     from mpgemm.functional import linear, matmul
+    from mpgemm.losses import cross_entropy
     from mpgemm.modules import Linear
 
     aligned = spec == "aligned"
     m, k, n = _SHAPES[spec]
     f32 = torch.float32
 
-    def module(x_dtype, *, activation, out_dtype=None, grad_x=True, shape=(m, k, n)):
-        # A training step's layer: FP32 master weights, whose 16-bit copy the GEMMs read.
+    def module(x_dtype, *, activation, out_dtype=None, grad_x=True, shape=(m, k, n), loss=False):
+        # A training step's layer: FP32 master weights, whose 16-bit copy the GEMMs read;
+        # with ``loss``, the logits' cross-entropy, whose backward lays out the gradient
+        # that the head's backward GEMMs read (cross_entropy.padded_rows).
         rows, fan_in, fan_out = shape
         layer = Linear(
             fan_in, fan_out, activation=activation, compute_dtype=half, out_dtype=out_dtype
         )
         x = _tensor((rows, fan_in), x_dtype, aligned).requires_grad_(grad_x)
+        if loss:
+            target = torch.zeros(rows, dtype=torch.int64)
+            return lambda: cross_entropy(layer(x), target)
         return lambda: layer(x)
 
     def functional(x_dtype, w_dtype, *, bias, activation, grad=True):
@@ -144,7 +150,7 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
         # fills 32 tiles, so K is split (split_k_for) and a reduction adds the parts.
         yield (
             "step: head, batch 8192",
-            module(half, activation=None, out_dtype=f32, shape=(8192, 4096, 10)),
+            module(half, activation=None, out_dtype=f32, shape=(8192, 4096, 10), loss=True),
         )
     if half == torch.bfloat16:
         # BF16 changes only the MMA's input type: its step and plain product suffice.
@@ -152,7 +158,10 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     # Launches of at most 16 columns take the 16-wide tiles: a 10-class head (its
     # forward, unaligned; its weight gradient, C.T = B.T @ A.T, either way), and,
     # unaligned, a 15 -> 16 layer's GEMMs with GELU's epilogue.
-    yield "step: head, 10 classes", module(half, activation=None, out_dtype=f32, shape=(m, k, 10))
+    yield (
+        "step: head, 10 classes",
+        module(half, activation=None, out_dtype=f32, shape=(m, k, 10), loss=True),
+    )
     if not aligned:
         yield "step: 15 -> 16 gelu", module(half, activation="gelu", shape=(m, 15, 16))
     # mpgemm.linear and matmul on what they are given: FP32 operands rounded in the kernel.
@@ -411,6 +420,10 @@ def _launches(run) -> list[tuple]:
 _GEMMS = ("_gemm_kernel", "_gemm_tma_kernel")
 _ELEMENTWISE = ("_unscale_kernel", "_sgd_kernel", "_adam_kernel")
 
+# A head's loss, which the GEMM workloads run for the gradient it lays out; the scaling
+# group compiles these (their logits there have rows that vector loads can read).
+_LOSSES = ("_cross_entropy_forward_kernel", "_cross_entropy_backward_kernel")
+
 
 def _operand(named: dict, name: str) -> torch.Tensor:
     # The pointer kernel's a_ptr, or the tensor the TMA kernel's a_desc describes.
@@ -436,6 +449,8 @@ def jobs() -> list[Job]:
             for spec in SPECIALIZATIONS:
                 for w, (_, run) in enumerate(_workloads(group, dtype, spec)):
                     for i, (kernel, _, _, _, configs, _) in enumerate(_launches(run)):
+                        if group == "gemm" and jit_function(kernel).fn.__name__ in _LOSSES:
+                            continue
                         for c in range(len(configs)) if configs else (None,):
                             found.append(Job(group, dtype, spec, w, i, c))
                         if spec == "aligned":

@@ -61,6 +61,21 @@ def test_matches_torch(classes, dtype, reduction, smoothing, device):
     assert torch.equal(leaf.grad[[5, 9]], torch.zeros(2, classes, dtype=dtype, device=device))
 
 
+@pytest.mark.parametrize(("classes", "row"), [(10, 16), (16, 16), (20, 32), (5, 5), (300, 304)])
+def test_the_gradients_rows_lie_16_elements_apart(classes, row, device):
+    """The logits' gradient as the head's backward GEMMs read it best: rows 16
+    elements apart (or a multiple), unless that more than doubles them; the same values
+    as torch's, in the columns it has; a leaf's .grad is contiguous, as torch's."""
+    x, target = _case(classes, torch.float32, device)
+    leaf = x.detach().requires_grad_()
+    (grad,) = torch.autograd.grad(mpgemm.cross_entropy(leaf, target), leaf)
+    assert grad.shape == (N, classes) and grad.stride() == (row, 1)
+    _, their_grad = _torch(x, target, torch.ones(()))
+    torch.testing.assert_close(grad, their_grad, rtol=1e-5, atol=1e-7)
+    mpgemm.cross_entropy(leaf, target).backward()
+    assert leaf.grad.is_contiguous() and torch.equal(leaf.grad, grad)
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_fp32_logits_in_the_hundreds_within_torchs_error(reduction, smoothing, device):
