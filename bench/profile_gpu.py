@@ -36,6 +36,7 @@ import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import activation, gemm, gemm_tma
 from mpgemm.kernels.activation import triton_activation_backward
+from mpgemm.kernels.cross_entropy import padded_rows
 from mpgemm.kernels.gemm import triton_gemm, use_kernel
 from mpgemm.kernels.launches import intercept, jit_function, launch, launch_options
 from mpgemm.reference import activation_backward_ref
@@ -521,6 +522,7 @@ def main() -> None:
         "matmul 8192x4096x4096 A.T": lambda: _layer_product("mpgemm", transposed_a=True),
         "torch 8192x4096x4096 A.T": lambda: _layer_product("torch", transposed_a=True),
         "head dW": lambda: _head_weight_gradient("mpgemm"),
+        "head dW 4 splits": lambda: _head_weight_gradient("4 splits"),
         "head dW unswapped": lambda: _head_weight_gradient("unswapped"),
         "head dW torch": lambda: _head_weight_gradient("torch"),
         "head dX": lambda: _head_input_gradient("mpgemm"),
@@ -596,11 +598,15 @@ def _layer_product(how: str, *, transposed_a: bool):
 
 def _head_weight_gradient(how: str):
     """The guide head's weight and bias gradients from the FP32 logits' gradient dY
-    (8192 x 10) and the FP16 hidden output x (8192 x 4096): mpgemm's (x.T @ dY on 16-wide
-    tiles, the bias gradient from dY's column sums), the same launch unswapped (dY.T @ x,
-    as before 8f82757: NARROW_N set to 0), or torch's under autocast (dY cast to FP16,
-    cuBLAS, the product cast to FP32; the bias gradient a sum)."""
-    dy = torch.randn(8192, 10, device=DEVICE)
+    (8192 x 10, in the rows 16 apart that mpgemm's loss lays it out in) and the FP16
+    hidden output x (8192 x 4096): mpgemm's (x.T @ dY on 16-wide tiles, K split 8 ways,
+    the bias gradient from dY's column sums), the same with K split 4 ways (as before
+    the split rule filled two programs an SM: run8 took 34.5 us, cuBLAS 29.0 on 256
+    programs), the same launch unswapped (dY.T @ x, as before 8f82757: NARROW_N set to
+    0), or torch's under autocast (dY cast to FP16, cuBLAS, the product cast to FP32;
+    the bias gradient a sum)."""
+    dy = padded_rows(8192, 10, torch.float32, DEVICE)
+    dy.copy_(torch.randn(8192, 10, device=DEVICE))
     x = torch.randn(8192, 4096, device=DEVICE).half()
     out = torch.empty(10, 4096, device=DEVICE)
     args = dict(compute_dtype=torch.float16, out_dtype=torch.float32, rowsum_a=True, out=out)
@@ -608,6 +614,19 @@ def _head_weight_gradient(how: str):
         return lambda: (torch.matmul(dy.t().half(), x).float(), dy.sum(0))
     if how == "mpgemm":
         return lambda: triton_gemm(dy.t(), x, **args)
+    if how == "4 splits":
+
+        def four_splits():
+            # A replay keeps the split it was made with: none is kept across the swap.
+            split_k_for, gemm.split_k_for = gemm.split_k_for, lambda m, n, k, device: 4
+            gemm._replays.clear()
+            try:
+                return triton_gemm(dy.t(), x, **args)
+            finally:
+                gemm.split_k_for = split_k_for
+                gemm._replays.clear()
+
+        return four_splits
 
     def unswapped():
         narrow, gemm.NARROW_N = gemm.NARROW_N, 0
