@@ -38,6 +38,7 @@ from mpgemm.kernels.gemm_common import INTERPRET, cdiv
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
 
+# A program's rows at least, and its columns at most (``blocks``).
 BLOCK_M = 16
 BLOCK_C = 128
 # Programs' partial sums the forward's last program adds at a time.
@@ -199,6 +200,16 @@ def _cross_entropy_backward_kernel(
     tl.store(dx_ptrs, cast_rne(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
+def blocks(C: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_C) for C classes: columns BLOCK_C at a time (C's power of two, 16
+    to 128), BLOCK_M rows, 16 or enough for 512 places. A 10-class head's programs took
+    16 rows of 128 columns, 10 of them logits, until 2026-11-26 (11.3 us forward for the
+    guide's 8192 rows on an H200, run8); 32 rows of 16 now, and 56 registers a thread
+    where they took 164 (sm_90a, its rows unaligned; the backward 24 where 48)."""
+    block_c = min(BLOCK_C, max(16, triton.next_power_of_2(C)))
+    return max(BLOCK_M, 512 // block_c), block_c
+
+
 def _shared_arguments(
     x: torch.Tensor, ignore_index: int, reduction: str, smoothing: float
 ) -> tuple[tuple, dict]:
@@ -206,11 +217,12 @@ def _shared_arguments(
     N, C = x.shape
     # smoothing / C in double, as torch takes it
     tail = (N, C, x.stride(0), x.stride(1), ignore_index, smoothing, smoothing / C)
+    block_m, block_c = blocks(C)
     options = dict(
         REDUCTION=REDUCTIONS[reduction],
         INTERPRETED=INTERPRET,
-        BLOCK_M=BLOCK_M,
-        BLOCK_C=BLOCK_C,
+        BLOCK_M=block_m,
+        BLOCK_C=block_c,
         num_warps=4,
     )
     return tail, options
@@ -228,7 +240,7 @@ def triton_cross_entropy(
     out = torch.empty(() if reduced else (N,), device=x.device, dtype=x.dtype)
     lse = torch.empty((2, N), device=x.device, dtype=torch.float32)
     count = torch.empty((), device=x.device, dtype=torch.float32)
-    programs = cdiv(N, BLOCK_M)
+    programs = cdiv(N, blocks(C)[0])
     if programs == 0:  # no rows: torch's sum is 0, its mean 0 / 0
         if reduced:
             out.fill_(0.0 if reduction == "sum" else float("nan"))
@@ -284,9 +296,10 @@ def triton_cross_entropy_backward(
     if N == 0 or C == 0:
         return dx
     tail, options = _shared_arguments(x, ignore_index, reduction, smoothing)
+    block_m, block_c = blocks(C)
     launch(
         _cross_entropy_backward_kernel,
-        (cdiv(N, BLOCK_M), cdiv(C, BLOCK_C)),
+        (cdiv(N, block_m), cdiv(C, block_c)),
         x,
         target,
         lse,
