@@ -468,6 +468,17 @@ def _reduce_sums(partial_ptr, r_ptr, offs, length, SPLIT_K: tl.constexpr):
     tl.store(r_ptr + offs, total, mask=offs < length)
 
 
+def _reduction_blocks(N: int, splits: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of split-K's reduction: columns N's power of two from 16 to 64,
+    and rows up to 64 while a thread of its 4 warps holds at most 128 partial elements
+    (the splits' loads all go out at once: 64x64 tiles of 8 splits took 255 registers
+    and spilled, sm_90a). The interpreter's: 32x32."""
+    if INTERPRET:
+        return 32, 32
+    block_n = min(64, max(16, triton.next_power_of_2(N)))
+    return min(64, 16384 // (splits * block_n)), block_n
+
+
 # Every flag that changes the code or the pruned config list is part of the key
 # (triton adds the tensors' dtypes itself).
 _AUTOTUNE_KEY = [
@@ -1062,16 +1073,16 @@ def _launch_pointer(
     )
     launches = (launched,)
     if splits > 1:
-        block = 32 if INTERPRET else 64
+        block_m, block_n = _reduction_blocks(N, splits)
         reduced = launch(
             _split_k_reduce_kernel,
-            (cdiv(M, block), max(cdiv(N, block), 1)),
+            (cdiv(M, block_m), max(cdiv(N, block_n), 1)),
             *_reduction_arguments(c, result, r, sums),
             SPLIT_K=splits,
             K_SUMS=k_sums,
             INTERPRETED=INTERPRET,
-            BLOCK_M=block,
-            BLOCK_N=block,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
             num_warps=4,
         )
         launches += (reduced,)
