@@ -128,6 +128,12 @@ def scalar_table(values: Sequence[float], device: torch.device) -> torch.Tensor:
     return _cached(key, lambda: _to_device(torch.tensor(values, dtype=torch.float64), device))
 
 
+def cached_bytes() -> int:
+    """The bytes of every table in the cache (each entry's tensor, or its first item)."""
+    tables = (v if isinstance(v, torch.Tensor) else v[0] for v in _cache.values())
+    return sum(t.numel() * t.element_size() for t in tables)
+
+
 def _cached(key: tuple, build):
     # Least recently used out. The keys hold every tensor's address, so each lookup
     # hashes and compares them: taken out and put back, one entry is looked up twice.
@@ -149,7 +155,6 @@ def _cached(key: tuple, build):
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         # Pinned memory lets the copy run asynchronously: no wait for the GPU.
-        graphs.note_host_copy(host.numel() * host.element_size())
         if graphs.capturing(device):
             # Each replay copies from it again (a few KB), so it is kept. Memory set
             # aside before the capture where there is some (GraphedStep's): asking

@@ -179,15 +179,6 @@ def keep_for_replays(values: Iterable[object]) -> None:
 # region handed out is never handed out again: every replay copies from it. uint8.
 _reserve: torch.Tensor | None = None
 _reserved_used = 0
-# Bytes copied from the host to a GPU by ``note_host_copy``'s callers, ever.
-_host_copied = 0
-
-
-def note_host_copy(nbytes: int) -> None:
-    """Say that ``nbytes`` are about to be copied from the host to a GPU (a kernel's
-    table): what a ``GraphedStep``'s warm-up copies sizes its capture's reserve."""
-    global _host_copied
-    _host_copied += nbytes
 
 
 def reserve_host_memory(nbytes: int) -> None:
@@ -198,6 +189,15 @@ def reserve_host_memory(nbytes: int) -> None:
     if _reserve is None or _reserve.numel() - _reserved_used < nbytes:
         _reserve = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         _reserved_used = 0
+
+
+def _cached_table_bytes() -> int:
+    """What the kernels' cached tables weigh (0 without triton: no kernels, no tables)."""
+    try:
+        from mpgemm.kernels.tensor_table import cached_bytes
+    except ImportError:
+        return 0
+    return cached_bytes()
 
 
 def staged_for_capture(host: torch.Tensor) -> torch.Tensor | None:
@@ -258,7 +258,7 @@ class GraphedStep:
     (``HostReads``: the param groups, their parameters and host values): a change
     raises ``RuntimeError``. The kernels' tables that the capture builds (for gradients
     it allocates anew) are copied to the GPU from pinned host memory set aside before
-    it, twice what the largest warm-up call copied (``reserve_host_memory``). A ``fn``
+    it, twice what the tables cached by then weigh (``reserve_host_memory``). A ``fn``
     that sets the gradients to None
     (``zero_grad()``'s default) has the replays rewrite the gradients the capture made;
     gradients kept and zeroed in place cost each replay a pass to zero them and one to
@@ -278,8 +278,6 @@ class GraphedStep:
         self._side: torch.cuda.Stream | None = None
         # What the capture read on the host (``note_host_values``).
         self._host_reads = HostReads()
-        # The most bytes a warm-up call copied from the host (``note_host_copy``).
-        self._host_copied = 0
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -321,18 +319,16 @@ class GraphedStep:
             self._side = torch.cuda.Stream(inputs[0].device)
         side = self._side
         side.wait_stream(torch.cuda.current_stream())
-        copied = _host_copied
         with torch.cuda.stream(side):
             out = self.fn(*inputs)
         torch.cuda.current_stream().wait_stream(side)
-        self._host_copied = max(self._host_copied, _host_copied - copied)
         return out
 
     def _capture(self, inputs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._inputs = [x.clone() for x in inputs]
         # The capture rebuilds the tables of tensors it allocates (gradients set to None
-        # before the step), at the warm-up's sizes; more than 64 KB is rarely needed.
-        reserve_host_memory(2 * self._host_copied + 65536)
+        # before the step), at the sizes of those the warm-up left in the cache.
+        reserve_host_memory(2 * _cached_table_bytes() + 65536)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with _recording_host_reads() as self._host_reads, torch.cuda.graph(graph):

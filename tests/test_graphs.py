@@ -298,6 +298,21 @@ def test_a_capture_stages_its_host_copies_in_memory_set_aside_before_it(monkeypa
     assert graphs._reserve is reserve and graphs._reserved_used == 48
 
 
+def test_a_capture_reserves_twice_what_the_cached_tables_weigh(monkeypatch):
+    """What GraphedStep reserves before its capture: the capture rebuilds the tables of
+    the tensors it allocates, at the sizes of those its warm-up left in the cache."""
+    from collections import OrderedDict
+
+    from mpgemm import graphs
+    from mpgemm.kernels import tensor_table
+
+    monkeypatch.setattr(tensor_table, "_cache", OrderedDict())
+    assert graphs._cached_table_bytes() == 0
+    table, *_ = tensor_table.tensor_table([[torch.ones(5000), torch.ones(3)]])
+    hyper = tensor_table.scalar_table([0.1, 0.9], torch.device("cpu"))
+    assert graphs._cached_table_bytes() == 8 * (table.numel() + hyper.numel()) > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
 def test_a_capture_of_a_step_that_sets_gradients_to_none_pins_nothing(monkeypatch):
     """The graphed recipe sets gradients to None, so its capture builds the optimizer's
