@@ -475,7 +475,7 @@ def _reduction_blocks(N: int, splits: int) -> tuple[int, int]:
     and spilled, sm_90a). The interpreter's: 32x32."""
     if INTERPRET:
         return 32, 32
-    block_n = min(64, max(16, triton.next_power_of_2(N)))
+    block_n = min(64, max(16, 1 << (N - 1).bit_length()))
     return min(64, 16384 // (splits * block_n)), block_n
 
 

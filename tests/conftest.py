@@ -114,14 +114,16 @@ def _poisoned(make):
 # was traced into, down to the real function, which the map then lacked: a compiled
 # step that allocates a gradient failed with "Attempted to call function marked as
 # skipped" after some other tests had run in the same process.
-_POISONED = {"empty": _poisoned(torch.empty), "empty_like": _poisoned(torch.empty_like)}
+_POISONED = {
+    name: _poisoned(getattr(torch, name)) for name in ("empty", "empty_like", "empty_strided")
+}
 
 
 @pytest.fixture(autouse=True)
 def poison_allocations(request, monkeypatch):
-    """Every floating tensor made by torch.empty/empty_like starts as NaN, so an output
-    element the kernels leave unwritten fails the test (NaN never passes); not in tests
-    marked ``unpoisoned``."""
+    """Every floating tensor made by torch.empty/empty_like/empty_strided starts as NaN,
+    so an output element the kernels leave unwritten fails the test (NaN never passes);
+    not in tests marked ``unpoisoned``."""
     if request.node.get_closest_marker("unpoisoned"):
         return
     for name, poisoned in _POISONED.items():
