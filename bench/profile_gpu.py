@@ -655,10 +655,10 @@ def _head_input_gradient(how: str):
         return lambda: torch.matmul(dy.half(), w)
     if how == "mpgemm":
         return lambda: triton_gemm(dy, w, **args)
-    # dY's 10 columns in rows of 16: FP32 as the loss's backward could write it, or FP16
-    # rounded at each call
+    # dY's 10 columns in rows of 16 (the loss's layout): FP32 as the loss's backward
+    # writes it, or FP16 rounded at each call
     dtype = torch.float16 if how == "fp16 padded" else torch.float32
-    rows = torch.zeros(8192, 16, device=DEVICE, dtype=dtype)[:, :10]
+    rows = padded_rows(8192, 10, dtype, DEVICE)
     rows.copy_(dy)
     if how == "fp32 padded":
         return lambda: triton_gemm(rows, w, **args)
