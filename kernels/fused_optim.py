@@ -9,6 +9,10 @@ and written back (torch's optimizers leave ``.grad`` unscaled after ``scaler.ste
 where ``found_inf`` is nonzero, each program reads the flag and nothing else, so the
 parameters and state keep their bits and the host never has to read the flag.
 
+A program steps a span of one tensor's elements (``tensor_table``), a block at a time:
+its reads of the table, the hyperparameters and the step count, and the bias
+corrections and the arrival, are paid once per span (``blocks_per_program_for``).
+
 A parameter may come with a compute copy (``mpgemm.compute_copy``: the 16-bit weight
 an ``mpgemm.Linear``'s GEMMs read); the step writes it from the updated parameter in the
 same pass, so the next forward needs no cast. A parameter without one is listed as its
@@ -18,9 +22,9 @@ and bias (without) take one launch; ``HAS_COPY`` is off when no parameter has on
 The step counts (Adam's; SGD's with dampening, which mark a buffer's first step) are
 advanced in the same launch where the step is taken: each program reads its
 parameter's count of the steps before this one, and the last of the parameter's
-programs to arrive (``mpgemm.kernels.arrivals``; each arrives after its loads, before
-its stores) stores the count plus one. That takes the place of two torch launches a
-step (an ``eq`` of the flag, then ``_foreach_add_``).
+programs to arrive (``mpgemm.kernels.arrivals``; each arrives after its first block's
+loads, before its stores) stores the count plus one. That takes the place of two torch
+launches a step (an ``eq`` of the flag, then ``_foreach_add_``).
 
 Hyperparameters arrive in an FP64 table (``scalar_table``), as torch computes its
 Python-side scalars (bias corrections, ``1 - lr * weight_decay``) in double before
@@ -48,28 +52,29 @@ from mpgemm.kernels.launches import Launched, launch
 from mpgemm.kernels.rounding import cast_rne, widen
 from mpgemm.kernels.tensor_table import (
     TRITON_DTYPES,
-    load_block,
+    load_part,
     narrow_pointers,
     scalar_table,
+    store_part,
     table_address,
-    table_block,
-    table_blocks,
     table_pointer,
+    table_programs,
+    table_span,
     tensor_table,
 )
 
 if TYPE_CHECKING:
     from mpgemm.scaling import ParamGroups
 
-# Elements per program of the optimizer steps: 8 per thread for 8 warps, half the tensor
-# table's BLOCK. Under Triton 3.6 and 3.9 Adam takes 84 registers a thread (100 writing
-# a 16-bit copy until its stores kept one layout: narrow_pointers), so two 8-warp
-# programs fit on an SM, one program's loads in flight while the other waits on its
-# table; at 16 per thread it took 153 (one program). On the H100, two programs per SM
-# moved the guide's step from 54% to 82% of DRAM bandwidth
-# (bench/results/h100-2026-11-22). SGD at 16 took 122 to 132 registers (146 under 3.9:
-# one program per SM above 128), at 8 it takes 52 to 60 (four) (python -m
-# mpgemm.kernels.aot; bench/sweep_optim.py).
+# Elements a program of the optimizer steps takes at a time: 8 per thread for 8 warps,
+# half the tensor table's BLOCK. Adam writing a 16-bit copy takes 120 registers a thread
+# under Triton 3.6 and 3.9 (sm_90a; 84 before a program looped over a span of blocks,
+# 100 before its stores kept one layout: narrow_pointers), so two 8-warp programs fit on
+# an SM (capped at 80, three, it spills nothing); at 16 per thread it took 153 (one
+# program). On the H100, two programs per SM moved the guide's step from 54% to 82% of
+# DRAM bandwidth (bench/results/h100-2026-11-22). SGD at 16 took 122 to 132 registers
+# (146 under 3.9: one program per SM above 128), at 8 it takes 58 to 77 (four programs
+# at 64 or fewer, else three) (python -m mpgemm.kernels.aot; bench/sweep_optim.py).
 OPTIMIZER_BLOCK = 2048
 
 
@@ -77,14 +82,16 @@ OPTIMIZER_BLOCK = 2048
 def _unscaled_grad(
     g,
     g_ptr,
-    mask,
+    offsets,
+    rest,
     grad_scale_ptr,
     GRAD_DTYPE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """The block's gradient ``g``, as loaded from ``g_ptr``, in FP32, divided by the loss
+    """The block's gradient ``g``, as loaded from ``g_ptr`` (the tensor's for its first
+    ``rest`` elements: ``load_part``), in FP32, divided by the loss
     scale and rounded to its own dtype as ``GradScaler.unscale_`` would leave it (and left
     so in the gradient tensor, as torch's optimizers leave it after ``scaler.step``),
     negated to maximise."""
@@ -95,7 +102,7 @@ def _unscaled_grad(
         # rather than by three torch ops before the launch.
         inv_scale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
         g = cast_rne(g * inv_scale, GRAD_DTYPE, INTERPRETED)
-        tl.store(g_ptr, g, mask=mask)
+        store_part(g_ptr, g, offsets, rest)
         g = widen(g, INTERPRETED)
     if MAXIMIZE:
         g = -g
@@ -113,18 +120,20 @@ def _takes_step(found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
 
 
 @triton.jit
-def _advance_count(counter_ptr, programs, step_ptr, step, COUNTS: tl.constexpr):
+def _advance_count(counter_ptr, programs, step_ptr, step, leading, COUNTS: tl.constexpr):
     """With ``COUNTS``, store ``step``, the parameter's count with this step, once all the
     parameter's ``programs`` have read the count before it: the last of them to arrive
-    on ``counter_ptr`` does. Called after the program's loads and before its first
-    store: the arrival's release waits for the program's earlier memory operations,
-    and so only for loads that the program waits for anyway; its stores, which need no
-    ordering with the count, drain after it as the program ends. (Until 2026-11-26 the
-    arrival came last, after the 28 KB of stores of an Adam program writing a copy.)"""
+    on ``counter_ptr`` does. Called in every block of the program's span, after the
+    block's loads and before its stores, it arrives in the ``leading`` (first) block
+    only: the arrival's release waits for the program's earlier memory operations, and
+    so only for loads that the program waits for anyway; its stores, which need no
+    ordering with the count, drain after it. (Until 2026-11-26 the arrival came last,
+    after the 28 KB of stores of an Adam program writing a copy.)"""
     if COUNTS:
-        if arrive(counter_ptr, programs):
-            tl.store(step_ptr, step)
-            leave(counter_ptr)
+        if leading:
+            if arrive(counter_ptr, programs):
+                tl.store(step_ptr, step)
+                leave(counter_ptr)
 
 
 @triton.jit
@@ -163,7 +172,8 @@ def _store_param(
     p_ptr,
     c_ptr,
     p,
-    mask,
+    offsets,
+    rest,
     has_copy,
     PARAM_DTYPE: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
@@ -173,10 +183,11 @@ def _store_param(
     """Store the updated parameter, and its compute copy (if ``has_copy``: see
     ``_compute_copy``) rounded from what was stored."""
     p = cast_rne(p, PARAM_DTYPE, INTERPRETED)
-    tl.store(p_ptr, p, mask=mask)
+    store_part(p_ptr, p, offsets, rest)
     if HAS_COPY:
         if has_copy:
-            tl.store(c_ptr, cast_rne(widen(p, INTERPRETED), COPY_DTYPE, INTERPRETED), mask=mask)
+            copy = cast_rne(widen(p, INTERPRETED), COPY_DTYPE, INTERPRETED)
+            store_part(c_ptr, copy, offsets, rest)
 
 
 @triton.jit
@@ -185,20 +196,17 @@ def _compute_copy(
     num_tensors,
     tensor,
     start,
-    offsets,
     COPY_LIST: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
-    PARAM_DTYPE: tl.constexpr,
     HAS_COPY: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    """(the block's pointers into this tensor's compute copy, list ``COPY_LIST``;
-    whether the copy is a tensor of its own). A parameter without one is listed as its
-    own copy, so that one launch steps an ``mpgemm.Linear``'s weight, which has one, and
-    its bias, which has none. False, with nothing read, when no tensor of the launch
-    has one (``HAS_COPY`` off)."""
+    """(the address of the span's first element in this tensor's compute copy, list
+    ``COPY_LIST``; whether the copy is a tensor of its own). A parameter without one is
+    listed as its own copy, so that one launch steps an ``mpgemm.Linear``'s weight,
+    which has one, and its bias, which has none. False, with nothing read, when no
+    tensor of the launch has one (``HAS_COPY`` off)."""
     c_ptr = table_pointer(table_ptr, num_tensors, tensor, start, COPY_LIST, COPY_DTYPE, ALIGNED)
-    c_ptr = narrow_pointers(c_ptr, offsets, PARAM_DTYPE)
     has_copy = False
     if HAS_COPY:
         copy = table_address(table_ptr, num_tensors, tensor, COPY_LIST)
@@ -207,12 +215,26 @@ def _compute_copy(
 
 
 @triton.jit
+def _block_of(pointer, first, offsets, BLOCK: tl.constexpr, NARROW_FOR: tl.constexpr):
+    """The pointers of the span's block at ``first`` (a multiple of ``BLOCK``) from the
+    span's first element's, ``pointer``; with ``NARROW_FOR`` a dtype, those of a list
+    narrower than it (``narrow_pointers``)."""
+    offsets = tl.multiple_of(first, BLOCK) + offsets
+    if NARROW_FOR is None:
+        pointer = pointer + offsets
+    else:
+        pointer = narrow_pointers(pointer, offsets, NARROW_FOR)
+    return pointer
+
+
+@triton.jit
 def _sgd_block(
     p_ptr,
     g_ptr,
     buf_ptr,
     c_ptr,
-    mask,
+    offsets,
+    rest,
     has_copy,
     grad_scale_ptr,
     lr,
@@ -224,6 +246,7 @@ def _sgd_block(
     programs,
     step_ptr,
     step,
+    leading,
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
@@ -237,14 +260,14 @@ def _sgd_block(
 ):
     # Every load is issued before the first store, which the compiler may not move them
     # past (it cannot tell that the tensors do not overlap): their latencies overlap.
-    p = widen(load_block(p_ptr, mask), INTERPRETED)
-    g = load_block(g_ptr, mask)
+    p = widen(load_part(p_ptr, offsets, rest), INTERPRETED)
+    g = load_part(g_ptr, offsets, rest)
     if HAS_MOMENTUM:
-        buf = widen(load_block(buf_ptr, mask), INTERPRETED)
+        buf = widen(load_part(buf_ptr, offsets, rest), INTERPRETED)
     # The step count's arrival, after the loads and before any store.
-    _advance_count(counter_ptr, programs, step_ptr, step, DAMPENING)
+    _advance_count(counter_ptr, programs, step_ptr, step, leading, DAMPENING)
     g = _unscaled_grad(
-        g, g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
+        g, g_ptr, offsets, rest, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
     )
     if weight_decay != 0:
         g = g + weight_decay.to(tl.float32) * p
@@ -257,13 +280,15 @@ def _sgd_block(
         else:
             # From a buffer of zeros, the first step's is the gradient, as torch's.
             buf = buf * momentum.to(tl.float32) + g
-        tl.store(buf_ptr, cast_rne(buf, PARAM_DTYPE, INTERPRETED), mask=mask)
+        store_part(buf_ptr, cast_rne(buf, PARAM_DTYPE, INTERPRETED), offsets, rest)
         if NESTEROV:
             g = g + momentum.to(tl.float32) * buf
         else:
             g = buf
     p = p - lr.to(tl.float32) * g
-    _store_param(p_ptr, c_ptr, p, mask, has_copy, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED)
+    _store_param(
+        p_ptr, c_ptr, p, offsets, rest, has_copy, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED
+    )
 
 
 @triton.jit
@@ -282,6 +307,8 @@ def _sgd_kernel(
     # int32 arrival counters, one per tensor (``mpgemm.kernels.arrivals``; unused
     # unless DAMPENING)
     counter_ptr,
+    # the elements of a tensor each program steps, BLOCK at a time (``tensor_table``)
+    span,
     # element types
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
@@ -307,25 +334,13 @@ def _sgd_kernel(
     take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
     # (The copies move one place along with the step counts.)
     num_lists: tl.constexpr = 4 + DAMPENING + GROUPED
-    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, num_lists, BLOCK)
+    tensor, start, remaining = table_span(table_ptr, num_tensors, num_lists, span)
     hyper_ptr = _group_row(hyper_ptr, table_ptr, num_tensors, tensor, 4 + DAMPENING, 4, GROUPED)
-    p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
+    p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED)
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED)
-    g_ptr = narrow_pointers(g_ptr, offsets, PARAM_DTYPE)
-    buf_ptr = (
-        table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
-    )
+    buf_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED)
     c_ptr, has_copy = _compute_copy(
-        table_ptr,
-        num_tensors,
-        tensor,
-        start,
-        offsets,
-        3 + DAMPENING,
-        COPY_DTYPE,
-        PARAM_DTYPE,
-        HAS_COPY,
-        ALIGNED,
+        table_ptr, num_tensors, tensor, start, 3 + DAMPENING, COPY_DTYPE, HAS_COPY, ALIGNED
     )
     lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
     momentum = tl.load(hyper_ptr + 1)
@@ -341,16 +356,23 @@ def _sgd_kernel(
         step_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, 3, tl.float32, False)
         step = tl.load(step_ptr) + 1.0
         first_step = step == 1.0
-        programs = table_blocks(table_ptr, num_tensors, tensor, num_lists, BLOCK)
+        programs = table_programs(table_ptr, num_tensors, tensor, num_lists, span)
     if take_step:
-        # Whole blocks go unmasked, which lets the compiler vectorise their loads.
-        if full:
+        offsets = tl.arange(0, BLOCK)
+        # The span a block at a time (a zero-size tensor's program runs one, empty, to
+        # arrive).
+        for first in range(0, tl.maximum(remaining, 1), BLOCK):
+            p_block = _block_of(p_ptr, first, offsets, BLOCK, None)
+            g_block = _block_of(g_ptr, first, offsets, BLOCK, PARAM_DTYPE)
+            buf_block = _block_of(buf_ptr, first, offsets, BLOCK, None)
+            c_block = _block_of(c_ptr, first, offsets, BLOCK, PARAM_DTYPE)
             _sgd_block(
-                p_ptr,
-                g_ptr,
-                buf_ptr,
-                c_ptr,
-                None,
+                p_block,
+                g_block,
+                buf_block,
+                c_block,
+                offsets,
+                remaining - first,
                 has_copy,
                 grad_scale_ptr,
                 lr,
@@ -362,35 +384,7 @@ def _sgd_kernel(
                 programs,
                 step_ptr,
                 step,
-                PARAM_DTYPE,
-                GRAD_DTYPE,
-                COPY_DTYPE,
-                HAS_COPY,
-                HAS_MOMENTUM,
-                DAMPENING,
-                NESTEROV,
-                MAXIMIZE,
-                HAS_GRAD_SCALE,
-                INTERPRETED,
-            )
-        else:
-            _sgd_block(
-                p_ptr,
-                g_ptr,
-                buf_ptr,
-                c_ptr,
-                mask,
-                has_copy,
-                grad_scale_ptr,
-                lr,
-                momentum,
-                weight_decay,
-                dampening,
-                first_step,
-                counter_ptr,
-                programs,
-                step_ptr,
-                step,
+                first == 0,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
@@ -412,7 +406,8 @@ def _adam_block(
     v_ptr,
     v_max_ptr,
     c_ptr,
-    mask,
+    offsets,
+    rest,
     has_copy,
     grad_scale_ptr,
     lr,
@@ -424,6 +419,9 @@ def _adam_block(
     counter_ptr,
     programs,
     step_ptr,
+    leading,
+    step_size,
+    bias_correction2_sqrt,
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     COPY_DTYPE: tl.constexpr,
@@ -434,24 +432,30 @@ def _adam_block(
     HAS_GRAD_SCALE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    """One block of the span, whose first ``rest`` elements are the tensor's (all, but in
+    a tensor's last block); ``leading``, the span's first, which also takes the bias
+    corrections (``step_size``, ``bias_correction2_sqrt``: returned for the span's
+    other blocks) and the step count's arrival."""
     # Every load is issued first (the compiler may not move one past a store: it cannot
-    # tell that the tensors do not overlap), then the double-precision bias corrections,
-    # a long dependent chain, run while the loads are in flight.
-    p = widen(load_block(p_ptr, mask), INTERPRETED)
-    g = load_block(g_ptr, mask)
-    m = widen(load_block(m_ptr, mask), INTERPRETED)
-    v = widen(load_block(v_ptr, mask), INTERPRETED)
+    # tell that the tensors do not overlap), then, in the leading block, the
+    # double-precision bias corrections, a long dependent chain, run while the loads
+    # are in flight.
+    p = widen(load_part(p_ptr, offsets, rest), INTERPRETED)
+    g = load_part(g_ptr, offsets, rest)
+    m = widen(load_part(m_ptr, offsets, rest), INTERPRETED)
+    v = widen(load_part(v_ptr, offsets, rest), INTERPRETED)
     if AMSGRAD:
-        v_max = widen(load_block(v_max_ptr, mask), INTERPRETED)
-    # The step count, this step included, gives the bias corrections, in double as
-    # torch takes them.
-    t = step.to(tl.float64)
-    step_size = (lr / (1.0 - tl.exp(t * tl.log(beta1)))).to(tl.float32)
-    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(tl.float32)
+        v_max = widen(load_part(v_max_ptr, offsets, rest), INTERPRETED)
+    if leading:
+        # The step count, this step included, gives the bias corrections, in double as
+        # torch takes them.
+        t = step.to(tl.float64)
+        step_size = (lr / (1.0 - tl.exp(t * tl.log(beta1)))).to(tl.float32)
+        bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(tl.float32)
     # The step count's arrival, after the loads and before any store.
-    _advance_count(counter_ptr, programs, step_ptr, step, True)
+    _advance_count(counter_ptr, programs, step_ptr, step, leading, True)
     g = _unscaled_grad(
-        g, g_ptr, mask, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
+        g, g_ptr, offsets, rest, grad_scale_ptr, GRAD_DTYPE, HAS_GRAD_SCALE, MAXIMIZE, INTERPRETED
     )
     if weight_decay != 0:
         if DECOUPLED_WEIGHT_DECAY:
@@ -472,11 +476,14 @@ def _adam_block(
     # IEEE square root and division, as torch's: tl.sqrt and "/" are approximate on GPUs.
     denom = tl.div_rn(tl.sqrt_rn(second), bias_correction2_sqrt) + eps.to(tl.float32)
     p = p - step_size * tl.div_rn(m, denom)
-    tl.store(m_ptr, cast_rne(m, PARAM_DTYPE, INTERPRETED), mask=mask)
-    tl.store(v_ptr, cast_rne(v, PARAM_DTYPE, INTERPRETED), mask=mask)
+    store_part(m_ptr, cast_rne(m, PARAM_DTYPE, INTERPRETED), offsets, rest)
+    store_part(v_ptr, cast_rne(v, PARAM_DTYPE, INTERPRETED), offsets, rest)
     if AMSGRAD:
-        tl.store(v_max_ptr, cast_rne(second, PARAM_DTYPE, INTERPRETED), mask=mask)
-    _store_param(p_ptr, c_ptr, p, mask, has_copy, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED)
+        store_part(v_max_ptr, cast_rne(second, PARAM_DTYPE, INTERPRETED), offsets, rest)
+    _store_param(
+        p_ptr, c_ptr, p, offsets, rest, has_copy, PARAM_DTYPE, COPY_DTYPE, HAS_COPY, INTERPRETED
+    )
+    return step_size, bias_correction2_sqrt
 
 
 @triton.jit
@@ -496,6 +503,8 @@ def _adam_kernel(
     beta2_ptr,
     # int32 arrival counters, one per tensor (``mpgemm.kernels.arrivals``)
     counter_ptr,
+    # the elements of a tensor each program steps, BLOCK at a time (``tensor_table``)
+    span,
     # element types
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
@@ -522,29 +531,17 @@ def _adam_kernel(
     take_step = _takes_step(found_inf_ptr, HAS_FOUND_INF)
     # (The lists after exp_avg_sq move one place along with AMSGrad's maxima.)
     num_lists: tl.constexpr = 6 + AMSGRAD + GROUPED
-    tensor, start, offsets, mask, full = table_block(table_ptr, num_tensors, num_lists, BLOCK)
+    tensor, start, remaining = table_span(table_ptr, num_tensors, num_lists, span)
     hyper_ptr = _group_row(hyper_ptr, table_ptr, num_tensors, tensor, 6 + AMSGRAD, 5, GROUPED)
-    p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED) + offsets
+    p_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 0, PARAM_DTYPE, ALIGNED)
     g_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 1, GRAD_DTYPE, ALIGNED)
-    g_ptr = narrow_pointers(g_ptr, offsets, PARAM_DTYPE)
-    m_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED) + offsets
-    v_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, PARAM_DTYPE, ALIGNED) + offsets
+    m_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 2, PARAM_DTYPE, ALIGNED)
+    v_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 3, PARAM_DTYPE, ALIGNED)
     v_max_ptr = v_ptr  # (not read without AMSGrad)
     if AMSGRAD:
-        v_max_ptr = (
-            table_pointer(table_ptr, num_tensors, tensor, start, 4, PARAM_DTYPE, ALIGNED) + offsets
-        )
+        v_max_ptr = table_pointer(table_ptr, num_tensors, tensor, start, 4, PARAM_DTYPE, ALIGNED)
     c_ptr, has_copy = _compute_copy(
-        table_ptr,
-        num_tensors,
-        tensor,
-        start,
-        offsets,
-        5 + AMSGRAD,
-        COPY_DTYPE,
-        PARAM_DTYPE,
-        HAS_COPY,
-        ALIGNED,
+        table_ptr, num_tensors, tensor, start, 5 + AMSGRAD, COPY_DTYPE, HAS_COPY, ALIGNED
     )
     lr = _hyperparameter(hyper_ptr, 0, lr_ptr, TENSOR_LR)
     beta1 = _hyperparameter(hyper_ptr, 1, beta1_ptr, TENSOR_BETA1)
@@ -555,18 +552,30 @@ def _adam_kernel(
     step_ptr = table_pointer(table_ptr, num_tensors, tensor, 0, 4 + AMSGRAD, tl.float32, False)
     step = tl.load(step_ptr) + 1.0
     counter_ptr += tensor
-    programs = table_blocks(table_ptr, num_tensors, tensor, num_lists, BLOCK)
+    programs = table_programs(table_ptr, num_tensors, tensor, num_lists, span)
     if take_step:
-        # Whole blocks go unmasked, which lets the compiler vectorise their loads.
-        if full:
-            _adam_block(
-                p_ptr,
-                g_ptr,
-                m_ptr,
-                v_ptr,
-                v_max_ptr,
-                c_ptr,
-                None,
+        offsets = tl.arange(0, BLOCK)
+        # The bias corrections, taken in the leading block (_adam_block).
+        step_size = tl.zeros((), tl.float32)
+        bias_correction2_sqrt = tl.zeros((), tl.float32)
+        # The span a block at a time (a zero-size tensor's program runs one, empty, to
+        # arrive).
+        for first in range(0, tl.maximum(remaining, 1), BLOCK):
+            p_block = _block_of(p_ptr, first, offsets, BLOCK, None)
+            g_block = _block_of(g_ptr, first, offsets, BLOCK, PARAM_DTYPE)
+            m_block = _block_of(m_ptr, first, offsets, BLOCK, None)
+            v_block = _block_of(v_ptr, first, offsets, BLOCK, None)
+            v_max_block = _block_of(v_max_ptr, first, offsets, BLOCK, None)
+            c_block = _block_of(c_ptr, first, offsets, BLOCK, PARAM_DTYPE)
+            step_size, bias_correction2_sqrt = _adam_block(
+                p_block,
+                g_block,
+                m_block,
+                v_block,
+                v_max_block,
+                c_block,
+                offsets,
+                remaining - first,
                 has_copy,
                 grad_scale_ptr,
                 lr,
@@ -578,36 +587,9 @@ def _adam_kernel(
                 counter_ptr,
                 programs,
                 step_ptr,
-                PARAM_DTYPE,
-                GRAD_DTYPE,
-                COPY_DTYPE,
-                HAS_COPY,
-                DECOUPLED_WEIGHT_DECAY,
-                AMSGRAD,
-                MAXIMIZE,
-                HAS_GRAD_SCALE,
-                INTERPRETED,
-            )
-        else:
-            _adam_block(
-                p_ptr,
-                g_ptr,
-                m_ptr,
-                v_ptr,
-                v_max_ptr,
-                c_ptr,
-                mask,
-                has_copy,
-                grad_scale_ptr,
-                lr,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                step,
-                counter_ptr,
-                programs,
-                step_ptr,
+                first == 0,
+                step_size,
+                bias_correction2_sqrt,
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 COPY_DTYPE,
@@ -634,6 +616,7 @@ def _launch(
     tensor_flags: Sequence[str],
     counts_steps: bool,
     block: int = OPTIMIZER_BLOCK,
+    blocks_per_program: int | None = None,
     num_warps: int = 8,
     maxnreg: int | None = None,
     **flags,
@@ -647,10 +630,13 @@ def _launch(
     ``counts_steps``: the last of ``lists`` holds step counts that the kernel advances
     where the step is taken (every tensor gets a program then, a zero-size one too,
     and the programs of a tensor arrive on a counter of their own: the last stores
-    the count). ``block``: the elements per program; ``maxnreg``: a cap on a thread's
-    registers (ptxas spills above it; None: no cap). ``bench/sweep_optim.py`` times
-    other values of these and ``num_warps`` on a GPU, and reads the binary's registers
-    from what this returns: ``launch``'s answer (None without a launch)."""
+    the count). ``block``: the elements a program steps at a time;
+    ``blocks_per_program``: how many consecutive blocks of a tensor each program steps
+    (None: ``tensor_table.blocks_per_program_for`` the launch's size); ``maxnreg``: a
+    cap on a thread's registers (ptxas spills above it; None: no cap).
+    ``bench/sweep_optim.py`` times other values of these and ``num_warps`` on a GPU, and
+    reads the binary's registers from what this returns: ``launch``'s answer (None
+    without a launch)."""
     params = lists[0]
     if copies is None:
         copies = params  # each parameter its own copy: nothing more is written
@@ -658,10 +644,14 @@ def _launch(
     first_copy = next(itertools.compress(copies, map(operator.is_not, copies, params)), None)
     has_copy = first_copy is not None
     rows, run_of_each = _hyper_rows(hyper, names, groups)
-    table, num_tensors, num_blocks, aligned = tensor_table(
-        [*lists, copies], block, every_tensor=counts_steps, groups=run_of_each
+    table, num_tensors, num_programs, aligned, span = tensor_table(
+        [*lists, copies],
+        block,
+        every_tensor=counts_steps,
+        groups=run_of_each,
+        blocks_per_program=blocks_per_program,
     )
-    if num_blocks == 0:
+    if num_programs == 0:
         return None
     # The lists walked element by element: the strided ones, and the copies if written.
     walked = [*aligned[:strided], *(aligned[-1:] if has_copy else ())]
@@ -671,7 +661,7 @@ def _launch(
     hyper_table = scalar_table(values, table.device)
     return launch(
         kernel,
-        (num_blocks,),
+        (num_programs,),
         table,
         num_tensors,
         found_inf if found_inf is not None else table,
@@ -679,6 +669,7 @@ def _launch(
         hyper_table,
         *(hyper[i] if tensor else hyper_table for i, tensor in enumerate(from_tensors)),
         counters(table.device, num_tensors) if counts_steps else table,
+        span,
         PARAM_DTYPE=TRITON_DTYPES[params[0].dtype],
         GRAD_DTYPE=TRITON_DTYPES[lists[1][0].dtype],
         COPY_DTYPE=TRITON_DTYPES[(first_copy if has_copy else params[0]).dtype],

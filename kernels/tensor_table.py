@@ -5,16 +5,18 @@ gradient of a model. One launch per tensor would cost a launch each for hundreds
 small tensors; instead a launch gets an int64 table, on the device, laid out as
 
     [ addresses of list 0 (T) | ... | addresses of list L-1 (T) | (group (T))
-      | numel (T) | first block (T) | tensor of each block (P) ]
+      | numel (T) | first program (T) | tensor of each program (P) ]
 
 for T tensors in each of L parallel lists (for example params, grads and moments) and
-P blocks of BLOCK elements; with ``groups``, a row of one integer per tensor after the
-lists (the optimizer steps' row of hyperparameters for each tensor: its param group's),
-read as list L's "address" (``table_address``). Program ``p`` handles block ``p``: elements
-``(p - first_block[t]) * BLOCK + arange(BLOCK)`` of tensor ``t = block_tensor[p]`` in
-every list. The tensors of a list share one dtype; a tensor is taken as its flat
-storage, so parallel tensors must have equal strides and be dense
-(``mpgemm.scaling.is_flat``).
+P programs; with ``groups``, a row of one integer per tensor after the lists (the
+optimizer steps' row of hyperparameters for each tensor: its param group's), read as
+list L's "address" (``table_address``). Program ``p`` handles a span of SPAN elements,
+``(p - first_program[t]) * SPAN + arange(SPAN)`` of tensor ``t = program_tensor[p]`` in
+every list (``table_span``), a block of BLOCK elements at a time: one block
+(``table_block``), or several (the optimizer steps, where a program's reads of the
+table, its hyperparameters and its step count are then paid once per span). The
+tensors of a list share one dtype; a tensor is taken as its flat storage, so parallel
+tensors must have equal strides and be dense (``mpgemm.scaling.is_flat``).
 
 Building a table costs a host-to-device copy; tables are cached by address, and the
 caching allocator hands a model's gradients the same addresses step after step. Each
@@ -27,6 +29,7 @@ import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,7 +37,7 @@ import triton.language as tl
 
 from mpgemm import graphs
 from mpgemm.functional import PLAIN_TYPES
-from mpgemm.kernels.gemm_common import cdiv
+from mpgemm.kernels.gemm_common import cdiv, multiprocessors
 from mpgemm.native import list_facts
 
 # torch dtype -> element type of the table's pointers
@@ -45,6 +48,41 @@ TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfl
 BLOCK = 4096
 _CACHE_SIZE = 16
 _cache: OrderedDict[tuple, object] = OrderedDict()
+# A launch whose programs take several blocks (``blocks_per_program`` None) gives each
+# at most this many, and keeps at least this many programs an SM (8 waves of the
+# optimizers' two programs an SM: the last wave, which leaves SMs idle, stays short).
+_MOST_BLOCKS_PER_PROGRAM = 8
+_LEAST_PROGRAMS_PER_SM = 16
+
+
+class Table(NamedTuple):
+    """A launch's table (``tensor_table``)."""
+
+    table: torch.Tensor  # int64, on the tensors' device
+    num_tensors: int
+    num_programs: int  # the launch's grid
+    aligned: tuple[bool, ...]  # per list: every tensor on a 16-byte boundary
+    span: int  # the elements each program takes: a multiple of the block
+
+
+def blocks_per_program_for(blocks: int, device: torch.device) -> int:
+    """How many consecutive blocks of a tensor each program takes, for a launch of
+    ``blocks`` blocks: doubled, up to 8, while the launch keeps at least 16 programs an
+    SM. Each program waits on two dependent table reads before its first load, and an
+    Adam program on its step count's arrival (an atomic's round trip) before its first
+    store; in a span those waits, the hyperparameters' reads and the bias corrections
+    come once. On an H200 (run8) the guide MLP's Adam, 20M parameters in 9,800
+    programs of one block, took 230 to 255 us, where a kernel streaming the same four
+    arrays a block a program, reading no table and arriving nowhere, took 160 to 164
+    (``bench/results/h200-2026-11-26/run8-at-c0225a0/adam/probe.json``); that those
+    waits make the difference is what ``bench/sweep_optim.py``'s rows of 1 to 16
+    blocks a program time. The guide's Adam gets 4 (2,448 programs on 132 SMs); a
+    small model's, 1."""
+    least = _LEAST_PROGRAMS_PER_SM * multiprocessors(device)
+    per_program = 1
+    while per_program < _MOST_BLOCKS_PER_PROGRAM and blocks // (2 * per_program) >= least:
+        per_program *= 2
+    return per_program
 
 
 def tensor_table(
@@ -53,17 +91,19 @@ def tensor_table(
     *,
     every_tensor: bool = False,
     groups: bytes = b"",
-) -> tuple[torch.Tensor, int, int, tuple[bool, ...]]:
+    blocks_per_program: int | None = 1,
+) -> Table:
     """The launch table for parallel ``lists`` of tensors, in blocks of ``block``
-    elements: ``(table, T, P, aligned)``, ``aligned[l]`` whether every tensor of list
-    ``l`` starts on a 16-byte boundary (the caching allocator's blocks do; views at an
-    offset may not): what the kernels' ``ALIGNED`` flag may promise.
+    elements, ``blocks_per_program`` of them a program (None: as many as
+    ``blocks_per_program_for`` gives the launch). ``aligned[l]``: whether every tensor
+    of list ``l`` starts on a 16-byte boundary (the caching allocator's blocks do; views
+    at an offset may not), what the kernels' ``ALIGNED`` flag may promise.
 
     ``lists[l][t]`` is tensor ``t`` of list ``l``; the numels come from list 0.
-    Zero-size tensors get no blocks, or, ``every_tensor``, one with no element in it
-    (for kernels that also do something once per tensor: ``table_blocks``). ``groups``:
-    none, or one int64 per tensor (native byte order), the row after the lists'. The
-    table lives on the tensors' device."""
+    Zero-size tensors get no program, or, ``every_tensor``, one with no element in it
+    (for kernels that also do something once per tensor: ``table_programs``).
+    ``groups``: none, or one int64 per tensor (native byte order), the row after the
+    lists'. The table lives on the tensors' device."""
     tensors = lists[0]
     device = tensors[0].device
     # An in-place op passes one list twice: each distinct list is read once (its
@@ -83,29 +123,33 @@ def tensor_table(
             _raise_devices(distinct.values())
         numels = array("q", facts[0].numels)
         addresses = [array("q", f.addresses) for f in facts]
+        per_program = blocks_per_program
+        if per_program is None:
+            per_program = blocks_per_program_for(sum(cdiv(n, block) for n in numels), device)
+        span = block * per_program
         least = 1 if every_tensor else 0
-        blocks = [max(cdiv(numel, block), least) for numel in numels]
-        first_blocks = list(itertools.accumulate(blocks, initial=0))
+        programs = [max(cdiv(numel, span), least) for numel in numels]
+        first_programs = list(itertools.accumulate(programs, initial=0))
         rows = array("q")
         for i in which:
             rows += addresses[i]
         rows.frombytes(groups)
         rows += numels
-        rows += array("q", first_blocks[:-1])
-        # The per-block column, one entry per block (5,000 for the guide MLP's 20M
+        rows += array("q", first_programs[:-1])
+        # The per-program column, one entry per program (2,448 for the guide MLP's 20M
         # parameters), repeated in C: a Python list of them took 290 us a table.
-        for index, count in enumerate(blocks):
+        for index, count in enumerate(programs):
             rows += array("q", [index]) * count
         # 15 & address is nonzero off a 16-byte boundary. Read here, once per table:
         # the cache key holds the addresses.
         aligned = tuple(not any(map((15).__and__, addresses[i])) for i in which)
         table = _to_device(torch.frombuffer(rows, dtype=torch.int64), device)
-        return table, len(tensors), first_blocks[-1], aligned
+        return Table(table, len(tensors), first_programs[-1], aligned, span)
 
     # What determines the table, as bytes (they hash and compare as one block of
     # memory, where a tuple of 600 Python ints took 20 us a lookup).
     known = b"".join(f.addresses for f in facts) + facts[0].numels
-    key = (device, block, every_tensor, which, known, groups)
+    key = (device, block, blocks_per_program, every_tensor, which, known, groups)
     return _cached(key, build)
 
 
@@ -170,29 +214,38 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def table_block(table_ptr, num_tensors, NUM_LISTS: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's block: ``(tensor index, start, offsets, mask, full)``. ``start``
-    (int64) is the block's first element in its tensor, for ``table_pointer``;
-    ``offsets`` (int32, ``arange(BLOCK)``) and ``mask`` are relative to it, so that each
-    element's index costs one 32-bit register whatever the tensor's size. ``full`` when
-    the whole block lies inside the tensor, so that it can go unmasked."""
+def table_span(table_ptr, num_tensors, NUM_LISTS: tl.constexpr, span):
+    """This program's span of elements: ``(tensor index, start, remaining)``. ``start``
+    (int64) is the span's first element in its tensor, for ``table_pointer``;
+    ``remaining`` (int32, at most ``span``), how many of the tensor's elements the span
+    holds: 0 for a zero-size tensor's program (``every_tensor``)."""
     pid = tl.program_id(0)
     tensor = tl.load(table_ptr + (NUM_LISTS + 2) * num_tensors + pid)
     numel = tl.load(table_ptr + NUM_LISTS * num_tensors + tensor)
     first = tl.load(table_ptr + (NUM_LISTS + 1) * num_tensors + tensor)
-    start = (pid - first) * BLOCK
+    start = (pid - first) * span
+    return tensor, start, tl.minimum(numel - start, span).to(tl.int32)
+
+
+@triton.jit
+def table_block(table_ptr, num_tensors, NUM_LISTS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's block, for a table of one block a program: ``(tensor index,
+    start, offsets, mask, full)``. ``offsets`` (int32, ``arange(BLOCK)``) and ``mask``
+    are relative to ``start`` (``table_span``'s), so that each element's index costs
+    one 32-bit register whatever the tensor's size. ``full`` when the whole block lies
+    inside the tensor, so that it can go unmasked."""
+    tensor, start, remaining = table_span(table_ptr, num_tensors, NUM_LISTS, BLOCK)
     # Blocks start at multiples of BLOCK: with aligned bases, loads can be 16 bytes wide.
     start = tl.multiple_of(start, BLOCK)
     offsets = tl.arange(0, BLOCK)
-    remaining = tl.minimum(numel - start, BLOCK).to(tl.int32)
     return tensor, start, offsets, offsets < remaining, remaining == BLOCK
 
 
 @triton.jit
-def table_blocks(table_ptr, num_tensors, tensor, NUM_LISTS: tl.constexpr, BLOCK: tl.constexpr):
+def table_programs(table_ptr, num_tensors, tensor, NUM_LISTS: tl.constexpr, span):
     """How many programs tensor ``tensor`` has, in a table made with ``every_tensor``."""
     numel = tl.load(table_ptr + NUM_LISTS * num_tensors + tensor)
-    return tl.maximum(tl.cdiv(numel, BLOCK), 1)
+    return tl.maximum(tl.cdiv(numel, span), 1)
 
 
 @triton.jit
@@ -213,8 +266,8 @@ def table_pointer(
 ):
     """The address of element ``start`` of tensor ``tensor`` of list ``list_index``, as a
     ``DTYPE`` pointer; ``ALIGNED`` promises that the tensor's address is a multiple of 16
-    bytes (``tensor_table``'s ``aligned``), and so is the block's (``start`` is a
-    multiple of BLOCK)."""
+    bytes (``tensor_table``'s ``aligned``), and so is the span's (``start`` is a
+    multiple of the span, which is of the block's 16 or more elements)."""
     address = table_address(table_ptr, num_tensors, tensor, list_index)
     pointer = address.to(tl.pointer_type(DTYPE), bitcast=True) + start
     if ALIGNED:
@@ -244,3 +297,25 @@ def load_block(pointer, mask):
     else:
         x = tl.load(pointer, mask=mask, other=0.0)
     return x
+
+
+@triton.jit
+def load_part(pointer, offsets, rest):
+    """``pointer``'s block (``offsets`` from its first element) where only its first
+    ``rest`` elements are the tensor's, zeros past them: unmasked when all are, which
+    lets the compiler vectorise the load (a span's whole blocks)."""
+    if rest >= offsets.shape[0]:
+        x = load_block(pointer, None)
+    else:
+        x = load_block(pointer, offsets < rest)
+    return x
+
+
+@triton.jit
+def store_part(pointer, value, offsets, rest):
+    """Store ``value`` into the first ``rest`` elements of ``pointer``'s block, as
+    ``load_part`` reads them."""
+    if rest >= offsets.shape[0]:
+        tl.store(pointer, value)
+    else:
+        tl.store(pointer, value, mask=offsets < rest)

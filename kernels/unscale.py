@@ -105,7 +105,7 @@ def triton_unscale_(
     write = inv_scale is not None
     dst = src if dst is None else dst
     lists = [src, dst]
-    table, num_tensors, num_blocks, aligned = tensor_table(lists)
+    table, num_tensors, num_blocks, aligned, _ = tensor_table(lists)
     if num_blocks == 0:
         return
     launch(

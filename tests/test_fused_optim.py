@@ -395,6 +395,101 @@ def test_parameters_with_and_without_copies_share_a_launch(device, name, copy_dt
             assert_same_bits(our_copies[i], ours[0][i].to(dtype), f"copy {i}")
 
 
+# Spans of several blocks (fused_optim.OPTIMIZER_BLOCK, 2048): a partial last block
+# after whole ones, spans that end on a block's end, a tensor of one span's elements
+# (two blocks: 4096) and one element past it, a zero-size one that counts its step.
+_SPAN_SHAPES = [(5000,), (4096,), (33, 7), (0,), (6145,), (1,)]
+
+
+def _step_in_spans(name, blocks_per_program, device, monkeypatch):
+    """A step over _SPAN_SHAPES, each program of the launch stepping
+    ``blocks_per_program`` blocks of a tensor: every list it writes, FP16 copies of the
+    even-numbered parameters poisoned before (the others their own)."""
+    from mpgemm.kernels import fused_optim
+
+    launch = fused_optim._launch
+    monkeypatch.setattr(
+        fused_optim,
+        "_launch",
+        functools.partial(launch, blocks_per_program=blocks_per_program),
+    )
+    g = torch.Generator().manual_seed(0)
+
+    def rand(scale=1.0, positive=False):
+        out = [torch.randn(s, generator=g).mul(scale).to(device) for s in _SPAN_SHAPES]
+        return [t.abs() for t in out] if positive else out
+
+    params, grads = rand(), rand(1024.0)
+    states = [rand(0.1), rand(0.01, positive=True)]
+    # Adam's counts, and SGD's with dampening: first steps (0) and later ones.
+    steps = [torch.tensor(float(i % 3), device=device) for i in range(len(_SPAN_SHAPES))]
+    copies = [
+        torch.full_like(p, float("nan"), dtype=torch.float16) if i % 2 == 0 else p
+        for i, p in enumerate(params)
+    ]
+    scaler = dict(grad_scale=torch.tensor(1024.0, device=device), found_inf=torch.zeros(()))
+    scaler["found_inf"] = scaler["found_inf"].to(device)
+    if name == "adam":
+        scaling.adam_step_(
+            params,
+            grads,
+            *states,
+            steps,
+            compute_copies=copies,
+            **_adam_hyper(False, scaler["grad_scale"], scaler["found_inf"]),
+        )
+    else:
+        scaling.sgd_step_(
+            params,
+            grads,
+            states[0],
+            steps=steps,
+            compute_copies=copies,
+            lr=0.01,
+            momentum=0.9,
+            dampening=0.25,
+            weight_decay=1e-4,
+            nesterov=False,
+            maximize=False,
+            **scaler,
+        )
+    monkeypatch.setattr(fused_optim, "_launch", launch)
+    return [params, grads, *states, steps, copies]
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+@pytest.mark.parametrize("blocks_per_program", [2, 3])
+def test_programs_of_several_blocks_write_the_bits_of_one_block_a_program(
+    device, monkeypatch, name, blocks_per_program
+):
+    """A program steps a span of its tensor a block at a time (the bias corrections and
+    the step count's arrival in its first block): every element of every list, the
+    copies and the step counts come out as a launch of one block a program writes them,
+    which the reference tests check."""
+    one = _step_in_spans(name, 1, device, monkeypatch)
+    several = _step_in_spans(name, blocks_per_program, device, monkeypatch)
+    for i, (a, b) in enumerate(zip(several, one, strict=True)):
+        for j, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_bits(x, y, f"{name}, list {i}, tensor {j}")
+    assert not any(t.isnan().any() for t in several[-1]), "a copy left unwritten"
+    counts = [float(t) for t in several[-2]]
+    assert counts == [float(i % 3 + 1) for i in range(len(_SPAN_SHAPES))]
+
+
+def test_a_launch_takes_more_blocks_a_program_as_it_grows():
+    """The guide MLP's Adam (20M parameters, 9,800 blocks of 2048) takes 4 blocks a
+    program on an H100's 132 SMs, 2,448 programs; a small model's one; never above 8."""
+    from mpgemm.kernels.tensor_table import blocks_per_program_for
+
+    h100 = torch.device("cpu")  # (a device without SMs of its own counts an H100's)
+    guide = sum(-(-n // 2048) for n in (4096 * 784, 4096, 4096 * 4096, 4096, 10 * 4096, 10))
+    assert blocks_per_program_for(guide, h100) == 4
+    assert blocks_per_program_for(50, h100) == 1
+    assert blocks_per_program_for(16 * 132 * 2 - 1, h100) == 1
+    assert blocks_per_program_for(16 * 132 * 2, h100) == 2
+    assert blocks_per_program_for(10**9, h100) == 8
+
+
 def test_each_launch_takes_one_parameter_dtype_and_one_copy_dtype(monkeypatch):
     """How the dispatcher groups parameters: one launch per parameter dtype and copy
     dtype, each parameter listed as its own copy joining a launch of its parameter
