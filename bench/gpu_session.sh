@@ -6,7 +6,8 @@
 #   (default: tests targets graph profile sweep adam train; also bench, ab)
 # Parts: a gpu_check stage (tests, targets, bench, train: bench/gpu_check.py); profile
 # (bench/profile_gpu.py, the runbook's sections); sweep (bench/sweep_optim.py, against
-# $SCRATCH/old_fused_optim.py where it exists); ab (bench/ab_activation.py against
+# $SCRATCH/old_fused_optim.py where it exists, with $SCRATCH/old_tensor_table.py where
+# that does); ab (bench/ab_activation.py against
 # $SCRATCH/old_activation.py, skipped without it; SCRATCH is .scratch unless set); adam
 # (bench/probe_adam.py, then ncu on its Adam step and 4/4 stream, every stall reason); graph
 # (bench/ab_graph.py: the graphed steps as shipped against variants). A
@@ -61,6 +62,7 @@ run() {  # run PART: its command, cut at the session's end, its output in $work/
     sweep)
       local against=()
       [ -f "$scratch/old_fused_optim.py" ] && against=(--against="$scratch/old_fused_optim.py")
+      [ -f "$scratch/old_tensor_table.py" ] && against+=(--against-table="$scratch/old_tensor_table.py")
       install && timeout -s INT "$left" "${interpret[@]}" "$python" bench/sweep_optim.py \
         "$work/$part/sweep.json" "${smoke[@]}" "${against[@]}" ;;
     ab)

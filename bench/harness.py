@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import json
 import os
+import sys
 import time
 from types import ModuleType
 from typing import NamedTuple
@@ -192,15 +193,28 @@ def median_us(fn, calls: int) -> float:
     return median(times) * 1e6
 
 
-def module_from(path: str, name: str) -> ModuleType:
+def module_from(path: str, name: str, replacing: dict[str, str] | None = None) -> ModuleType:
     """The module in the file at ``path`` (an earlier revision's kernels: ``git show
     REV:kernels/X.py > OLD.py``), loaded as ``name`` beside the installed one, whose
-    imports it shares: its Triton kernels are kernels of their own, compiled apart."""
+    imports it shares: its Triton kernels are kernels of their own, compiled apart.
+    ``replacing``: modules it imports (by their names) that it takes from earlier files
+    too (by path), where the installed ones have changed their interface."""
+    earlier = {
+        module: module_from(file, f"{name}_{module.rpartition('.')[2]}")
+        for module, file in (replacing or {}).items()
+    }
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ValueError(f"{path}: not a Python module")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    installed = {m: sys.modules[m] for m in earlier if m in sys.modules}
+    sys.modules.update(earlier)  # (for its imports only)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for m in earlier:
+            del sys.modules[m]
+        sys.modules.update(installed)
     return module
 
 

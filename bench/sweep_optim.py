@@ -6,7 +6,8 @@ streamed. Per-block int32 offsets and loads issued ahead of the bias corrections
 it to 100 registers (two programs per SM) and 248 to 258 us
 (``bench/results/h100-2026-11-22/run7-adam``).
 
-For each (elements per program, warps), this runs
+For each (elements a program steps at a time, warps, register cap, blocks a program),
+this runs
 ``mpgemm.scaling.adam_step_`` on the guide MLP's parameters (784-4096-4096-10, FP32,
 weights with FP16 copies, biases without: one launch, as in a training step), then on the same
 parameters without copies (an unconverted model's: one launch, which ptxas compiles
@@ -19,7 +20,7 @@ same for ``sgd_step_`` with momentum against torch.optim.SGD(fused=True): SGD ra
 
     python3 bench/sweep_optim.py [OUT.json]     # on a GPU
     python3 bench/sweep_optim.py --smoke        # tiny shapes, wall clock, any machine
-    python3 bench/sweep_optim.py [OUT.json] --against=OLD.py
+    python3 bench/sweep_optim.py [OUT.json] --against=OLD.py [--against-table=OLD_TABLE.py]
 
 ``--against``: an earlier ``kernels/fused_optim.py`` (``git show REV:kernels/fused_optim.py
 > OLD.py``), loaded beside the installed one, whose launchers must take the same
@@ -27,6 +28,9 @@ arguments: then both trees' Adam steps at the default shape, with copies, with a
 without a loss scale (a ``LossScaleOptimizer`` unscales before its step: the guide
 step's launch), alternating three rounds in this process, each checked to write the
 same bits as the other (rows ``mpgemm`` and ``mpgemm against``, ``round``).
+``--against-table``: that revision's ``kernels/tensor_table.py``, which the earlier
+module then imports in place of the installed one (before 2026-11-27's spans of
+several blocks a program, it took tables of one block a program).
 """
 
 from __future__ import annotations
@@ -40,23 +44,29 @@ from harness import DEVICE, median_us, module_from, write_rows
 
 from mpgemm import scaling
 from mpgemm.kernels import fused_optim
+from mpgemm.kernels.tensor_table import blocks_per_program_for
 from mpgemm.scaling import adam_step_, sgd_step_
 
 GUIDE = [(4096, 784), (4096,), (4096, 4096), (4096,), (10, 4096), (10,)]
 SMOKE = [(64, 48), (64,), (10, 64), (10,)]
-# (block, warps, register cap); the first is the default (8 warps, no cap: _launch's).
-DEFAULT = (fused_optim.OPTIMIZER_BLOCK, 8, None)
+# (block, warps, register cap, blocks a program); the first is the default (8 warps, no
+# cap, blocks a program by the launch's size: _launch's).
+DEFAULT = (fused_optim.OPTIMIZER_BLOCK, 8, None, None)
 SHAPES = [DEFAULT] + [
-    (block, warps, None)
+    (block, warps, None, None)
     for block, warps in itertools.product((1024, 2048, 4096), (4, 8))
-    if (block, warps, None) != DEFAULT
+    if (block, warps, None, None) != DEFAULT
 ]
-# Register caps: Adam's default shape took 84 registers under triton 3.6 (run8's ncu),
-# two 8-warp programs an SM; 80 fit three and 64 four. With its stores in one layout
-# (narrow_pointers), ptxas here gives it 84 under triton 3.6 and 3.9; a cap of 80
-# spills 96 bytes under 3.6 and none under 3.9, 64 spills 120. 1024 on 8 warps took 62
-# and no shared-memory stores (3.9).
-SHAPES += [(2048, 8, 80), (2048, 8, 64), (1024, 4, 80), (1024, 4, 64)]
+# Blocks a program: the guide's Adam gets 4 on 132 SMs (blocks_per_program_for); 1, one
+# block a program as before 2026-11-27 (each block paying for the table's reads, the
+# step count's arrival and the bias corrections), in the loop the spans take.
+SHAPES += [(fused_optim.OPTIMIZER_BLOCK, 8, None, k) for k in (1, 2, 4, 8, 16)]
+# Register caps: a cap of 80 fits three 8-warp programs an SM, 64 four. Adam's default
+# shape took 84 registers under triton 3.6 (run8's ncu), two programs an SM, and a cap
+# of 80 spilled; looping over a span of blocks, ptxas here gives the guide's launch 120
+# under 3.6 and 3.9 (still two), and a cap of 80 spills nothing, 64 spills 96 bytes
+# under 3.6 (120 under 3.9).
+SHAPES += [(2048, 8, 80, None), (2048, 8, 64, None), (1024, 4, 80, None), (1024, 4, 64, None)]
 HYPER = dict(
     lr=1e-3,
     beta1=0.9,
@@ -135,18 +145,28 @@ def _torch_fused(name, state, grad_scale, found_inf):
     return fused
 
 
-def _with_shape(block, num_warps, maxnreg, launched: list):
+def _with_shape(block, num_warps, maxnreg, per_program, launched: list):
     """fused_optim's launcher with this launch shape, whatever its callers pass; each
     launch's answer (a cached binary's launch, else None) appended to ``launched``."""
     launch = fused_optim._launch
 
     @functools.wraps(launch)
     def shaped(*args, **kwargs):
-        kwargs.update(block=block, num_warps=num_warps, maxnreg=maxnreg)
+        kwargs.update(
+            block=block, num_warps=num_warps, maxnreg=maxnreg, blocks_per_program=per_program
+        )
         launched.append(launch(*args, **kwargs))
         return launched[-1]
 
     return shaped
+
+
+def _per_program(block: int, per_program: int | None, shapes) -> int:
+    """The blocks a program of the launch over ``shapes`` takes (None: as chosen)."""
+    if per_program is not None:
+        return per_program
+    blocks = sum(-(-torch.Size(s).numel() // block) for s in shapes)
+    return blocks_per_program_for(blocks, DEVICE)
 
 
 def _binary_facts(launched: list) -> dict:
@@ -159,10 +179,13 @@ def _binary_facts(launched: list) -> dict:
     return dict(registers=compiled.n_regs, spills=compiled.n_spills)
 
 
-def _against(path: str, state, grad_scale, found_inf, numel, copied, calls) -> list[dict]:
+def _against(
+    path: str, table: str | None, state, grad_scale, found_inf, numel, copied, calls
+) -> list[dict]:
     """The ``--against`` rows: Adam through the installed launcher and through
-    ``path``'s, alternating."""
-    earlier = module_from(path, "fused_optim_against")
+    ``path``'s (importing ``table``'s tensor table, if given), alternating."""
+    replacing = {"mpgemm.kernels.tensor_table": table} if table else None
+    earlier = module_from(path, "fused_optim_against", replacing)
     launchers = scaling.kernels()  # the table the ops dispatch through
     installed = launchers["adam_step"]
     rows = []
@@ -207,6 +230,7 @@ def _against(path: str, state, grad_scale, found_inf, numel, copied, calls) -> l
 def main(argv: list[str]) -> int:
     smoke = "--smoke" in argv
     against = next((a.split("=", 1)[1] for a in argv if a.startswith("--against=")), None)
+    table = next((a.split("=", 1)[1] for a in argv if a.startswith("--against-table=")), None)
     out = next((a for a in argv if not a.startswith("--")), None)
     shapes, calls = (SMOKE, 3) if smoke else (GUIDE, 30)
     numel = sum(torch.Size(s).numel() for s in shapes)
@@ -218,9 +242,9 @@ def main(argv: list[str]) -> int:
     original = fused_optim._launch
     for name in ("adam", "sgd"):
         try:
-            for copies, (block, warps, cap) in itertools.product((True, False), SHAPES):
+            for copies, (block, warps, cap, k) in itertools.product((True, False), SHAPES):
                 launched: list = []
-                fused_optim._launch = _with_shape(block, warps, cap, launched)
+                fused_optim._launch = _with_shape(block, warps, cap, k, launched)
                 once = _fresh(state)
                 _ours(name, once, grad_scale, found_inf, copies)  # compiles; the bits
                 want = expected.setdefault((name, copies), once)
@@ -241,6 +265,7 @@ def main(argv: list[str]) -> int:
                         block=block,
                         num_warps=warps,
                         maxnreg=cap,
+                        blocks_per_program=_per_program(block, k, shapes),
                         **_binary_facts(launched),
                         us=us,
                         gb_per_s=nbytes / us / 1e3,
@@ -254,7 +279,7 @@ def main(argv: list[str]) -> int:
         nbytes = numel * 4 * FP32_ACCESSES[name]
         rows.append(dict(impl=f"torch fused {name}", us=us, gb_per_s=nbytes / us / 1e3))
     if against:
-        rows += _against(against, state, grad_scale, found_inf, numel, copied, calls)
+        rows += _against(against, table, state, grad_scale, found_inf, numel, copied, calls)
     write_rows(rows, out, elements=numel)
     return 0 if all(r.get("same_bits_as_default", True) for r in rows) else 1
 

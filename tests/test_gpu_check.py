@@ -195,26 +195,33 @@ def _interpreted_rows(script: str, *args: str) -> list[dict]:
 def test_the_optimizer_sweep_runs_every_launch_shape_to_the_same_bits():
     """bench/sweep_optim.py, the script a GPU session runs for the optimizers' gap, on
     tiny shapes through the interpreter: every launch shape writes the default's bits;
-    ``--against`` a copy of the kernels' module (as a session passes an earlier
-    revision's) times both, alternating, to the same bits."""
+    ``--against`` a copy of the kernels' module, importing a copy of the tensor table's
+    (as a session passes an earlier revision's), times both, alternating, to the same
+    bits."""
     rows = _interpreted_rows(
-        "sweep_optim.py", "--smoke", f"--against={ROOT / 'kernels' / 'fused_optim.py'}"
+        "sweep_optim.py",
+        "--smoke",
+        f"--against={ROOT / 'kernels' / 'fused_optim.py'}",
+        f"--against-table={ROOT / 'kernels' / 'tensor_table.py'}",
     )
-    # Per optimizer, (block, warps, register cap): 1024, 2048 and 4096 elements a
-    # program on 4 or 8 warps, uncapped, then four capped; with the weights' FP16 copies
-    # and without copies; then torch's fused step. The interpreter has no binary whose
-    # registers a row could give.
-    caps = [None] * 6 + [80, 64, 80, 64]
-    for name, block in (("adam", rows[:21]), ("sgd", rows[21:42])):
+    # Per optimizer, (block, warps, register cap, blocks a program): 1024, 2048 and 4096
+    # elements a block on 4 or 8 warps, uncapped, then 1 to 16 blocks a program, then
+    # four capped; with the weights' FP16 copies and without copies; then torch's fused
+    # step. The interpreter has no binary whose registers a row could give; the smoke
+    # test's launch is too small for more than one block a program of its own choice.
+    caps = [None] * 11 + [80, 64, 80, 64]
+    per_program = [1] * 6 + [1, 2, 4, 8, 16] + [1] * 4
+    for name, block in (("adam", rows[:31]), ("sgd", rows[31:62])):
         ours = block[:-1]
-        assert len(ours) == 20 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
+        assert len(ours) == 30 and all(r["same_bits_as_default"] and r["us"] > 0 for r in ours)
         assert all(r["optimizer"] == name for r in ours)
-        assert [r["copies"] for r in ours] == [True] * 10 + [False] * 10
+        assert [r["copies"] for r in ours] == [True] * 15 + [False] * 15
         assert [r["maxnreg"] for r in ours] == caps * 2
+        assert [r["blocks_per_program"] for r in ours] == per_program * 2
         assert all(r["registers"] is None and r["spills"] is None for r in ours)
         assert block[-1]["impl"] == f"torch fused {name}"
     # Three rounds of (unscaled, scaled) x (installed, against).
-    against = rows[42:]
+    against = rows[62:]
     assert [(r["round"], r["scaled"], r["impl"]) for r in against] == [
         (i, scaled, impl)
         for i in range(3)
