@@ -12,12 +12,14 @@ steps, edits, loads and freezes: its outputs those of a fresh deep copy), ``matm
 ``linear`` (with the activations, biases of any dtype and shape, the output dtypes),
 ``cross_entropy`` (ignore_index, smoothing, reductions, inf and NaN logits, classes out
 of range), ``optim`` (SGD, Adam, AdamW against torch's, with and without a scaler,
-param groups, 16-bit parameters against FP64), ``scaler`` (``mpgemm.GradScaler``
-against torch's through drawn runs of its API, bit for bit, state dicts loaded
-across) and ``masters`` (``LossScaleOptimizer`` over a 16-bit model against torch's
-recipe with FP32 masters by hand, bit for bit). Prints each failing case and a
-count; exit status 1 on any. Searches like these found four faults (``bench/NOTES.md``,
-2026-11-26, fifth session); ``tests/test_randomized.py`` runs a few seeds of each.
+param groups, 16-bit parameters against FP64; two cases in three on blocks of 4
+elements, 2 or 3 a program, so that these small tensors span several blocks as a large
+model's do), ``scaler`` (``mpgemm.GradScaler`` against torch's through drawn runs of its
+API, bit for bit, state dicts loaded across) and ``masters`` (``LossScaleOptimizer``
+over a 16-bit model against torch's recipe with FP32 masters by hand, bit for bit).
+Prints each failing case and a count; exit status 1 on any. Searches like these found
+four faults (``bench/NOTES.md``, 2026-11-26, fifth session); ``tests/test_randomized.py``
+runs a few seeds of each.
 
 Where a product's terms cancel, its error against FP64 is bounded by the sum of their
 magnitudes, not by the result's: each bar adds half a unit of the coarsest rounding the
@@ -27,10 +29,12 @@ carries dZ) times the largest such sum (``_cancelling``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -298,7 +302,30 @@ def _same_nonfinite(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert torch.equal(got.isinf(), want.isinf()), f"{what}: inf where torch's differ"
 
 
+@contextlib.contextmanager
+def _small_spans(blocks_per_program: int | None) -> Iterator[None]:
+    """Within the block, the fused optimizers' launches step blocks of 4 elements,
+    ``blocks_per_program`` of them a program (None: as shipped)."""
+    from mpgemm.kernels import fused_optim
+
+    launch = fused_optim._launch
+    if blocks_per_program is not None:
+        fused_optim._launch = functools.partial(
+            launch, block=4, blocks_per_program=blocks_per_program
+        )
+    try:
+        yield
+    finally:
+        fused_optim._launch = launch
+
+
 def optim_case(seed: int) -> None:
+    # (drawn apart from the case, whose draws each seed keeps)
+    with _small_spans(random.Random(f"spans {seed}").choice([None, 2, 3])):
+        _optim_case(seed)
+
+
+def _optim_case(seed: int) -> None:
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
     kind = random.choice(["SGD", "Adam", "AdamW"])
