@@ -43,8 +43,8 @@ from mpgemm.native import list_facts
 # torch dtype -> element type of the table's pointers
 TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
-# Elements per program: 16 per thread for 8 warps, enough loads in flight per SM to
-# stream at memory bandwidth.
+# Elements a block, by default (unscale's block, a program each): 16 per thread for 8
+# warps, enough loads in flight per SM to stream at memory bandwidth.
 BLOCK = 4096
 _CACHE_SIZE = 16
 _cache: OrderedDict[tuple, object] = OrderedDict()

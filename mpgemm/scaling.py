@@ -587,7 +587,7 @@ def sgd_step_(
     if params:
         hyper = _hyperparameters_on(hyper, params)
     copies = params if compute_copies is None else compute_copies
-    # The buffers are walked with the parameters; the step counts, read once per block,
+    # The buffers are walked with the parameters; the step counts, read once a program,
     # come last.
     buffers = [] if momentum_buffers is None else [momentum_buffers]
     counts = [] if steps is None else [steps]
