@@ -70,11 +70,12 @@ if TYPE_CHECKING:
 # half the tensor table's BLOCK. Adam writing a 16-bit copy takes 120 registers a thread
 # under Triton 3.6 and 3.9 (sm_90a; 84 before a program looped over a span of blocks,
 # 100 before its stores kept one layout: narrow_pointers), so two 8-warp programs fit on
-# an SM (capped at 80, three, it spills nothing); at 16 per thread it took 153 (one
-# program). On the H100, two programs per SM moved the guide's step from 54% to 82% of
-# DRAM bandwidth (bench/results/h100-2026-11-22). SGD at 16 took 122 to 132 registers
-# (146 under 3.9: one program per SM above 128), at 8 it takes 58 to 77 (four programs
-# at 64 or fewer, else three) (python -m mpgemm.kernels.aot; bench/sweep_optim.py).
+# an SM (capped at 80, three: no local memory under 3.6, 8 words reloaded from the stack
+# every block under 3.9); at 16 per thread it took 153 (one program). On the H100, two
+# programs per SM moved the guide's step from 54% to 82% of DRAM bandwidth
+# (bench/results/h100-2026-11-22). SGD at 16 took 122 to 132 registers (146 under 3.9:
+# one program per SM above 128), at 8 it takes 58 to 77 (four programs at 64 or fewer,
+# else three) (python -m mpgemm.kernels.aot; bench/sweep_optim.py).
 OPTIMIZER_BLOCK = 2048
 
 
