@@ -216,19 +216,6 @@ def _compute_copy(
 
 
 @triton.jit
-def _block_of(pointer, first, offsets, BLOCK: tl.constexpr, NARROW_FOR: tl.constexpr):
-    """The pointers of the span's block at ``first`` (a multiple of ``BLOCK``) from the
-    span's first element's, ``pointer``; with ``NARROW_FOR`` a dtype, those of a list
-    narrower than it (``narrow_pointers``)."""
-    offsets = tl.multiple_of(first, BLOCK) + offsets
-    if NARROW_FOR is None:
-        pointer = pointer + offsets
-    else:
-        pointer = narrow_pointers(pointer, offsets, NARROW_FOR)
-    return pointer
-
-
-@triton.jit
 def _sgd_block(
     p_ptr,
     g_ptr,
@@ -363,10 +350,13 @@ def _sgd_kernel(
         # The span a block at a time (a zero-size tensor's program runs one, empty, to
         # arrive).
         for first in range(0, tl.maximum(remaining, 1), BLOCK):
-            p_block = _block_of(p_ptr, first, offsets, BLOCK, None)
-            g_block = _block_of(g_ptr, first, offsets, BLOCK, PARAM_DTYPE)
-            buf_block = _block_of(buf_ptr, first, offsets, BLOCK, None)
-            c_block = _block_of(c_ptr, first, offsets, BLOCK, PARAM_DTYPE)
+            # The block's elements from the span's first (a jit function called here per
+            # block would cost the interpreter more than the block's arithmetic).
+            block = first + offsets
+            p_block = p_ptr + block
+            g_block = narrow_pointers(g_ptr, block, PARAM_DTYPE)
+            buf_block = buf_ptr + block
+            c_block = narrow_pointers(c_ptr, block, PARAM_DTYPE)
             _sgd_block(
                 p_block,
                 g_block,
@@ -562,12 +552,14 @@ def _adam_kernel(
         # The span a block at a time (a zero-size tensor's program runs one, empty, to
         # arrive).
         for first in range(0, tl.maximum(remaining, 1), BLOCK):
-            p_block = _block_of(p_ptr, first, offsets, BLOCK, None)
-            g_block = _block_of(g_ptr, first, offsets, BLOCK, PARAM_DTYPE)
-            m_block = _block_of(m_ptr, first, offsets, BLOCK, None)
-            v_block = _block_of(v_ptr, first, offsets, BLOCK, None)
-            v_max_block = _block_of(v_max_ptr, first, offsets, BLOCK, None)
-            c_block = _block_of(c_ptr, first, offsets, BLOCK, PARAM_DTYPE)
+            # The block's elements from the span's first (as _sgd_kernel's).
+            block = first + offsets
+            p_block = p_ptr + block
+            g_block = narrow_pointers(g_ptr, block, PARAM_DTYPE)
+            m_block = m_ptr + block
+            v_block = v_ptr + block
+            v_max_block = v_max_ptr + block
+            c_block = narrow_pointers(c_ptr, block, PARAM_DTYPE)
             step_size, bias_correction2_sqrt = _adam_block(
                 p_block,
                 g_block,

@@ -304,10 +304,11 @@ def load_part(pointer, offsets, rest):
     """``pointer``'s block (``offsets`` from its first element) where only its first
     ``rest`` elements are the tensor's, zeros past them: unmasked when all are, which
     lets the compiler vectorise the load (a span's whole blocks)."""
+    # (tl.load itself: the interpreter pays for each jit function called)
     if rest >= offsets.shape[0]:
-        x = load_block(pointer, None)
+        x = tl.load(pointer)
     else:
-        x = load_block(pointer, offsets < rest)
+        x = tl.load(pointer, mask=offsets < rest, other=0.0)
     return x
 
 
