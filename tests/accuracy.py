@@ -1,8 +1,10 @@
 """Shared test helpers: the accuracy bar, operands that expose missing masks, the
-kernels a call launches and the torch ops it runs besides."""
+kernels a call launches and the torch ops it runs besides, the optimizers' launch
+shape."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -123,3 +125,18 @@ def torch_ops_besides_launches() -> Iterator[list[str]]:
 
     with intercept(_launched_unseen), _TorchOps() as ops:
         yield ops.names
+
+
+@contextmanager
+def optimizer_launch_shape(**shape: object) -> Iterator[None]:
+    """Within the block, the fused optimizers' launches take ``shape``'s keywords of
+    ``fused_optim._launch`` (``block``, ``blocks_per_program``): spans of several blocks
+    for tensors too small to get them as shipped."""
+    from mpgemm.kernels import fused_optim
+
+    launch = fused_optim._launch
+    fused_optim._launch = functools.partial(launch, **shape)
+    try:
+        yield
+    finally:
+        fused_optim._launch = launch

@@ -29,12 +29,10 @@ carries dZ) times the largest such sum (``_cancelling``).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +41,11 @@ from torch import nn
 import mpgemm
 from mpgemm.reference import dz_rounding, linear_ref, torch_activation
 from mpgemm.scaling import unscale_
-from tests.accuracy import assert_same_bits, assert_within_torch_error
+from tests.accuracy import (
+    assert_same_bits,
+    assert_within_torch_error,
+    optimizer_launch_shape,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HALVES = (torch.float16, torch.bfloat16)
@@ -302,26 +304,12 @@ def _same_nonfinite(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert torch.equal(got.isinf(), want.isinf()), f"{what}: inf where torch's differ"
 
 
-@contextlib.contextmanager
-def _small_spans(blocks_per_program: int | None) -> Iterator[None]:
-    """Within the block, the fused optimizers' launches step blocks of 4 elements,
-    ``blocks_per_program`` of them a program (None: as shipped)."""
-    from mpgemm.kernels import fused_optim
-
-    launch = fused_optim._launch
-    if blocks_per_program is not None:
-        fused_optim._launch = functools.partial(
-            launch, block=4, blocks_per_program=blocks_per_program
-        )
-    try:
-        yield
-    finally:
-        fused_optim._launch = launch
-
-
 def optim_case(seed: int) -> None:
-    # (drawn apart from the case, whose draws each seed keeps)
-    with _small_spans(random.Random(f"spans {seed}").choice([None, 2, 3])):
+    # Blocks of 4, 2 or 3 a program, or as shipped (drawn apart from the case, whose
+    # draws each seed keeps).
+    per_program = random.Random(f"spans {seed}").choice([None, 2, 3])
+    shape = {} if per_program is None else dict(block=4, blocks_per_program=per_program)
+    with optimizer_launch_shape(**shape):
         _optim_case(seed)
 
 

@@ -11,7 +11,7 @@ import torch
 import mpgemm
 from mpgemm import scaling, scaling_ref
 from mpgemm.kernels.launches import intercept
-from tests.accuracy import assert_same_bits, launched_kernels
+from tests.accuracy import assert_same_bits, launched_kernels, optimizer_launch_shape
 
 SHAPES = [(5000,), (33, 7), (1,), (0,)]
 PARAM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -401,18 +401,10 @@ def test_parameters_with_and_without_copies_share_a_launch(device, name, copy_dt
 _SPAN_SHAPES = [(5000,), (4096,), (33, 7), (0,), (6145,), (1,)]
 
 
-def _step_in_spans(name, blocks_per_program, device, monkeypatch):
+def _step_in_spans(name, blocks_per_program, device):
     """A step over _SPAN_SHAPES, each program of the launch stepping
     ``blocks_per_program`` blocks of a tensor: every list it writes, FP16 copies of the
     even-numbered parameters poisoned before (the others their own)."""
-    from mpgemm.kernels import fused_optim
-
-    launch = fused_optim._launch
-    monkeypatch.setattr(
-        fused_optim,
-        "_launch",
-        functools.partial(launch, blocks_per_program=blocks_per_program),
-    )
     g = torch.Generator().manual_seed(0)
 
     def rand(scale=1.0, positive=False):
@@ -427,47 +419,49 @@ def _step_in_spans(name, blocks_per_program, device, monkeypatch):
         torch.full_like(p, float("nan"), dtype=torch.float16) if i % 2 == 0 else p
         for i, p in enumerate(params)
     ]
-    scaler = dict(grad_scale=torch.tensor(1024.0, device=device), found_inf=torch.zeros(()))
-    scaler["found_inf"] = scaler["found_inf"].to(device)
-    if name == "adam":
-        scaling.adam_step_(
-            params,
-            grads,
-            *states,
-            steps,
-            compute_copies=copies,
-            **_adam_hyper(False, scaler["grad_scale"], scaler["found_inf"]),
-        )
-    else:
-        scaling.sgd_step_(
-            params,
-            grads,
-            states[0],
-            steps=steps,
-            compute_copies=copies,
-            lr=0.01,
-            momentum=0.9,
-            dampening=0.25,
-            weight_decay=1e-4,
-            nesterov=False,
-            maximize=False,
-            **scaler,
-        )
-    monkeypatch.setattr(fused_optim, "_launch", launch)
+    scaler = dict(
+        grad_scale=torch.tensor(1024.0, device=device),
+        found_inf=torch.zeros((), device=device),
+    )
+    with optimizer_launch_shape(blocks_per_program=blocks_per_program):
+        if name == "adam":
+            scaling.adam_step_(
+                params,
+                grads,
+                *states,
+                steps,
+                compute_copies=copies,
+                **_adam_hyper(False, scaler["grad_scale"], scaler["found_inf"]),
+            )
+        else:
+            scaling.sgd_step_(
+                params,
+                grads,
+                states[0],
+                steps=steps,
+                compute_copies=copies,
+                lr=0.01,
+                momentum=0.9,
+                dampening=0.25,
+                weight_decay=1e-4,
+                nesterov=False,
+                maximize=False,
+                **scaler,
+            )
     return [params, grads, *states, steps, copies]
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd"])
 @pytest.mark.parametrize("blocks_per_program", [2, 3])
 def test_programs_of_several_blocks_write_the_bits_of_one_block_a_program(
-    device, monkeypatch, name, blocks_per_program
+    device, name, blocks_per_program
 ):
     """A program steps a span of its tensor a block at a time (the bias corrections and
     the step count's arrival in its first block): every element of every list, the
     copies and the step counts come out as a launch of one block a program writes them,
     which the reference tests check."""
-    one = _step_in_spans(name, 1, device, monkeypatch)
-    several = _step_in_spans(name, blocks_per_program, device, monkeypatch)
+    one = _step_in_spans(name, 1, device)
+    several = _step_in_spans(name, blocks_per_program, device)
     for i, (a, b) in enumerate(zip(several, one, strict=True)):
         for j, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same_bits(x, y, f"{name}, list {i}, tensor {j}")
