@@ -284,8 +284,8 @@ def narrow_pointers(pointer, offsets, WIDE_DTYPE: tl.constexpr):
     16-byte access among them takes (8 of a 16-bit list) but a store at most 16 bytes
     (4 FP32), and changed the layout of every FP32 value stored through shared memory
     (8 KB and some 16 barriers a program; Adam writing a 16-bit copy took 100
-    registers, 84 now, sm_90a). At 4 a thread the narrow list's accesses are 8 bytes
-    wide, still whole 256-byte runs a warp."""
+    registers, 84 without them, sm_90a). At 4 a thread the narrow list's accesses are 8
+    bytes wide, still whole 256-byte runs a warp."""
     return tl.max_contiguous(pointer + offsets, 128 // WIDE_DTYPE.primitive_bitwidth)
 
 
