@@ -156,9 +156,7 @@ def launch_costs(out: Path) -> None:
         )
 
     mpgemm.matmul(a, b)  # tunes
-    flags = dict(
-        COMPUTE_BF16=False, INTERPRETED=False, HAS_BIAS=False, ACTIVATION=None, STORE_ACT_GRAD=False
-    )
+    flags = gemm._flags(torch.float16, None, None, False, None, False)
     kernel, grid, args, kwargs = _captured_launch(tma_launcher)
     kernel[grid](*args, **kwargs)
     jit_kwargs = launch_options(kernel, args, kwargs, kernel.best_config)
@@ -521,6 +519,7 @@ def main() -> None:
         "matmul 8192x4096x4096": lambda: _layer_product("mpgemm", transposed_a=False),
         "matmul 8192x4096x4096 A.T": lambda: _layer_product("mpgemm", transposed_a=True),
         "torch 8192x4096x4096 A.T": lambda: _layer_product("torch", transposed_a=True),
+        "matmul 8192x4096x4096 A.T relu": lambda: _layer_product("relu", transposed_a=True),
         "head dW": lambda: _head_weight_gradient("mpgemm"),
         "head dW 4 splits": lambda: _head_weight_gradient("4 splits"),
         "head dW unswapped": lambda: _head_weight_gradient("unswapped"),
@@ -529,6 +528,7 @@ def main() -> None:
         "head dX fp16 padded": lambda: _head_input_gradient("fp16 padded"),
         "head dX fp32 padded": lambda: _head_input_gradient("fp32 padded"),
         "head dX torch": lambda: _head_input_gradient("torch"),
+        "head dX relu": lambda: _head_input_gradient("relu"),
         "head forward": lambda: _head_forward("mpgemm"),
         "head forward torch": lambda: _head_forward("torch"),
         "dZ relu": lambda: _relu_backward("mpgemm"),
@@ -585,7 +585,10 @@ def _unscale():
 def _layer_product(how: str, *, transposed_a: bool):
     """The guide's 4096-wide layer's input gradient, dZ @ W (8192 x 4096 x 4096, FP16),
     with dZ as the backward lays it out (A.T: unit stride down M, the transpose of the
-    weight gradient's A) or row-major as a forward's A; mpgemm's TMA kernel or cuBLAS.
+    weight gradient's A) or row-major as a forward's A; mpgemm's TMA kernel or cuBLAS;
+    or ("relu") the gradient at the input of the ReLU whose output y the layer read,
+    masked by y and summed by column in the epilogue, as the step runs it now
+    (``functional._fusable_relu``: against this case without it plus ``dZ relu``).
     In run5's step profile this launch took 413 us against 353 for the forward's."""
     a = torch.randn(8192, 4096, device=DEVICE).half()
     if transposed_a:
@@ -593,6 +596,10 @@ def _layer_product(how: str, *, transposed_a: bool):
     b = torch.randn(4096, 4096, device=DEVICE).half()
     if how == "torch":
         return lambda: torch.matmul(a, b)
+    if how == "relu":
+        y = torch.relu(torch.randn(8192, 4096, device=DEVICE)).half()
+        args = dict(compute_dtype=torch.float16, out_dtype=torch.float16)
+        return lambda: triton_gemm(a, b, relu_output=y, colsum_c=True, **args)
     return lambda: mpgemm.matmul(a, b)
 
 
@@ -646,7 +653,9 @@ def _head_input_gradient(how: str):
     to 16 (the rounding inside the call, a torch copy; then the TMA kernel, its
     descriptor's bounds at 10 columns); from dY in FP32 rows padded to 16 (64 bytes: the
     pointer kernel's aligned tiles; run8: 36.7 us against 41.9), as the step runs it
-    now (``cross_entropy.padded_rows``); or torch's under autocast (dY cast to FP16,
+    now (``cross_entropy.padded_rows``), or so and at the input of the ReLU whose output
+    the head read ("relu": masked and summed by column in the epilogue, as the step runs
+    it now, ``functional._fusable_relu``); or torch's under autocast (dY cast to FP16,
     cuBLAS)."""
     dy = torch.randn(8192, 10, device=DEVICE)
     w = torch.randn(10, 4096, device=DEVICE).half()
@@ -662,6 +671,9 @@ def _head_input_gradient(how: str):
     rows.copy_(dy)
     if how == "fp32 padded":
         return lambda: triton_gemm(rows, w, **args)
+    if how == "relu":
+        y = torch.relu(torch.randn(8192, 4096, device=DEVICE)).half()
+        return lambda: triton_gemm(rows, w, relu_output=y, colsum_c=True, **args)
 
     def rounded():
         rows.copy_(dy)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpgemm.kernels.arrivals import arrive, counters, leave
+from mpgemm.kernels.arrivals import add_partials, counters
 from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import INTERPRET, cdiv, multiprocessors, operands_aligned
 from mpgemm.kernels.launches import launch
@@ -110,21 +110,14 @@ def _activation_backward_kernel(
             sums += exact
     if BIAS_GRAD:
         tl.store(partial_ptr + chunk * N + cols, tl.sum(sums, axis=0), mask=mask_n)
+        # The last chunk of the column block adds the chunks' partials, BLOCK_M at a time
+        # (one step for up to BLOCK_M chunks).
         chunks = tl.num_programs(1)
-        if arrive(counter_ptr + tl.program_id(0), chunks):
-            # BLOCK_M chunks' partials at a time (one step for up to BLOCK_M chunks),
-            # past L1, which another SM's stores do not update.
-            totals = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for c0 in range(0, chunks, BLOCK_M):
-                cs = (c0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-                totals += tl.load(
-                    partial_ptr + cs[:, None] * N + cols64[None, :],
-                    mask=(cs < chunks)[:, None] & mask_n[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-            tl.store(bias_grad_ptr + cols, tl.sum(totals, axis=0), mask=mask_n)
-            leave(counter_ptr + tl.program_id(0))
+        block = tl.program_id(0)
+        add_partials(
+            counter_ptr + block, chunks, partial_ptr, chunks, bias_grad_ptr, block * BLOCK_N, N,
+            BLOCK_N, BLOCK_M,
+        )  # fmt: skip
 
 
 def triton_activation_backward(

@@ -11,6 +11,14 @@ unaligned operands, split K). ``use_kernel`` forces one, for tests and benchmark
     G   = act'(round(A) @ round(B) + bias)   (optional, GELU and SiLU, FP32: for backward)
     R   = sum_k A[:, k]                      (optional, FP32: the bias gradient)
 
+or, for the input gradient at a ReLU's input (``relu_output`` y, the ReLU's output; C
+being the gradient at y, its next layer's dX: ``functional._fusable_relu``):
+
+    C   = 0 where y <= 0, else round(A) @ round(B)   (threshold_backward's rule)
+    R   = sum_m C[m, :]                      (optional, FP32: the ReLU's bias gradient,
+                                              partials per 32 rows, added by the last
+                                              tile of each column to finish)
+
 Operands may arrive as FP32 (master weights, a first layer's input), FP16 or BF16
 and are rounded to the compute dtype in registers, so no cast kernel runs; but a large
 product's FP32 operands are rounded by a cast beforehand, so that the TMA kernel runs
@@ -48,17 +56,21 @@ import triton
 import triton.language as tl
 
 from mpgemm.kernels import gemm_tma
+from mpgemm.kernels.arrivals import counters
 from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import (
+    COLUMN_SUM_ROWS,
     INTERPRET,
     NARROW_N,
     SINGLE_CONFIG,
     cdiv,
     dot_rounded,
+    finish_column_sums,
     grouped_tile,
     multiprocessors,
     operands_aligned,
     size_bucket,
+    store_column_partial,
     store_epilogue,
     tile,
     tile_configs,
@@ -128,6 +140,7 @@ def fits_registers(
     *,
     store_act_grad: bool,
     k_sums: str | None,
+    relu_grad: bool,
     aligned: bool,
     narrow: bool,
 ) -> bool:
@@ -138,7 +151,8 @@ def fits_registers(
     only it does. Unaligned operands (``operands_aligned``) get their own tiles.
     Aligned launches with sums over K get the tiles that leave room for them; storing
     GELU's or SiLU's derivative beside the output needs an accumulator of fewer than 128 registers
-    per thread. Measured with ``python -m mpgemm.kernels.aot``, which compiles every
+    per thread, and so does reading a ReLU's output to mask the product by (``relu_grad``).
+    Measured with ``python -m mpgemm.kernels.aot``, which compiles every
     launch kind aligned and unaligned."""
     shape = tile(config)
     if narrow or shape in _NARROW_TILES:
@@ -147,14 +161,14 @@ def fits_registers(
         return not aligned and shape in _UNALIGNED_TILES
     if k_sums:
         return shape in _SUMS_TILES
-    if store_act_grad:
+    if store_act_grad or relu_grad:
         return shape[0] * shape[1] // (32 * shape[3]) < 128
     return True
 
 
 # The launch flags fits_registers decides by, as the kernel names them, and the width it
 # reads from the autotune key (``narrow``).
-_PRUNE_FLAGS = ("STORE_ACT_GRAD", "K_SUMS", "ALIGNED")
+_PRUNE_FLAGS = ("STORE_ACT_GRAD", "K_SUMS", "RELU_GRAD", "ALIGNED")
 _PRUNE_ARGS = ("N_BUCKET",)
 
 
@@ -180,6 +194,8 @@ def _gemm_kernel(
     bias_ptr,
     g_ptr,
     r_ptr,
+    p_ptr,
+    counter_ptr,
     # problem size: A is (M, K), B is (K, N), C is (M, N)
     M,
     N,
@@ -207,6 +223,12 @@ def _gemm_kernel(
     # R: None, or the FP32 sums over K of "a" (A's rows: R is (M,)) or of "b" (B's
     # columns: R is (N,))
     K_SUMS: tl.constexpr,
+    # C is the gradient at a ReLU's input, G the ReLU's output (store_epilogue)
+    RELU_GRAD: tl.constexpr,
+    # R is C's FP32 column sums, (N,): the tiles' partials in P, (cdiv(M,
+    # COLUMN_SUM_ROWS), N) FP32 (store_column_partial), added by the last tile of each
+    # column block to arrive on its counter (finish_column_sums; arrivals.counters)
+    C_SUMS: tl.constexpr,
     # operands_aligned(): the JIT specialises on alignment anyway; as an argument it
     # lets the autotune key and pruning see it too
     ALIGNED: tl.constexpr,
@@ -339,7 +361,7 @@ def _gemm_kernel(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
-    store_epilogue(
+    stored = store_epilogue(
         acc,
         offs_m,
         offs_n,
@@ -357,7 +379,13 @@ def _gemm_kernel(
         ACTIVATION,
         STORE_ACT_GRAD,
         INTERPRETED,
+        RELU_GRAD,
     )
+    if C_SUMS:
+        store_column_partial(stored, pid_m * BLOCK_M, offs_n, M, N, p_ptr, BLOCK_M, INTERPRETED)
+        finish_column_sums(
+            pid_n * BLOCK_N, N, pid_n, tl.cdiv(M, BLOCK_M), M, p_ptr, r_ptr, counter_ptr, BLOCK_N
+        )
     if K_SUMS == "a":
         if pid_n == 0:
             tl.store(r_ptr + rows, sums, mask=mask_m)
@@ -490,6 +518,8 @@ _AUTOTUNE_KEY = [
     "ACTIVATION",
     "STORE_ACT_GRAD",
     "K_SUMS",
+    "RELU_GRAD",
+    "C_SUMS",
     "ALIGNED",
     "SPLIT_K",
     "BATCHED",
@@ -627,7 +657,9 @@ def _aligned_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return copy.copy_(t)
 
 
-def _flags(compute_dtype: torch.dtype, bias, activation, store_act_grad: bool) -> dict:
+def _flags(
+    compute_dtype: torch.dtype, bias, activation, store_act_grad: bool, relu_output, colsum_c: bool
+) -> dict:
     """Both kernels' constexprs for what a launch computes."""
     return dict(
         COMPUTE_BF16=compute_dtype == torch.bfloat16,
@@ -635,7 +667,17 @@ def _flags(compute_dtype: torch.dtype, bias, activation, store_act_grad: bool) -
         HAS_BIAS=bias is not None,
         ACTIVATION=activation,
         STORE_ACT_GRAD=store_act_grad,
+        RELU_GRAD=relu_output is not None,
+        C_SUMS=colsum_c,
     )
+
+
+def _column_sums(r: torch.Tensor, M: int, N: int) -> tuple[torch.Tensor, ...]:
+    """(R, P, counters) for a launch that sums C's columns into R (``C_SUMS``): P, the
+    FP32 partials the kernel writes (``store_column_partial``), and a counter per
+    column of tiles, zero (``arrivals.counters``; the narrowest tiles are 16 wide)."""
+    partials = torch.empty((cdiv(M, COLUMN_SUM_ROWS), N), device=r.device, dtype=torch.float32)
+    return r, partials, counters(r.device, cdiv(N, NARROW_N))
 
 
 def triton_gemm(
@@ -651,13 +693,19 @@ def triton_gemm(
     out: torch.Tensor | None = None,
     sum_batch: bool = False,
     kept_dims: int = 0,
+    relu_output: torch.Tensor | None = None,
+    colsum_c: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the kernel; see the module docstring for the math.
 
     a: (M, K), b: (K, N), any strides, float32/float16/bfloat16. bias: (N,), any stride
     (an expanded scalar included). out: an (M, N) tensor of out_dtype to write C into
-    (any strides), else a contiguous one is allocated.
-    Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,).
+    (any strides), else a contiguous one is allocated. relu_output: (M, N), any strides
+    and dtype, a ReLU's output y, C being the gradient at that ReLU's output: C is then
+    the gradient at its input, 0 where y <= 0 (no bias or activation). colsum_c: R is
+    C's column sums (as stored) instead (not with rowsum_a).
+    Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,), or
+    (N,) with colsum_c.
     Batched: a (*batch, M, K) and b (*batch, K, N) of one batch shape, any strides (0
     where an operand is broadcast), with no bias, activation, G, R or out: C is
     (*batch, M, N), one product per batch entry (``_launch_batched``); with
@@ -665,14 +713,17 @@ def triton_gemm(
     batch dimensions (``_sum_batched``).
     The caller has validated shapes, dtypes and devices.
     """
+    epilogue = (
+        bias is not None or activation is not None or store_act_grad or relu_output is not None
+    )
     if a.dim() > 2:
-        if bias is not None or activation or store_act_grad or rowsum_a or out is not None:
+        if epilogue or rowsum_a or colsum_c or out is not None:
             raise ValueError("a batch of products takes no bias, activation, G, R or out")
         if sum_batch:
             return _sum_batched(a, b, compute_dtype, out_dtype, kept_dims), None, None
         c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=out_dtype)
-        signature = _signature(a, b, c, None, compute_dtype, None, False, False)
-        if not _replayed(signature, a, b, c, None, None, None):
+        signature = _signature(a, b, c, None, compute_dtype, None, False, False, None, False)
+        if not _replayed(signature, a, b, c, None, None, None, None):
             _launch_batched(a, b, c, compute_dtype, signature)
         return c, None, None
     M, K = a.shape
@@ -680,17 +731,23 @@ def triton_gemm(
     c = torch.empty((M, N), device=a.device, dtype=out_dtype) if out is None else out
     # FP32: a 16-bit derivative would round dZ = dY * act' twice (here and for the dot).
     g = torch.empty((M, N), device=a.device, dtype=torch.float32) if store_act_grad else None
-    r = torch.empty((M,), device=a.device, dtype=torch.float32) if rowsum_a else None
+    r = None
+    if rowsum_a or colsum_c:
+        r = torch.empty((N if colsum_c else M,), device=a.device, dtype=torch.float32)
     if M == 0 or (N == 0 and not rowsum_a):
-        return c, g, r
-    epilogue = bias is not None or activation is not None or store_act_grad
+        return c, g, r.zero_() if colsum_c else r
     if torch.float32 in (a.dtype, b.dtype):
         a, b = _rounded_fp32(a, b, compute_dtype, rowsum_a=rowsum_a, epilogue=epilogue)
+    # The epilogue's G: y to read (relu_output), or act'(z) to write.
+    read_or_written = relu_output if relu_output is not None else g
+    column = _column_sums(r, M, N) if colsum_c else None
 
-    signature = _signature(a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a)
-    if _replayed(signature, a, b, c, bias, g, r):
+    signature = _signature(
+        a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a, relu_output, colsum_c
+    )
+    if _replayed(signature, a, b, c, bias, read_or_written, r, column):
         return c, g, r
-    flags = _flags(compute_dtype, bias, activation, store_act_grad)
+    flags = _flags(compute_dtype, bias, activation, store_act_grad, relu_output, colsum_c)
     splits = 1 if epilogue else split_k_for(M, N, K, a.device)
     layout = _tma_layout(a, b, compute_dtype, splits)
     # C.T = B.T @ A.T: R, A's row sums, are then B.T's column sums.
@@ -698,14 +755,17 @@ def triton_gemm(
     if layout is not None:
         if rowsum_a:
             _row_sums(a, r)
-        replay = _launch_tma(a, b, c, bias=bias, g=g, layout=layout, flags=flags)
+        replay = _launch_tma(
+            a, b, c, bias=bias, g=read_or_written, column=column, layout=layout, flags=flags
+        )
     else:
         k_sums = ("b" if swapped else "a") if rowsum_a else None
         replay = _launch_pointer(
             *_operands(a, b, c, swapped),
             bias=bias,
-            g=g,
+            g=read_or_written,
             r=r,
+            column=column,
             k_sums=k_sums,
             splits=splits,
             flags=flags,
@@ -742,13 +802,13 @@ class _Replay(NamedTuple):
     tiles: tuple[list[int], list[int]] | None
 
 
-def _replayed(signature: tuple, a, b, c, bias, g, r) -> bool:
+def _replayed(signature: tuple, a, b, c, bias, g, r, column) -> bool:
     """Whether the launches kept for ``signature`` could be, and were, repeated on these
     tensors (``_relaunch``)."""
     replay = _replays.get(signature)
     if replay is None or not all(map(current, replay.launches)):
         return False
-    _relaunch(replay, a, b, c, bias, g, r)
+    _relaunch(replay, a, b, c, bias, g, r, column)
     return True
 
 
@@ -758,23 +818,25 @@ def _remember(signature: tuple, replay: _Replay) -> None:
     _replays[signature] = replay
 
 
-def _relaunch(replay: _Replay, a, b, c, bias, g, r) -> None:
+def _relaunch(replay: _Replay, a, b, c, bias, g, r, column) -> None:
     """``triton_gemm``'s launches as ``replay`` made them, on these tensors."""
     if replay.batch is not None:
         count, strides = replay.batch
         a, b, c = _batch_views((a, b, c), count, strides)
     first, *reduction = replay.launches
     if replay.layout is not None:
-        if r is not None:
+        if r is not None and column is None:  # A's row sums, not C's column sums
             _row_sums(a, r)
-        descriptors = gemm_tma.tma_tensors(a, b, c, bias, g, replay.layout, tiles=replay.tiles)
+        descriptors = gemm_tma.tma_tensors(
+            a, b, c, bias, g, column, replay.layout, tiles=replay.tiles
+        )
         relaunch(first, (*descriptors, *replay.integers))
         return
     a, b, c = _operands(a, b, c, replay.swapped)
     result, sums = c, r
     if reduction:  # split-K: into partials, then their sum (the grid's second axis)
         c, r = _partials(a, b, r, first.grid[1])
-    relaunch(first, (*_pointer_tensors(a, b, c, bias, g, r), *replay.integers))
+    relaunch(first, (*_pointer_tensors(a, b, c, bias, g, r, column), *replay.integers))
     if reduction:
         relaunch(reduction[0], _reduction_arguments(c, result, r, sums))
 
@@ -784,11 +846,14 @@ def _operands(a, b, c, swapped: bool) -> tuple[torch.Tensor, torch.Tensor, torch
     return (b.t(), a.t(), c.t()) if swapped else (a, b, c)
 
 
-def _signature(a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a) -> tuple:
+def _signature(
+    a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a, relu_output, colsum_c
+) -> tuple:
     """What ``triton_gemm``'s decisions and launch arguments other than its tensors
     depend on, for one product or a batch: the operands' shapes, strides, dtypes and
-    16-byte alignment (C's and the bias's too: G and R are allocated contiguous), what
-    the epilogue computes, the device and the kernel ``use_kernel`` asks for."""
+    16-byte alignment (C's, the bias's and a ReLU output's too: G, R and the column
+    sums' partials are allocated contiguous), what the epilogue computes, the device
+    and the kernel ``use_kernel`` asks for."""
     return (
         a.shape,
         a.stride(),
@@ -802,10 +867,14 @@ def _signature(a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_
         c.dtype,
         c.data_ptr() & 15 == 0,
         None if bias is None else (bias.stride(0), bias.dtype, bias.data_ptr() & 15 == 0),
+        None
+        if relu_output is None
+        else (relu_output.stride(), relu_output.dtype, relu_output.data_ptr() & 15 == 0),
         compute_dtype,
         activation,
         store_act_grad,
         rowsum_a,
+        colsum_c,
         a.device,
         _kernel,
     )
@@ -837,7 +906,7 @@ def _launch_batched(
     a batch done in one launch is kept to replay."""
     if c.numel() == 0:
         return
-    flags = _flags(compute_dtype, None, None, False)
+    flags = _flags(compute_dtype, None, None, False, None, False)
     operands = (a, b, c)
     *outer, (inner, *inner_strides) = _merged_batch(operands)
     if len(outer) == 1 and outer[0][0] * inner <= _MAX_BATCH and _kernel != "tma":
@@ -863,7 +932,9 @@ def _launch_batched(
             a3, b3, c3 = _batch_views(operands, count, inner_strides, starts)
             layout = _tma_layout(a3, b3, compute_dtype, 1)
             if layout is not None:
-                replay = _launch_tma(a3, b3, c3, bias=None, g=None, layout=layout, flags=flags)
+                replay = _launch_tma(
+                    a3, b3, c3, bias=None, g=None, column=None, layout=layout, flags=flags
+                )
             else:
                 replay = _launch_pointer(a3, b3, c3, r=None, k_sums=None, splits=1, flags=flags)
             if signature is not None and replay is not None and not outer and count == inner:
@@ -938,7 +1009,7 @@ def _sum_batched(
         ((parts, a_kept, b_kept),) = kept
         ((count, *strides),) = summed
         a3, b3 = _batch_views((a, b), count, strides)
-        flags = _flags(compute_dtype, None, None, False)
+        flags = _flags(compute_dtype, None, None, False, None, False)
         sms = multiprocessors(a.device)
         if parts > 1:  # a part per kept index, each sum rounded once: the pointer kernel
             splits, per_split, layout = 1, count, None
@@ -1003,18 +1074,20 @@ def _launch_pointer(
     flags: dict,
     bias: torch.Tensor | None = None,
     g: torch.Tensor | None = None,
+    column: tuple[torch.Tensor, ...] | None = None,
     per_split: int | None = None,
     outer: tuple[int, int, int, int] | None = None,
 ) -> _Replay | None:
     """The pointer kernel's launch (and split-K's reduction) writing C, G and R, which
     ``triton_gemm`` has allocated; R has A's rows (``k_sums`` "a") or B's columns
-    ("b"). ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T. With
-    ``per_split``, (P, M, K) and (P, K, N) operands' products summed (``SUM_BATCH``, no
-    sums, no epilogue, no split): C is (M, N), or (S, M, N) FP32 partials, C[i] the sum
-    of products i * per_split on, per_split of them or fewer. ``outer``, (count, A's,
-    B's and C's stride): the batch of 3-D views repeats over ``count`` outer indices,
-    so many elements apart (a batch over two dimensions that do not merge); summed,
-    C is (count, M, N), C[k] outer index k's sum (per_split is the views' batch).
+    ("b"), or is C's column sums (``column``: ``_column_sums``'s R, P and counters).
+    ``splits``: split_k_for's, which is the same for C.T = B.T @ A.T. With ``per_split``,
+    (P, M, K) and (P, K, N) operands' products summed (``SUM_BATCH``, no sums, no epilogue,
+    no split): C is (M, N), or (S, M, N) FP32 partials, C[i] the sum of products i *
+    per_split on, per_split of them or fewer. ``outer``, (count, A's, B's and C's stride):
+    the batch of 3-D views repeats over ``count`` outer indices, so many elements apart (a
+    batch over two dimensions that do not merge); summed, C is (count, M, N), C[k] outer
+    index k's sum (per_split is the views' batch).
     Returns the launches to replay where each called a cached binary (``launch``),
     else None."""
     M, K = a.shape[-2:]
@@ -1066,7 +1139,7 @@ def _launch_pointer(
     launched = launch(
         tuned_gemm_kernel,
         grid,
-        *_pointer_tensors(a, b, c, bias, g, r),
+        *_pointer_tensors(a, b, c, bias, g, r, column),
         *integers,
         gpu_configs=lambda: _prune_configs(GPU_CONFIGS, {"N_BUCKET": n_bucket}, **flags),
         **flags,
@@ -1091,12 +1164,14 @@ def _launch_pointer(
     return _Replay(launches, None, False, integers, None, None)
 
 
-def _launch_tma(a, b, c, *, bias, g, layout: tuple[bool, bool], flags: dict) -> _Replay | None:
+def _launch_tma(
+    a, b, c, *, bias, g, column, layout: tuple[bool, bool], flags: dict
+) -> _Replay | None:
     """The TMA kernel's launch (``gemm_tma.launch_tma_gemm``), and the replay of it where
     it called a cached binary."""
     sms = multiprocessors(a.device)
     launched = gemm_tma.launch_tma_gemm(
-        a, b, c, bias=bias, g=g, layout=layout, sms=sms, flags=flags
+        a, b, c, bias=bias, g=g, column=column, layout=layout, sms=sms, flags=flags
     )
     if launched is None:
         return None
@@ -1131,10 +1206,10 @@ def _reduction_arguments(partials, result, partial_sums, sums) -> tuple:
     )
 
 
-def _pointer_tensors(a, b, c, bias, g, r) -> tuple[torch.Tensor, ...]:
-    """The pointer kernel's leading arguments: A, B, C, the bias, G and R (C where
-    absent: unused pointer arguments get a live tensor, so that no null pointer is
-    formed)."""
+def _pointer_tensors(a, b, c, bias, g, r, column) -> tuple[torch.Tensor, ...]:
+    """The pointer kernel's leading arguments: A, B, C, the bias, G, R, and the partials
+    of C's column sums and their counters (``column``'s P and counters; C where absent:
+    unused pointer arguments get a live tensor, so that no null pointer is formed)."""
     return (
         a,
         b,
@@ -1142,6 +1217,7 @@ def _pointer_tensors(a, b, c, bias, g, r) -> tuple[torch.Tensor, ...]:
         bias if bias is not None else c,
         g if g is not None else c,
         r if r is not None else c,
+        *(column[1:] if column is not None else (c, c)),
     )
 
 

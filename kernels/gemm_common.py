@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpgemm.kernels.arrivals import add_partials
 from mpgemm.kernels.rounding import cast_rne, widen
 
 # The interpreter runs the kernels on the CPU through numpy; it must be chosen before
@@ -162,9 +163,15 @@ def store_epilogue(
     ACTIVATION: tl.constexpr,
     STORE_ACT_GRAD: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    RELU_GRAD: tl.constexpr = False,
 ):
     """C[offs_m, offs_n] = act(acc + bias), rounded once to C's dtype, and G = act'(.)
-    in G's dtype when STORE_ACT_GRAD; done while the accumulator is still FP32."""
+    in G's dtype when STORE_ACT_GRAD; done while the accumulator is still FP32.
+    RELU_GRAD: C is the gradient at a ReLU's input and G (read, not written) the ReLU's
+    output y: C = 0 where y <= 0, else acc (threshold_backward's rule: a NaN y passes
+    the gradient on), the same bits as rounding acc first and masking after (a zero
+    rounds to itself). Returns the tile as stored, in C's dtype (with RELU_GRAD, zeros
+    outside C)."""
     # 64-bit row/column offsets: an output may span more than 2**31 elements.
     rows = offs_m.to(tl.int64)
     cols = offs_n.to(tl.int64)
@@ -181,8 +188,50 @@ def store_epilogue(
         if STORE_ACT_GRAD:
             g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
             tl.store(g_ptrs, cast_rne(act_grad, g_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    if RELU_GRAD:
+        g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
+        y = tl.load(g_ptrs, mask=mask, other=0.0)  # outside C: zeros, for the column sums
+        # Compared in FP32: the interpreter compares a BF16 as its raw bits.
+        acc = tl.where(widen(y, INTERPRETED) <= 0.0, 0.0, acc)
+    stored = cast_rne(acc, c_ptr.dtype.element_ty, INTERPRETED)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.store(c_ptrs, stored, mask=mask)
+    return stored
+
+
+# Rows of C that each row of its column sums' partials sums (``store_column_partial``):
+# a divisor of every tile's BLOCK_M, so that the partials are laid out alike whatever
+# tile the autotuner picks, and the host adds them without knowing it.
+COLUMN_SUM_ROWS = 32
+_SUM_ROWS = tl.constexpr(COLUMN_SUM_ROWS)  # (as kernels may read a global)
+
+
+@triton.jit
+def store_column_partial(
+    stored, off_m, offs_n, M, N, p_ptr, BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr
+):
+    """The tile's part of C's column sums' FP32 partials, P (cdiv(M, COLUMN_SUM_ROWS),
+    N): P[i, n] is the sum of C[i * COLUMN_SUM_ROWS + r, n] as stored over the r below
+    COLUMN_SUM_ROWS (``store_epilogue``'s result: zeros outside C)."""
+    groups: tl.constexpr = BLOCK_M // _SUM_ROWS
+    width: tl.constexpr = stored.shape[1]
+    values = tl.reshape(widen(stored, INTERPRETED), (groups, _SUM_ROWS, width))
+    sums = tl.sum(values, axis=1)
+    rows = off_m // _SUM_ROWS + tl.arange(0, groups)
+    mask = (rows < tl.cdiv(M, _SUM_ROWS))[:, None] & (offs_n < N)[None, :]
+    tl.store(p_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], sums, mask=mask)
+
+
+@triton.jit
+def finish_column_sums(
+    off_n, N, pid_n, num_pid_m, M, p_ptr, r_ptr, counter_ptr, BLOCK_N: tl.constexpr
+):
+    """After a tile's ``store_column_partial``s: the last of the num_pid_m tiles of column
+    block pid_n to arrive adds the partials of its columns, in row order, into
+    R[off_n:off_n + BLOCK_N], C's FP32 column sums (the same bits run to run), so that
+    no second launch sums them (``arrivals.add_partials``)."""
+    parts = tl.cdiv(M, _SUM_ROWS)
+    add_partials(counter_ptr + pid_n, num_pid_m, p_ptr, parts, r_ptr, off_n, N, BLOCK_N, 8)
 
 
 @triton.jit

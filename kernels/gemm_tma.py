@@ -3,6 +3,8 @@ operands, read by the Tensor Memory Accelerator.
 
     C   = act(A @ B + bias)            A, B already in the compute dtype, FP32 accumulation
     G   = act'(A @ B + bias)           (optional, GELU and SiLU)
+    C   = 0 where y <= 0, else A @ B   (a ReLU's input gradient, with C's column sums'
+                                        partials: ``mpgemm.kernels.gemm``)
     C[i] = A[i] @ B[i]                 a batch of products (``matmul``), no epilogue
 
 The bias gradient's row sums are not fused here: ``triton_gemm`` sums A beforehand (on
@@ -43,8 +45,10 @@ from mpgemm.kernels.gemm_common import (
     SINGLE_CONFIG,
     cdiv,
     dot_rounded,
+    finish_column_sums,
     grouped_tile,
     size_bucket,
+    store_column_partial,
     store_epilogue,
     tile,
     tile_configs,
@@ -166,7 +170,12 @@ def smem_estimate(config: triton.Config, *, c_bytes: int, store_act_grad: bool) 
 
 
 def fits(
-    config: triton.Config, *, c_bytes: int, store_act_grad: bool, epilogue: bool, narrow: bool
+    config: triton.Config,
+    *,
+    c_bytes: int,
+    store_act_grad: bool,
+    epilogue: bool,
+    narrow: bool,
 ) -> bool:
     """Whether ``config`` suits such a launch on Hopper and compiles for it within the
     shared memory and without register spills (measured with ``python -m
@@ -174,8 +183,10 @@ def fits(
     many columns (``narrow``) only;
     storing GELU's derivative beside the output needs an accumulator of fewer than 128
     registers per thread, and a tile stored in halves leaves no registers for a bias or
-    an activation (``epilogue``: 128x256 of FP32 logits plus a bias spilled 24 bytes
-    under Triton 3.6); weight gradients, FP32 and without either, take it."""
+    an activation or a ReLU's mask (``epilogue``: 128x256 of FP32 logits plus a bias
+    spilled 24 bytes under Triton 3.6); weight gradients, FP32 and without either, take
+    it. (A 16-bit input gradient masked by a ReLU's output and summed by column takes
+    every tile: 128x256 took 200 registers under 3.6, 252 under 3.9, no spills.)"""
     bm, bn, _, warps = tile(config)
     if bn <= NARROW_N and not narrow:
         return False
@@ -194,7 +205,7 @@ def _prune_configs(configs, named_args, **kwargs):
             config,
             c_bytes=named_args["c_ptr"].element_size(),
             store_act_grad=kwargs["STORE_ACT_GRAD"],
-            epilogue=kwargs["HAS_BIAS"] or kwargs["ACTIVATION"] is not None,
+            epilogue=kwargs["HAS_BIAS"] or kwargs["ACTIVATION"] is not None or kwargs["RELU_GRAD"],
             narrow=named_args["N_BUCKET"] <= NARROW_N,
         )
     ]
@@ -232,6 +243,9 @@ def _gemm_tma_kernel(
     c_ptr,
     bias_ptr,
     g_ptr,
+    r_ptr,
+    p_ptr,
+    counter_ptr,
     # problem size: A is (M, K), B is (K, N), C is (M, N)
     M,
     N,
@@ -251,6 +265,8 @@ def _gemm_tma_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     STORE_ACT_GRAD: tl.constexpr,
+    RELU_GRAD: tl.constexpr,
+    C_SUMS: tl.constexpr,
     # a_desc describes A.T; b_desc describes B.T
     A_T: tl.constexpr,
     B_T: tl.constexpr,
@@ -335,7 +351,7 @@ def _gemm_tma_kernel(
             else:
                 part = second
             offs_n = off_n + h * (BLOCK_N // halves) + tl.arange(0, BLOCK_N // halves)
-            store_epilogue(
+            stored = store_epilogue(
                 part,
                 offs_m,
                 offs_n,
@@ -353,6 +369,17 @@ def _gemm_tma_kernel(
                 ACTIVATION,
                 STORE_ACT_GRAD,
                 INTERPRETED,
+                RELU_GRAD,
+            )
+            if C_SUMS:
+                store_column_partial(stored, off_m, offs_n, M, N, p_ptr, BLOCK_M, INTERPRETED)
+    if C_SUMS:
+        # The arrivals after the tile loop: an atomic inside it stopped triton 3.9
+        # pipelining the loop (no wgmma in flight, one stage of shared memory).
+        for tile_id in range(tl.program_id(0), num_tiles, NUM_SMS):
+            pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            finish_column_sums(
+                pid_n * BLOCK_N, N, pid_n, num_pid_m, M, p_ptr, r_ptr, counter_ptr, BLOCK_N
             )
 
 
@@ -364,6 +391,8 @@ _AUTOTUNE_KEY = [
     "HAS_BIAS",
     "ACTIVATION",
     "STORE_ACT_GRAD",
+    "RELU_GRAD",
+    "C_SUMS",
     "A_T",
     "B_T",
     "BATCHED",
@@ -480,6 +509,7 @@ def launch_tma_gemm(
     layout: tuple[bool, bool],
     sms: int,
     flags: dict,
+    column: tuple[torch.Tensor, ...] | None = None,
     per_split: int | None = None,
 ) -> Launched | None:
     """Launch the TMA kernel (``triton_gemm`` has allocated the outputs and checked
@@ -508,7 +538,7 @@ def launch_tma_gemm(
     return launch(
         tuned_gemm_tma_kernel,
         grid,
-        *tma_tensors(a, b, c, bias, g, layout),
+        *tma_tensors(a, b, c, bias, g, column, layout),
         *tma_integers(a, b, c, bias, g),
         gpu_configs=lambda: _prune_configs(
             GPU_CONFIGS, {"c_ptr": c, "N_BUCKET": size_bucket(N)}, **flags
@@ -518,11 +548,20 @@ def launch_tma_gemm(
 
 
 def tma_tensors(
-    a, b, c, bias, g, layout: tuple[bool, bool], *, tiles: tuple[list[int], list[int]] | None = None
+    a,
+    b,
+    c,
+    bias,
+    g,
+    column,
+    layout: tuple[bool, bool],
+    *,
+    tiles: tuple[list[int], list[int]] | None = None,
 ) -> tuple:
     """The TMA kernel's leading arguments: A's and B's descriptors (``layout``: whether
-    each is described as its transpose), then C, the bias and G (C where absent, so that
-    no null pointer is formed). Binds the device's context to this thread first, which
+    each is described as its transpose), then C, the bias, G, and C's column sums, their
+    partials and counters (``column``; C where absent, so that no null pointer is
+    formed). Binds the device's context to this thread first, which
     the descriptors' encoding at launch needs (``_bind_context``). ``tiles``: a replay's
     (the tensors match a signature whose descriptors were checked before: ``_Vouched``),
     the tiles of its config (``tile_shapes``), with which the descriptors are made, so
@@ -539,6 +578,7 @@ def tma_tensors(
         c,
         bias if bias is not None else c,
         g if g is not None else c,
+        *(column if column is not None else (c, c, c)),
     )
 
 

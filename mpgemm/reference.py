@@ -118,11 +118,15 @@ def gemm_ref(
     out: torch.Tensor | None = None,
     sum_batch: bool = False,
     kept_dims: int = 0,
+    relu_output: torch.Tensor | None = None,
+    colsum_c: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The math of ``triton_gemm`` (see ``mpgemm.kernels.gemm``), same arguments and
     results: C = act(round(A) @ round(B) + bias), G = act'(...) if asked, R = FP32 row
     sums of A; ``sum_batch``: C = the sum of a batch's products over every batch
-    dimension after the first ``kept_dims``, in FP32."""
+    dimension after the first ``kept_dims``, in FP32. ``relu_output`` (y): C rounded,
+    then 0 where y <= 0 (threshold_backward's rule: a NaN y passes C on); ``colsum_c``:
+    R = FP32 column sums of C as stored."""
     a32 = a.to(torch.float32)
     z = round_to(a32, compute_dtype) @ round_to(b, compute_dtype)
     if sum_batch and z.dim() > 2 + kept_dims:
@@ -134,8 +138,12 @@ def gemm_ref(
         out = y.to(out_dtype)
     else:
         out.copy_(y)
+    if relu_output is not None:
+        out.masked_fill_(relu_output <= 0, 0)
     g = dy_dz if store_act_grad else None
-    r = a32.sum(dim=1) if rowsum_a else None
+    r = None
+    if rowsum_a or colsum_c:
+        r = out.sum(dim=0, dtype=torch.float32) if colsum_c else a32.sum(dim=1)
     return out, g, r
 
 

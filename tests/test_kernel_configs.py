@@ -12,7 +12,9 @@ pytest.importorskip("triton")
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 from mpgemm.kernels.gemm_common import tile  # noqa: E402
 
-LAUNCH_FLAGS = list(itertools.product((False, True), (None, "a", "b"), (False, True), (16, 4096)))
+LAUNCH_FLAGS = list(
+    itertools.product((False, True), (None, "a", "b"), (False, True), (False, True), (16, 4096))
+)
 WIDE = {"N_BUCKET": 4096}
 
 
@@ -20,7 +22,7 @@ def test_everything_pruning_reads_is_in_the_autotune_key():
     # A config tuned without a flag must not be reused for a launch that prunes it away.
     assert set(gemm._PRUNE_FLAGS + gemm._PRUNE_ARGS) <= set(gemm.tuned_gemm_kernel.keys)
     # _PRUNE_FLAGS and _PRUNE_ARGS are what pruning really reads: without any, it fails.
-    flags = dict(STORE_ACT_GRAD=0, K_SUMS=None, ALIGNED=True)
+    flags = dict(STORE_ACT_GRAD=0, K_SUMS=None, RELU_GRAD=False, ALIGNED=True)
     assert gemm._prune_configs(gemm._hopper_configs(), WIDE, **flags)
     for missing in gemm._PRUNE_FLAGS:
         with pytest.raises(KeyError):
@@ -31,9 +33,9 @@ def test_everything_pruning_reads_is_in_the_autotune_key():
         gemm._prune_configs(gemm._hopper_configs(), {}, **flags)
 
 
-@pytest.mark.parametrize("store_act_grad, k_sums, aligned, n_bucket", LAUNCH_FLAGS)
-def test_every_launch_keeps_a_config(store_act_grad, k_sums, aligned, n_bucket):
-    flags = dict(STORE_ACT_GRAD=store_act_grad, K_SUMS=k_sums, ALIGNED=aligned)
+@pytest.mark.parametrize("store_act_grad, k_sums, relu_grad, aligned, n_bucket", LAUNCH_FLAGS)
+def test_every_launch_keeps_a_config(store_act_grad, k_sums, relu_grad, aligned, n_bucket):
+    flags = dict(STORE_ACT_GRAD=store_act_grad, K_SUMS=k_sums, RELU_GRAD=relu_grad, ALIGNED=aligned)
     width = {"N_BUCKET": n_bucket}
     kept = gemm._prune_configs(gemm._hopper_configs(), width, **flags)
     assert kept
@@ -46,7 +48,7 @@ def test_every_launch_keeps_a_config(store_act_grad, k_sums, aligned, n_bucket):
 
 def test_aligned_unaligned_and_narrow_launches_tune_over_their_own_tiles():
     def kept(aligned, n_bucket):
-        flags = dict(STORE_ACT_GRAD=0, K_SUMS=None, ALIGNED=aligned)
+        flags = dict(STORE_ACT_GRAD=0, K_SUMS=None, RELU_GRAD=False, ALIGNED=aligned)
         configs = gemm._prune_configs(gemm._hopper_configs(), {"N_BUCKET": n_bucket}, **flags)
         return {str(c) for c in configs}
 
@@ -75,24 +77,27 @@ def test_operands_aligned(pointers, strides, expected):
     assert gemm.operands_aligned([Pointer(p) for p in pointers], strides) is expected
 
 
-# (HAS_BIAS, ACTIVATION, STORE_ACT_GRAD) of the TMA kernel's launch kinds.
+# (HAS_BIAS, ACTIVATION, STORE_ACT_GRAD, RELU_GRAD) of the TMA kernel's launch kinds.
 TMA_EPILOGUES = [
-    (False, None, False),
-    (True, None, False),
-    (True, "relu", False),
-    (True, "gelu", False),
-    (True, "gelu", True),
+    (False, None, False, False),
+    (True, None, False, False),
+    (True, "relu", False, False),
+    (True, "gelu", False, False),
+    (True, "gelu", True, False),
+    (False, None, False, True),  # a ReLU's input gradient
 ]
 
 
 @pytest.mark.parametrize("n_bucket", [16, 4096])
 @pytest.mark.parametrize("c_bytes", [2, 4])
-@pytest.mark.parametrize("has_bias, activation, store_act_grad", TMA_EPILOGUES)
+@pytest.mark.parametrize("has_bias, activation, store_act_grad, relu_grad", TMA_EPILOGUES)
 def test_every_tma_launch_keeps_a_config_within_shared_memory(
-    c_bytes, has_bias, activation, store_act_grad, n_bucket
+    c_bytes, has_bias, activation, store_act_grad, relu_grad, n_bucket
 ):
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
-    flags = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STORE_ACT_GRAD=store_act_grad)
+    flags = dict(
+        HAS_BIAS=has_bias, ACTIVATION=activation, STORE_ACT_GRAD=store_act_grad, RELU_GRAD=relu_grad
+    )
     named = {"c_ptr": c, "N_BUCKET": n_bucket}
     kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), named, **flags)
     # 16-wide tiles for launches of at most 16 columns (a 10-class head's forward), which
@@ -110,21 +115,23 @@ def test_every_tma_launch_keeps_a_config_within_shared_memory(
         for k in kept
         if gemm_tma.stores_in_halves(k, c_bytes=c_bytes, store_act_grad=store_act_grad)
     ]
-    assert bool(halves) == (c_bytes == 4 and not has_bias and activation is None)
+    assert bool(halves) == (c_bytes == 4 and not has_bias and activation is None and not relu_grad)
     single = gemm_tma._prune_configs(gemm_tma._single_config(), named, **flags)
     assert len(single) == 1
 
 
 @pytest.mark.parametrize("c_bytes", [2, 4])
-@pytest.mark.parametrize("has_bias, activation, store_act_grad", TMA_EPILOGUES)
+@pytest.mark.parametrize("has_bias, activation, store_act_grad, relu_grad", TMA_EPILOGUES)
 def test_the_four_stage_wide_tile_serves_16_bit_outputs_only(
-    c_bytes, has_bias, activation, store_act_grad
+    c_bytes, has_bias, activation, store_act_grad, relu_grad
 ):
     # 128x256x64 in 4 stages takes 192 KB of operands: with a 16-bit output's layout
     # conversion (32 KB compiled) it fits an H100 block; an FP32 output's (64 KB), or
     # GELU's FP32 derivative beside it, does not.
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
-    flags = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STORE_ACT_GRAD=store_act_grad)
+    flags = dict(
+        HAS_BIAS=has_bias, ACTIVATION=activation, STORE_ACT_GRAD=store_act_grad, RELU_GRAD=relu_grad
+    )
     kept = gemm_tma._prune_configs(
         gemm_tma._hopper_configs(), {"c_ptr": c, "N_BUCKET": 4096}, **flags
     )
@@ -137,4 +144,4 @@ def test_the_four_stage_wide_tile_serves_16_bit_outputs_only(
 def test_what_tma_pruning_reads_is_in_its_autotune_key():
     # C's dtype triton adds to the key.
     keys = gemm_tma.tuned_gemm_tma_kernel.keys
-    assert {"STORE_ACT_GRAD", "HAS_BIAS", "ACTIVATION", "N_BUCKET"} <= set(keys)
+    assert {"STORE_ACT_GRAD", "HAS_BIAS", "ACTIVATION", "RELU_GRAD", "N_BUCKET"} <= set(keys)

@@ -207,7 +207,7 @@ def test_precompile_fills_the_compile_cache_from_threads(tmp_path):
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    flags = dict(STORE_ACT_GRAD=False, K_SUMS=None, ALIGNED=True)
+    flags = dict(STORE_ACT_GRAD=False, K_SUMS=None, RELU_GRAD=False, ALIGNED=True)
     expected = len(gemm._prune_configs(gemm.GPU_CONFIGS, {"N_BUCKET": 32}, **flags))
     assert len(list(tmp_path.rglob("*.cubin"))) == expected
 
@@ -222,7 +222,7 @@ def test_a_recorded_tma_launch_names_its_descriptors_by_dtype(tmp_path):
     # A descriptor's block shape is the config's: the binary depends on its dtype.
     assert record["specialization"]["a_desc"] == ["descriptor", "torch.float16"]
     c = torch.empty(64, 32, dtype=torch.float16)
-    flags = dict(HAS_BIAS=False, ACTIVATION=None, STORE_ACT_GRAD=False)
+    flags = dict(HAS_BIAS=False, ACTIVATION=None, STORE_ACT_GRAD=False, RELU_GRAD=False)
     named = {"c_ptr": c, "N_BUCKET": 32}  # (N is 32)
     kept = gemm_tma._prune_configs(gemm_tma.GPU_CONFIGS, named, **flags)
     assert record["configs"] == len(kept)
