@@ -25,8 +25,9 @@ dry=${GPU_CHECK_DRY_RUN:-0}
 scratch=${SCRATCH:-.scratch}
 # (run8 answered the head's, the ReLU backward's and the 8192x4096x4096 products'
 # sections; they stay in profile_gpu.py. The head's weight gradient again: its K split
-# 8 ways now, against the 4 run8 timed.)
-sections="launch,phases,guide mpgemm,guide mpgemm_cuda_graph,guide autocast_fused,head dW,head dW 4 splits"
+# 8 ways now, against the 4 run8 timed. The two input gradients that now take the ReLU's
+# backward, against themselves without it and the ReLU's kernel: dZ relu.)
+sections="launch,phases,guide mpgemm,guide mpgemm_cuda_graph,guide autocast_fused,head dW,head dW 4 splits,head dX fp32 padded,head dX relu,matmul 8192x4096x4096 A.T,matmul 8192x4096x4096 A.T relu,dZ relu"
 # Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
 declare -A minimum=(
   [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60

@@ -133,6 +133,17 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
         b = _tensor((n,), f32, aligned).requires_grad_(grad) if bias else None
         return lambda: linear(x, w, b, activation=activation, compute_dtype=half)
 
+    def relu_into(fan_out, *, out_dtype=None, rows=m, loss=False):
+        # A ReLU layer's output as the next layer's input: that layer's input gradient
+        # takes the ReLU's backward into its epilogue (functional._fusable_relu).
+        relu = Linear(k, n, activation="relu", compute_dtype=half)
+        layer = Linear(n, fan_out, compute_dtype=half, out_dtype=out_dtype)
+        x = _tensor((rows, k), half, aligned)
+        if loss:
+            target = torch.zeros(rows, dtype=torch.int64)
+            return lambda: cross_entropy(layer(relu(x)), target)
+        return lambda: layer(relu(x))
+
     yield "forward 16-bit", functional(half, half, bias=False, activation=None, grad=False)
     # The layers of a converted MLP's training step: the first (an FP32 input, rounded
     # once), hidden ones with each fused activation, the FP32 logits.
@@ -145,12 +156,18 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     # layer's is summed by its activation's node, with the derivative).
     yield "step: hidden linear", module(half, activation=None)
     yield "step: head", module(half, activation=None, out_dtype=f32)
+    yield "step: hidden, after a ReLU", relu_into(n)
+    yield "step: head, after a ReLU", relu_into(10, out_dtype=f32, loss=True)
     if aligned:
         # The guide MLP's head: its weight gradient (10 x 4096 over a batch of 8192)
         # fills 32 tiles, so K is split (split_k_for) and a reduction adds the parts.
         yield (
             "step: head, batch 8192",
             module(half, activation=None, out_dtype=f32, shape=(8192, 4096, 10), loss=True),
+        )
+        yield (
+            "step: head, after a ReLU, batch 8192",
+            relu_into(10, out_dtype=f32, rows=8192, loss=True),
         )
     if half == torch.bfloat16:
         # BF16 changes only the MMA's input type: its step and plain product suffice.
@@ -418,6 +435,10 @@ def _launches(run) -> list[tuple]:
 
 
 _GEMMS = ("_gemm_kernel", "_gemm_tma_kernel")
+# The workloads of a layer after a ReLU layer compile only the input gradient that takes
+# the ReLU's backward: their other launches are other workloads' (a third of the
+# binaries more, compiled twice).
+_AFTER_A_RELU = ("after a ReLU", "after a ReLU, batch 8192")
 _ELEMENTWISE = ("_unscale_kernel", "_sgd_kernel", "_adam_kernel")
 
 # A head's loss, which the GEMM workloads run for the gradient it lays out; the scaling
@@ -447,9 +468,11 @@ def jobs() -> list[Job]:
     for group, dtypes in (("gemm", ("float16", "bfloat16")), ("scaling", ("-",))):
         for dtype in dtypes:
             for spec in SPECIALIZATIONS:
-                for w, (_, run) in enumerate(_workloads(group, dtype, spec)):
-                    for i, (kernel, _, _, _, configs, _) in enumerate(_launches(run)):
+                for w, (label, run) in enumerate(_workloads(group, dtype, spec)):
+                    for i, (kernel, _, _, kwargs, configs, _) in enumerate(_launches(run)):
                         if group == "gemm" and jit_function(kernel).fn.__name__ in _LOSSES:
+                            continue
+                        if label.endswith(_AFTER_A_RELU) and not kwargs.get("RELU_GRAD"):
                             continue
                         for c in range(len(configs)) if configs else (None,):
                             found.append(Job(group, dtype, spec, w, i, c))

@@ -452,6 +452,13 @@ class LinearFunction(_Function):
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.compute_dtype = compute_dtype
         ctx.has_bias = bias is not None
+        # The node of the activation whose output x is, and x weakly, for _fusable_relu
+        # (not traced: a compiled backward is one op, which fuses nothing).
+        ctx.activation_output = None
+        if not torch.compiler.is_compiling():
+            node = x.grad_fn
+            if type(node) is ActivationFunction._backward_cls:
+                ctx.activation_output = (node, weakref.ref(x))
         # What the gradients depend on, for once_differentiable: the weight (alive in its
         # module, or saved) and bias; x weakly where its rounding is saved in its place.
         ctx.second_order = (weight, bias, None if x_rounded is None else weakref.ref(x))
@@ -465,8 +472,24 @@ class LinearFunction(_Function):
         # runs this same function: its choices (the bias gradient fused or not) need the
         # real tensors.
         backward = _linear_backward
+        relu = None
         if torch.compiler.is_compiling():
             from mpgemm.ops import linear_backward as backward
+        elif need_x and ctx.activation_output is not None:
+            relu = _fusable_relu(*ctx.activation_output, x, grad_z, weight)
+        if relu is not None:
+            # x's gradient at the ReLU's input, for its node to pass on (ActivationFunction).
+            fused_x, sums = _input_gradient(
+                _implementation(grad_z.device, grad_z, x, weight),
+                _as_rows(grad_z),
+                weight,
+                x_shape=ctx.x_shape,
+                x_dtype=ctx.x_dtype,
+                compute_dtype=ctx.compute_dtype,
+                relu_output=_as_rows(x),
+                column_sums=relu.needs_input_grad[2],
+            )
+            relu.fused = (fused_x, fused_x._version, sums)
         grad_x, grad_w, grad_b = backward(
             grad_z,
             _as_rows(x),
@@ -475,11 +498,49 @@ class LinearFunction(_Function):
             x_dtype=ctx.x_dtype,
             weight_dtype=ctx.weight_dtype,
             compute_dtype=ctx.compute_dtype,
-            need_x=need_x,
+            need_x=need_x and relu is None,
             need_w=need_w,
             need_b=need_b and ctx.has_bias,
         )
+        if relu is not None:
+            grad_x = fused_x
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+# Whether a ReLU's backward may run in the epilogue of the GEMM that makes its output's
+# gradient (``_fusable_relu``); off, each ReLU's node runs its own kernel (for A/Bs).
+_FUSE_RELU = True
+
+
+def _fusable_relu(
+    node, output: weakref.ref, x: torch.Tensor, grad_z: torch.Tensor, weight: torch.Tensor
+):
+    """``node``, the node of the activation (``ActivationFunction``) whose ``output``
+    was ``LinearFunction``'s input, if a ReLU whose backward may run in the GEMM that
+    makes x's gradient (``_input_gradient``: the mask in its epilogue, and the ReLU's
+    bias gradient, C's column sums, with it), else None. ``x``: that input as saved,
+    which must be the output itself: not a rounding, nor a tensor a saved-tensor hook
+    unpacked (checkpointing's recomputation, an offload's copy), which autograd gives
+    the node as its ``grad_fn`` but whose hooks, kept on the node, it cannot show.
+
+    The gradient at y = x then exists nowhere, so only where nothing could read it: y
+    has no tensor hooks and does not retain its gradient (a module's backward hooks put
+    a node of their own between, and FSDP's and ``register_multi_grad_hook``'s are
+    tensor hooks), and the tensors are plain (not traced or transformed). The ReLU's
+    node takes the result only if it is handed that very tensor, unchanged: where y has
+    other consumers autograd adds their gradients into a new tensor (or into this one,
+    bumping its version), which that node then masks itself, as before (the mask is
+    idempotent). Node hooks (``register_prehook``) on the ReLU's node would see the
+    masked gradient. Saves the 64 MB read of dY and y and the 64 MB write of dZ of the
+    ReLU's own kernel at the guide MLP's 8192 x 4096, for a read of y in the GEMM's
+    epilogue."""
+    if not _FUSE_RELU or output() is not x or x.grad_fn is not node:
+        return None
+    if getattr(node, "activation", None) != "relu" or x.retains_grad or x._backward_hooks:
+        return None
+    if torch._C._are_functorch_transforms_active() or not all(map(is_plain, (x, grad_z, weight))):
+        return None
+    return node
 
 
 def _check_differentiated_once() -> None:
@@ -665,11 +726,17 @@ class ActivationFunction(_Function):
         ctx.save_for_backward(output if activation == "relu" else act_grad)
         ctx.activation, ctx.compute_dtype = activation, compute_dtype
         ctx.second_order = (inputs[2],)  # the bias (z's part goes through the GEMMs' node)
+        # (dZ, its version, the bias gradient or None), where the next layer's node took
+        # ReLU's backward in its GEMM (``_fusable_relu``).
+        ctx.fused = None
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
         (saved,) = ctx.saved_tensors
+        fused, ctx.fused = ctx.fused, None
+        if fused is not None and grad_y is fused[0] and grad_y._version == fused[1]:
+            return grad_y, None, fused[2], None, None
         backward = activation_backward
         if torch.compiler.is_compiling():  # one opaque op, as for the GEMMs' backward
             from mpgemm.ops import activation_backward as backward
@@ -698,6 +765,32 @@ def activation_backward(
     return grad_z.view(grad_y.shape), grad_b
 
 
+def _input_gradient(
+    gemm: Callable,
+    dz: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    x_shape: Sequence[int],
+    x_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    relu_output: torch.Tensor | None = None,
+    column_sums: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx = dZ @ W in x's dtype and shape, None), by ``gemm`` (the kernel or its
+    reference) from dZ (2-D); with ``relu_output`` (x as rows, the output y of a ReLU),
+    the gradient at the ReLU's input instead, 0 where y <= 0, and with ``column_sums``
+    its FP32 column sums (the ReLU's bias gradient) for None."""
+    grad_x, _, sums = gemm(
+        dz,
+        weight,
+        compute_dtype=compute_dtype,
+        out_dtype=x_dtype,
+        relu_output=relu_output,
+        colsum_c=column_sums,
+    )
+    return grad_x.view(x_shape), sums
+
+
 def _linear_backward(
     grad_z: torch.Tensor,
     x2d: torch.Tensor,
@@ -717,8 +810,9 @@ def _linear_backward(
     dz = _as_rows(grad_z)
     grad_x = grad_w = grad_b = None
     if need_x:
-        grad_x, _, _ = gemm(dz, weight, compute_dtype=compute_dtype, out_dtype=x_dtype)
-        grad_x = grad_x.view(x_shape)
+        grad_x, _ = _input_gradient(
+            gemm, dz, weight, x_shape=x_shape, x_dtype=x_dtype, compute_dtype=compute_dtype
+        )
     if need_w or need_b:
         # A frozen weight still lets its GEMM sum the bias gradient: B gets no columns.
         x_operand = x2d if need_w else x2d[:, :0]

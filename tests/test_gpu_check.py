@@ -296,15 +296,22 @@ def test_the_graph_ab_steps_every_variant_to_the_same_bits():
     a small eager step through the interpreter (where PDL stays off, as the rows say):
     two alternating rounds of the shipped recipe, the variants and the control, then
     each one's median against the shipped recipe's, its weights the shipped recipe's
-    bit for bit (gradients zeroed in place or set to None step alike)."""
+    bit for bit (gradients zeroed in place or set to None step alike), but for the
+    ReLU's backward unfused, whose bias gradients are summed in another order."""
     rows = _interpreted_rows("ab_graph.py", "--smoke")
-    impls = ["as shipped", "grads zeroed in place", "pdl", "as shipped, control"]
-    timed, summaries = rows[:-3], rows[-3:]
+    impls = [
+        "as shipped",
+        "grads zeroed in place",
+        "pdl",
+        "relu backward unfused",
+        "as shipped, control",
+    ]
+    timed, summaries = rows[:-4], rows[-4:]
     assert [(r["round"], r["impl"]) for r in timed] == [(i, n) for i in range(2) for n in impls]
     assert all(r["us"] > 0 and r["pdl"] is False for r in timed)
     assert [s["impl"] for s in summaries] == impls[1:]
-    assert all(s["same_bits"] and s["shipped_speedup"] > 0 for s in summaries)
-    assert all(s["mode"] == "mpgemm" for s in summaries)
+    assert all(s["shipped_speedup"] > 0 and s["mode"] == "mpgemm" for s in summaries)
+    assert all(s["same_bits"] for s in summaries if s["impl"] != "relu backward unfused")
 
 
 def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_path):

@@ -117,6 +117,14 @@ def test_every_launch_compiles_for_hopper_as_the_jit_would():
     # Aligned, every one with 16-bit operands is the TMA kernel's.
     assert all((r["kernel"] == "_gemm_tma_kernel") == (r not in fp32) for r in aligned)
 
+    # A ReLU's backward in the input-gradient GEMM of the layer it feeds (the mask and
+    # the column sums' partials in the epilogue): in both kernels, its MMAs in flight
+    # where aligned (the guide MLP's head, FP32 dY, takes the pointer kernel).
+    fused = [r for r in step if r["flags"].get("RELU_GRAD")]
+    assert {r["kernel"] for r in fused} == set(gemm_kernels)
+    assert all(r["flags"]["C_SUMS"] and r["layout"] == "grad_input" for r in fused)
+    assert all(r["wgmma_pending"] >= 1 for r in fused if r["specialization"] == "aligned")
+
     # The guide MLP head's weight gradient is split along K, and summed by a reduction.
     split = [r for r in step if r["flags"].get("SPLIT_K", 1) > 1]
     assert split and all(r in swapped for r in split)
