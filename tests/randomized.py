@@ -16,7 +16,10 @@ param groups, 16-bit parameters against FP64; two cases in three on blocks of 4
 elements, 2 or 3 a program, so that these small tensors span several blocks as a large
 model's do), ``scaler`` (``mpgemm.GradScaler`` against torch's through drawn runs of its
 API, bit for bit, state dicts loaded across) and ``masters`` (``LossScaleOptimizer``
-over a 16-bit model against torch's recipe with FP32 masters by hand, bit for bit).
+over a 16-bit model against torch's recipe with FP32 masters by hand, bit for bit) and
+``relu_fusion`` (a ReLU layer into a layer, its backward in that layer's input-gradient
+GEMM against its own kernel, over dtypes, shapes, frozen parameters, hooks and a second
+consumer: the same gradients, bit for bit but for the bias's summation order).
 Prints each failing case and a count; exit status 1 on any. Searches like these found
 four faults (``bench/NOTES.md``, 2026-11-26, fifth session); ``tests/test_randomized.py``
 runs a few seeds of each.
@@ -39,10 +42,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpgemm
+from mpgemm import functional
 from mpgemm.reference import dz_rounding, linear_ref, torch_activation
 from mpgemm.scaling import unscale_
 from tests.accuracy import (
     assert_same_bits,
+    assert_sum_within_torch_error,
     assert_within_torch_error,
     optimizer_launch_shape,
 )
@@ -728,6 +733,79 @@ def copies_case(seed: int) -> None:
             assert_same_bits(model(x), fresh(x), f"{what}: after {done}")
 
 
+def relu_fusion_case(seed: int) -> None:
+    """A ReLU layer into a layer, backward with the ReLU's backward in the second layer's
+    input-gradient GEMM (``functional._fusable_relu``) and with the ReLU's own kernel, on
+    the same draw: every gradient and what a hook at the ReLU's output sees the same
+    bits, but the ReLU's bias gradient, summed in another order: within FP32's bound of
+    the sums of the same dZ, which the fused GEMM wrote."""
+    random.seed(seed)
+    lead = tuple(random.choice([1, 2, 3, 5, 17, 33]) for _ in range(random.choice([1, 2])))
+    k, n, m = (random.choice([1, 3, 8, 16, 17, 40]) for _ in range(3))
+    x_dtype, compute = random.choice(DTYPES), random.choice(HALVES)
+    relu_out, head_out = random.choice([None, *DTYPES]), random.choice([None, torch.float32])
+    bias = random.random() < 0.8
+    frozen = random.choice([None, "weight", "bias", "head"])
+    seen = random.choice([None, None, None, "hook", "retain_grad", "second consumer"])
+    x_grad = random.random() < 0.3
+    what = f"relu_fusion seed {seed}: x {(*lead, k)} {x_dtype} -> {n} ({relu_out}) -> {m} "
+    what += f"({head_out}), compute {compute}, bias {bias}, frozen {frozen}, seen {seen}"
+    record, fused_dz = functional._input_gradient, []
+
+    def recorded(*args, **kwargs):
+        out = record(*args, **kwargs)
+        if kwargs.get("relu_output") is not None:
+            fused_dz.append(out[0].detach().clone())
+        return out
+
+    runs = []
+    try:
+        functional._input_gradient = recorded
+        for fuse in (True, False):
+            functional._FUSE_RELU = fuse
+            torch.manual_seed(seed)
+            relu = mpgemm.Linear(
+                k, n, bias=bias, activation="relu", compute_dtype=compute, out_dtype=relu_out
+            ).to(_device)
+            head = mpgemm.Linear(n, m, compute_dtype=compute, out_dtype=head_out).to(_device)
+            if frozen == "head":
+                head.requires_grad_(False)
+            elif frozen is not None and getattr(relu, frozen) is not None:
+                getattr(relu, frozen).requires_grad_(False)
+            g = torch.Generator().manual_seed(seed)
+            x = _randn(*lead, k, g=g).to(x_dtype).requires_grad_(x_grad)
+            y, looks = relu(x), []
+            if not y.requires_grad:  # nothing of the ReLU's to differentiate: no case
+                return
+            if seen == "hook":
+                y.register_hook(lambda grad, looks=looks: looks.append(grad.clone()))
+            elif seen == "retain_grad":
+                y.retain_grad()
+            loss = head(y).double().square().sum()
+            if seen == "second consumer":
+                loss = loss + y.double().sum()
+            loss.backward()
+            if seen == "retain_grad":
+                looks.append(y.grad)
+            params = [*relu.parameters(), *head.parameters()]
+            runs.append([x.grad, *(p.grad for p in params), *looks])
+    finally:
+        functional._input_gradient = record
+        functional._FUSE_RELU = True
+    (fused, unfused), bias_at = runs, 2 if bias else None
+    assert len(fused) == len(unfused), what
+    for i, (got, want) in enumerate(zip(fused, unfused, strict=True)):
+        if (got is None) != (want is None):
+            raise AssertionError(f"{what}: gradient {i} is None on one side only")
+        if got is None:
+            continue
+        if i == bias_at and fused_dz and seen != "second consumer":
+            dz = fused_dz[0].reshape(-1, n)
+            assert_sum_within_torch_error(got, dz, want, f"{what}: ReLU's bias", dim=0)
+        else:
+            assert_same_bits(got, want, f"{what}: gradient {i}")
+
+
 CASES: dict[str, Callable[[int], None]] = {
     "amp": amp_case,
     "copies": copies_case,
@@ -736,6 +814,7 @@ CASES: dict[str, Callable[[int], None]] = {
     "masters": masters_case,
     "cross_entropy": cross_entropy_case,
     "optim": optim_case,
+    "relu_fusion": relu_fusion_case,
     "scaler": scaler_case,
 }
 
