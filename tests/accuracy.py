@@ -1,6 +1,6 @@
 """Shared test helpers: the accuracy bar, operands that expose missing masks, the
 kernels a call launches and the torch ops it runs besides, the optimizers' launch
-shape."""
+shape, the input gradients that took a ReLU's backward."""
 
 from __future__ import annotations
 
@@ -140,3 +140,25 @@ def optimizer_launch_shape(**shape: object) -> Iterator[None]:
         yield
     finally:
         fused_optim._launch = launch
+
+
+@contextmanager
+def fused_relu_gradients() -> Iterator[list[torch.Tensor]]:
+    """Within the block, a copy of each input gradient that took a ReLU's backward in its
+    GEMM (``functional._input_gradient`` given ``relu_output``: dZ at the ReLU's
+    input), in the order made."""
+    from mpgemm import functional
+
+    record, made = functional._input_gradient, []
+
+    def recorded(*args, **kwargs):
+        out = record(*args, **kwargs)
+        if kwargs.get("relu_output") is not None:
+            made.append(out[0].detach().clone())
+        return out
+
+    functional._input_gradient = recorded
+    try:
+        yield made
+    finally:
+        functional._input_gradient = record

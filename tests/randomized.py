@@ -49,6 +49,7 @@ from tests.accuracy import (
     assert_same_bits,
     assert_sum_within_torch_error,
     assert_within_torch_error,
+    fused_relu_gradients,
     optimizer_launch_shape,
 )
 
@@ -750,17 +751,8 @@ def relu_fusion_case(seed: int) -> None:
     x_grad = random.random() < 0.3
     what = f"relu_fusion seed {seed}: x {(*lead, k)} {x_dtype} -> {n} ({relu_out}) -> {m} "
     what += f"({head_out}), compute {compute}, bias {bias}, frozen {frozen}, seen {seen}"
-    record, fused_dz = functional._input_gradient, []
-
-    def recorded(*args, **kwargs):
-        out = record(*args, **kwargs)
-        if kwargs.get("relu_output") is not None:
-            fused_dz.append(out[0].detach().clone())
-        return out
-
     runs = []
     try:
-        functional._input_gradient = recorded
         for fuse in (True, False):
             functional._FUSE_RELU = fuse
             torch.manual_seed(seed)
@@ -784,13 +776,15 @@ def relu_fusion_case(seed: int) -> None:
             loss = head(y).double().square().sum()
             if seen == "second consumer":
                 loss = loss + y.double().sum()
-            loss.backward()
+            with fused_relu_gradients() as made:
+                loss.backward()
+            if fuse:
+                fused_dz = made
             if seen == "retain_grad":
                 looks.append(y.grad)
             params = [*relu.parameters(), *head.parameters()]
             runs.append([x.grad, *(p.grad for p in params), *looks])
     finally:
-        functional._input_gradient = record
         functional._FUSE_RELU = True
     (fused, unfused), bias_at = runs, 2 if bias else None
     assert len(fused) == len(unfused), what
