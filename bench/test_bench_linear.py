@@ -75,8 +75,9 @@ def test_linear(run_case, device, shape, phase, impl):
 
 
 # A transformer MLP's up-projection (8192 tokens, 4096 -> 11008) with each activation:
-# mpgemm's in the GEMM's epilogue (its derivative stored, but for ReLU's, then one
-# pass for dZ and the bias gradient), autocast's nn.Linear followed by torch's op.
+# mpgemm's in the GEMM's epilogue (z stored beside the output, but for ReLU's, then
+# one pass for dZ, act'(z) taken from z, and the bias gradient), autocast's nn.Linear
+# followed by torch's op.
 ACTIVATION_SHAPE = (8192, 4096, 11008) if GPU_SCALE else (64, 48, 32)
 
 

@@ -3,8 +3,9 @@
 
     ReLU (S = y):           dZ = 0 where y <= 0, else dY        (threshold_backward's rule:
                                                                  a NaN y passes dY on)
-    GELU, SiLU (S = act'(z), FP32): dZ = round(dY * S)           (the product in FP32,
-                                                                 rounded once: ROUND_DTYPE)
+    GELU, SiLU (S = z):     dZ = round(dY * act'(z))            (act'(z) and the product in
+                                                                 FP32, rounded once:
+                                                                 ROUND_DTYPE)
     P[c, n] = sum over the rows of chunk c of dZ[:, n], before its rounding (FP32)
     db[n]   = sum over the chunks c of P[c, n]                   (FP32, in a fixed order)
 
@@ -24,7 +25,13 @@ import triton.language as tl
 
 from mpgemm.kernels.arrivals import add_partials, counters
 from mpgemm.kernels.dependent_launch import wait_for_prior_grid
-from mpgemm.kernels.gemm_common import INTERPRET, cdiv, multiprocessors, operands_aligned
+from mpgemm.kernels.gemm_common import (
+    INTERPRET,
+    activation_and_derivative,
+    cdiv,
+    multiprocessors,
+    operands_aligned,
+)
 from mpgemm.kernels.launches import launch
 from mpgemm.kernels.rounding import cast_rne, widen
 from mpgemm.kernels.tensor_table import TRITON_DTYPES
@@ -37,8 +44,8 @@ BLOCK_M = 32
 # Programs per SM to aim for: enough loads in flight to stream at memory bandwidth.
 _PROGRAMS_PER_SM = 4
 # Row steps in flight per program: triton's pipeliner issues the loads of the next
-# stages - 1 steps (cp.async into shared memory: 16 KB a ReLU step, 24 KB a GELU or SiLU
-# one) while a step is computed and stored. Without it (1: 989d877's loop) a program's
+# stages - 1 steps (cp.async into shared memory: 16 KB a step of 16-bit operands)
+# while a step is computed and stored. Without it (1: 989d877's loop) a program's
 # next loads waited for its stores to issue, and run6's guide step streamed at 2.96 TB/s
 # (the H100's at 76.6 us against torch's threshold_backward's 60.7). The counts compile
 # without spills on sm_90a under Triton 3.6 and 3.9 (ReLU at 3 spilled 12 bytes under
@@ -46,6 +53,10 @@ _PROGRAMS_PER_SM = 4
 # launch asks for four). Aligned launches only: with scalar loads GELU's pipelined loop
 # took 255 registers and spilled (Triton 3.9).
 _STAGES = {"relu": 4, "gelu": 3, "gelu_tanh": 3, "silu": 3}
+# Warps a program: GELU's and SiLU's act'(z) (an erf, or an exp and a division) on the
+# block's 32 elements a thread of 4 warps took 167 registers pipelined and 255, spilling
+# 72 bytes, unpipelined (unaligned) under triton 3.9; 8 warps hold 16 a thread.
+_WARPS = {"relu": 4, "gelu": 8, "gelu_tanh": 8, "silu": 8}
 
 
 @triton.jit
@@ -63,7 +74,8 @@ def _activation_backward_kernel(
     stride_dyn,
     stride_sm,
     stride_sn,
-    RELU: tl.constexpr,
+    # "relu", "gelu", "gelu_tanh" or "silu"
+    ACTIVATION: tl.constexpr,
     # GELU's and SiLU's rounding of the product, where coarser than dZ's dtype (which
     # then holds its value exactly): mpgemm.reference.dz_rounding; else None
     ROUND_DTYPE: tl.constexpr,
@@ -96,11 +108,13 @@ def _activation_backward_kernel(
         s = tl.load(
             s_ptr + rows[:, None] * stride_sm + cols64[None, :] * stride_sn, mask=mask, other=0.0
         )
-        if RELU:
+        if ACTIVATION == "relu":
             # Compared in FP32: the interpreter compares a BF16 as its raw bits.
             exact = tl.where(widen(s, INTERPRETED) <= 0, 0.0, widen(dy, INTERPRETED))
         else:
-            exact = widen(dy, INTERPRETED) * s
+            # (IEEE divisions: a streaming kernel has the registers for them)
+            _, derivative = activation_and_derivative(widen(s, INTERPRETED), ACTIVATION, True)
+            exact = widen(dy, INTERPRETED) * derivative
         rounded = exact
         if ROUND_DTYPE is not None:
             rounded = widen(cast_rne(exact, ROUND_DTYPE, INTERPRETED), INTERPRETED)
@@ -130,8 +144,9 @@ def triton_activation_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dZ, bias gradient or None), ``mpgemm.reference.activation_backward_ref``'s math.
 
-    grad_y: (M, N) in y's dtype, any strides; saved: (M, N), y for "relu" (dY's dtype),
-    act'(z) in FP32 for "gelu" and "silu", any strides. dZ: (M, N), contiguous, in dY's
+    grad_y: (M, N) in y's dtype, any strides; saved: (M, N), any strides: y for "relu"
+    (dY's dtype), z for "gelu", "gelu_tanh" and "silu" (as the forward stored it, in y's
+    dtype, or any float dtype). dZ: (M, N), contiguous, in dY's
     dtype (exact for ReLU; GELU's and SiLU's rounded as ``dz_rounding`` says); the bias
     gradient: (N,), FP32."""
     M, N = grad_y.shape
@@ -170,13 +185,13 @@ def triton_activation_backward(
         grad_y.stride(1),
         saved.stride(0),
         saved.stride(1),
-        RELU=activation == "relu",
+        ACTIVATION=activation,
         ROUND_DTYPE=round_dtype,
         BIAS_GRAD=bias_grad,
         INTERPRETED=INTERPRET,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         STAGES=stages,
-        num_warps=4,
+        num_warps=_WARPS[activation],
     )
     return (dz, grad_b) if bias_grad else (dz, None)

@@ -8,7 +8,8 @@ rounded inputs, 16-bit activations), and the pointer kernel here for the rest (F
 unaligned operands, split K). ``use_kernel`` forces one, for tests and benchmarks.
 
     C   = act(round(A) @ round(B) + bias)    round() = to the compute dtype
-    G   = act'(round(A) @ round(B) + bias)   (optional, GELU and SiLU, FP32: for backward)
+    G   = round(A) @ round(B) + bias          (optional, GELU and SiLU, in C's dtype: z, from
+                                              which their backward takes act'(z))
     R   = sum_k A[:, k]                      (optional, FP32: the bias gradient)
 
 or, for the input gradient at a ReLU's input (``relu_output`` y, the ReLU's output; C
@@ -138,7 +139,7 @@ _NARROW_TILES = {(128, 16, 64, 4), (64, 16, 64, 4)}
 def fits_registers(
     config: triton.Config,
     *,
-    store_act_grad: bool,
+    store_preact: bool,
     k_sums: str | None,
     relu_grad: bool,
     aligned: bool,
@@ -150,8 +151,9 @@ def fits_registers(
     A launch of at most ``NARROW_N`` columns (``narrow``) takes the narrow tiles, and
     only it does. Unaligned operands (``operands_aligned``) get their own tiles.
     Aligned launches with sums over K get the tiles that leave room for them; storing
-    GELU's or SiLU's derivative beside the output needs an accumulator of fewer than 128 registers
-    per thread, and reading a ReLU's output to mask the product by (``relu_grad``) is held
+    GELU's or SiLU's pre-activation beside the output is held to an accumulator of fewer
+    than 128 registers per thread (a rule made for the FP32 derivative it stored before),
+    and reading a ReLU's output to mask the product by (``relu_grad``) is held
     to the same (128x256x32 took 254 registers with it under 3.6 and 3.9: at the edge).
     Measured with ``python -m mpgemm.kernels.aot``, which compiles every
     launch kind aligned and unaligned."""
@@ -162,14 +164,14 @@ def fits_registers(
         return not aligned and shape in _UNALIGNED_TILES
     if k_sums:
         return shape in _SUMS_TILES
-    if store_act_grad or relu_grad:
+    if store_preact or relu_grad:
         return shape[0] * shape[1] // (32 * shape[3]) < 128
     return True
 
 
 # The launch flags fits_registers decides by, as the kernel names them, and the width it
 # reads from the autotune key (``narrow``).
-_PRUNE_FLAGS = ("STORE_ACT_GRAD", "K_SUMS", "RELU_GRAD", "ALIGNED")
+_PRUNE_FLAGS = ("STORE_PREACT", "K_SUMS", "RELU_GRAD", "ALIGNED")
 _PRUNE_ARGS = ("N_BUCKET",)
 
 
@@ -220,7 +222,7 @@ def _gemm_kernel(
     INTERPRETED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    STORE_ACT_GRAD: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
     # R: None, or the FP32 sums over K of "a" (A's rows: R is (M,)) or of "b" (B's
     # columns: R is (N,))
     K_SUMS: tl.constexpr,
@@ -378,7 +380,7 @@ def _gemm_kernel(
         stride_bias,
         HAS_BIAS,
         ACTIVATION,
-        STORE_ACT_GRAD,
+        STORE_PREACT,
         INTERPRETED,
         RELU_GRAD,
     )
@@ -517,7 +519,7 @@ _AUTOTUNE_KEY = [
     "COMPUTE_BF16",
     "HAS_BIAS",
     "ACTIVATION",
-    "STORE_ACT_GRAD",
+    "STORE_PREACT",
     "K_SUMS",
     "RELU_GRAD",
     "C_SUMS",
@@ -659,7 +661,7 @@ def _aligned_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _flags(
-    compute_dtype: torch.dtype, bias, activation, store_act_grad: bool, relu_output, colsum_c: bool
+    compute_dtype: torch.dtype, bias, activation, store_preact: bool, relu_output, colsum_c: bool
 ) -> dict:
     """Both kernels' constexprs for what a launch computes."""
     return dict(
@@ -667,7 +669,7 @@ def _flags(
         INTERPRETED=INTERPRET,
         HAS_BIAS=bias is not None,
         ACTIVATION=activation,
-        STORE_ACT_GRAD=store_act_grad,
+        STORE_PREACT=store_preact,
         RELU_GRAD=relu_output is not None,
         C_SUMS=colsum_c,
     )
@@ -689,7 +691,7 @@ def triton_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     activation: str | None = None,
-    store_act_grad: bool = False,
+    store_preact: bool = False,
     rowsum_a: bool = False,
     out: torch.Tensor | None = None,
     sum_batch: bool = False,
@@ -705,7 +707,7 @@ def triton_gemm(
     and dtype, a ReLU's output y, C being the gradient at that ReLU's output: C is then
     the gradient at its input, 0 where y <= 0 (no bias or activation). colsum_c: R is
     C's column sums (as stored) instead (not with rowsum_a).
-    Returns (C, G or None, R or None); G is FP32 (M, N), R is FP32 of shape (M,), or
+    Returns (C, G or None, R or None); G is (M, N) in out_dtype, R is FP32 of shape (M,), or
     (N,) with colsum_c.
     Batched: a (*batch, M, K) and b (*batch, K, N) of one batch shape, any strides (0
     where an operand is broadcast), with no bias, activation, G, R or out: C is
@@ -714,9 +716,7 @@ def triton_gemm(
     batch dimensions (``_sum_batched``).
     The caller has validated shapes, dtypes and devices.
     """
-    epilogue = (
-        bias is not None or activation is not None or store_act_grad or relu_output is not None
-    )
+    epilogue = bias is not None or activation is not None or store_preact or relu_output is not None
     if a.dim() > 2:
         if epilogue or rowsum_a or colsum_c or out is not None:
             raise ValueError("a batch of products takes no bias, activation, G, R or out")
@@ -730,8 +730,8 @@ def triton_gemm(
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), device=a.device, dtype=out_dtype) if out is None else out
-    # FP32: a 16-bit derivative would round dZ = dY * act' twice (here and for the dot).
-    g = torch.empty((M, N), device=a.device, dtype=torch.float32) if store_act_grad else None
+    # z in C's dtype, as torch keeps an activation's input: its backward takes act'(z).
+    g = torch.empty((M, N), device=a.device, dtype=out_dtype) if store_preact else None
     r = None
     if rowsum_a or colsum_c:
         r = torch.empty((N if colsum_c else M,), device=a.device, dtype=torch.float32)
@@ -744,11 +744,11 @@ def triton_gemm(
     column = _column_sums(r, M, N) if colsum_c else None
 
     signature = _signature(
-        a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a, relu_output, colsum_c
+        a, b, c, bias, compute_dtype, activation, store_preact, rowsum_a, relu_output, colsum_c
     )
     if _replayed(signature, a, b, c, bias, read_or_written, r, column):
         return c, g, r
-    flags = _flags(compute_dtype, bias, activation, store_act_grad, relu_output, colsum_c)
+    flags = _flags(compute_dtype, bias, activation, store_preact, relu_output, colsum_c)
     splits = 1 if epilogue else split_k_for(M, N, K, a.device)
     layout = _tma_layout(a, b, compute_dtype, splits)
     # C.T = B.T @ A.T: R, A's row sums, are then B.T's column sums.
@@ -848,7 +848,7 @@ def _operands(a, b, c, swapped: bool) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def _signature(
-    a, b, c, bias, compute_dtype, activation, store_act_grad, rowsum_a, relu_output, colsum_c
+    a, b, c, bias, compute_dtype, activation, store_preact, rowsum_a, relu_output, colsum_c
 ) -> tuple:
     """What ``triton_gemm``'s decisions and launch arguments other than its tensors
     depend on, for one product or a batch: the operands' shapes, strides, dtypes and
@@ -873,7 +873,7 @@ def _signature(
         else (relu_output.stride(), relu_output.dtype, relu_output.data_ptr() & 15 == 0),
         compute_dtype,
         activation,
-        store_act_grad,
+        store_preact,
         rowsum_a,
         colsum_c,
         a.device,

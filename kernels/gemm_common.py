@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from mpgemm.kernels.arrivals import add_partials
-from mpgemm.kernels.rounding import cast_rne, widen
+from mpgemm.kernels.rounding import cast_rne, saturated, widen
 
 # The interpreter runs the kernels on the CPU through numpy; it must be chosen before
 # triton is imported, so it is read once here.
@@ -102,7 +102,16 @@ def gelu_and_derivative(z):
 
 
 @triton.jit
-def gelu_tanh_and_derivative(z):
+def _divide(x, y, IEEE: tl.constexpr):
+    """x / y: IEEE's round to nearest, or the GPU's approximate division (2 ulp)."""
+    if IEEE:
+        return tl.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def gelu_tanh_and_derivative(z, IEEE: tl.constexpr):
     """GELU's tanh approximation, as torch.nn.functional.gelu(approximate="tanh"),
     0.5 z (1 + t) with t = tanh(u), u = sqrt(2 / pi) (z + 0.044715 z^3), and its
     derivative, by torch's formulas, so that inf and NaN come out where torch's do
@@ -110,38 +119,41 @@ def gelu_tanh_and_derivative(z):
     e = exp(-2 |u|), without a cancellation: 1 + t = 2 / (1 + e) where u >= 0, else
     2 e / (1 + e), and 1 - t^2 = 4 e / (1 + e)^2. From t itself, 1 - t^2 lost 1 - t's
     relative accuracy as t nears 1: the derivative had twice torch's error against
-    FP64, and has a sixth of it so (interpreted, z in [-12, 12])."""
+    FP64, and has a sixth of it so (interpreted, z in [-12, 12]). ``IEEE``: the
+    division rounded to nearest (``_divide``)."""
     z_sq = z * z
     u = 0.7978845608028654 * (z + 0.044715 * z_sq * z)
     e = tl.exp(-2.0 * tl.abs(u))
-    inv = 1.0 / (1.0 + e)
+    inv = _divide(1.0, 1.0 + e, IEEE)
     right = tl.where(u >= 0.0, 2.0 * inv, 2.0 * e * inv)
     slope = 4.0 * e * inv * inv * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z_sq)
     return 0.5 * z * right, 0.5 * right + 0.5 * z * slope
 
 
 @triton.jit
-def silu_and_derivative(z):
+def silu_and_derivative(z, IEEE: tl.constexpr):
     """SiLU, as torch.nn.functional.silu, z s with s = 1 / (1 + exp(-z)), and its
     derivative s (1 + z (1 - s)), as torch's: inf and NaN come out where torch's do
-    (silu(-inf) and silu'(+-inf) are NaN). The division is the GPU's approximate one
-    (2 ulp of FP32, as GELU's exp and erf are approximate too: far below the output's
-    16-bit rounding); IEEE divisions (tl.div_rn) made these epilogues spill 80 to 264
-    bytes under triton 3.9."""
-    s = 1.0 / (1.0 + tl.exp(-z))
+    (silu(-inf) and silu'(+-inf) are NaN). The division: with ``IEEE`` rounded to
+    nearest (the activation's backward), else the GPU's approximate one (2 ulp of FP32,
+    as GELU's exp and erf are approximate too: far below the output's 16-bit rounding;
+    IEEE divisions made the GEMMs' epilogues spill 80 to 264 bytes under triton 3.9)."""
+    s = _divide(1.0, 1.0 + tl.exp(-z), IEEE)
     return z * s, s * (1.0 + z * (1.0 - s))
 
 
 @triton.jit
-def _activation_and_derivative(z, ACTIVATION: tl.constexpr):
-    """act(z) and act'(z) for the activations whose backward reads act'(z) (ReLU's
-    reads its output): "gelu", "gelu_tanh", "silu"."""
+def activation_and_derivative(z, ACTIVATION: tl.constexpr, IEEE: tl.constexpr = False):
+    """act(z) and act'(z) for the activations whose backward takes act'(z) from the
+    stored z (ReLU's reads its output): "gelu", "gelu_tanh", "silu". The forward
+    epilogue takes act(z), the activation's backward act'(z) (``mpgemm.kernels.activation``),
+    with IEEE divisions (``IEEE``)."""
     if ACTIVATION == "gelu":
         return gelu_and_derivative(z)
     elif ACTIVATION == "gelu_tanh":
-        return gelu_tanh_and_derivative(z)
+        return gelu_tanh_and_derivative(z, IEEE)
     else:
-        return silu_and_derivative(z)
+        return silu_and_derivative(z, IEEE)
 
 
 @triton.jit
@@ -161,12 +173,15 @@ def store_epilogue(
     stride_bias,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    STORE_ACT_GRAD: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     RELU_GRAD: tl.constexpr = False,
 ):
-    """C[offs_m, offs_n] = act(acc + bias), rounded once to C's dtype, and G = act'(.)
-    in G's dtype when STORE_ACT_GRAD; done while the accumulator is still FP32.
+    """C[offs_m, offs_n] = act(acc + bias), rounded once to C's dtype, and, when
+    STORE_PREACT, G = the pre-activation acc + bias rounded to G's dtype (C's: what
+    GELU's and SiLU's backward takes act'(z) from, as torch's keep their input; finite
+    values beyond its range clamped to its largest, ``saturated``); done while the
+    accumulator is still FP32.
     RELU_GRAD: C is the gradient at a ReLU's input and G (read, not written) the ReLU's
     output y: C = 0 where y <= 0, else acc (threshold_backward's rule: a NaN y passes
     the gradient on), the same bits as rounding acc first and masking after (a zero
@@ -183,11 +198,12 @@ def store_epilogue(
     if ACTIVATION == "relu":
         # torch.relu's: NaN stays NaN (never hidden from the inf/NaN check), -0.0 stays.
         acc = tl.where(acc < 0.0, 0.0, acc)
-    elif ACTIVATION is not None:  # the others keep act'(z) for their backward
-        acc, act_grad = _activation_and_derivative(acc, ACTIVATION)
-        if STORE_ACT_GRAD:
+    elif ACTIVATION is not None:  # the others keep z for their backward
+        if STORE_PREACT:
             g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
-            tl.store(g_ptrs, cast_rne(act_grad, g_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+            g_type = g_ptr.dtype.element_ty
+            tl.store(g_ptrs, cast_rne(saturated(acc, g_type), g_type, INTERPRETED), mask=mask)
+        acc, _ = activation_and_derivative(acc, ACTIVATION)
     if RELU_GRAD:
         g_ptrs = g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
         y = tl.load(g_ptrs, mask=mask, other=0.0)  # outside C: zeros, for the column sums

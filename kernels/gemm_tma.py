@@ -2,7 +2,7 @@
 operands, read by the Tensor Memory Accelerator.
 
     C   = act(A @ B + bias)            A, B already in the compute dtype, FP32 accumulation
-    G   = act'(A @ B + bias)           (optional, GELU and SiLU)
+    G   = A @ B + bias                 (optional, GELU and SiLU: z, in C's dtype)
     C   = 0 where y <= 0, else A @ B   (a ReLU's input gradient, with C's column sums'
                                         partials: ``mpgemm.kernels.gemm``)
     C[i] = A[i] @ B[i]                 a batch of products (``matmul``), no epilogue
@@ -121,63 +121,61 @@ def _interpreter_configs() -> list[triton.Config]:
 # Shared memory a block may have on an H100 (227 KB).
 SMEM_BYTES = 232448
 # The most shared memory the epilogue's layout conversion may take at once: a larger
-# tile of the widest output (128x256 of FP32: 128 KB, which with 3 stages of 48 KB would
+# tile of C (128x256 of FP32: 128 KB, which with 3 stages of 48 KB would
 # not fit) is stored in two halves.
 EPILOGUE_SCRATCH = 64 * 1024
 # Triton converts a larger part a piece at a time: no binary of the AOT check (triton
-# 3.6 and 3.9) took more than this many elements of the widest output for it (a
+# 3.6 and 3.9) took more than this many elements of C for it (a
 # 128x256 tile of FP16 took half of its 64 KB), and the check fails any binary whose
 # shared memory exceeds SMEM_BYTES, should a triton take more.
 CONVERSION_ELEMENTS = 16384
 
 
 @triton.constexpr_function
-def epilogue_bytes(block_m: int, block_n: int, c_bytes: int, store_act_grad: bool) -> int:
-    """The bytes of a whole tile of the widest output (C, or GELU's or SiLU's FP32 derivative),
-    which the stores take through shared memory for their layout conversion. Called by
-    the kernel at compile time and by the host's pruning: one rule for both."""
-    return block_m * block_n * (4 if store_act_grad else c_bytes)
+def epilogue_bytes(block_m: int, block_n: int, c_bytes: int) -> int:
+    """The bytes of a whole tile of C (and of GELU's or SiLU's pre-activation, in C's
+    dtype), which the stores take through shared memory for their layout conversion.
+    Called by the kernel at compile time and by the host's pruning: one rule for both."""
+    return block_m * block_n * c_bytes
 
 
 @triton.constexpr_function
-def epilogue_parts(block_m: int, block_n: int, c_bytes: int, store_act_grad: bool) -> int:
+def epilogue_parts(block_m: int, block_n: int, c_bytes: int) -> int:
     """In how many parts the kernel stores a tile: 1, or 2 halves of BLOCK_N / 2 columns
     where a whole tile's conversion would take more than EPILOGUE_SCRATCH bytes."""
-    whole = epilogue_bytes(block_m, block_n, c_bytes, store_act_grad)
+    whole = epilogue_bytes(block_m, block_n, c_bytes)
     return 2 if whole > EPILOGUE_SCRATCH else 1
 
 
-def stores_in_halves(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> bool:
+def stores_in_halves(config: triton.Config, *, c_bytes: int) -> bool:
     """Whether the kernel stores each tile of ``config`` in two halves."""
     bm, bn, _, _ = tile(config)
-    return epilogue_parts(bm, bn, c_bytes, store_act_grad) == 2
+    return epilogue_parts(bm, bn, c_bytes) == 2
 
 
-def smem_estimate(config: triton.Config, *, c_bytes: int, store_act_grad: bool) -> int:
+def smem_estimate(config: triton.Config, *, c_bytes: int) -> int:
     """An upper bound on the shared memory ``config`` takes: each stage holds a tile of
     A and B (16-bit), and the epilogue converts the accumulator's layout through at most
-    BLOCK_M x BLOCK_N elements of its widest output, half of them where it stores in
+    BLOCK_M x BLOCK_N elements of C, half of them where it stores in
     halves, and at most CONVERSION_ELEMENTS of them; 1 KB for the barriers. Checked
     against the compiled binaries by ``python -m mpgemm.kernels.aot`` (a binary over
     SMEM_BYTES is a defect there)."""
     bm, bn, bk, _ = tile(config)
     stage = (bm + bn) * bk * 2
-    widest = epilogue_bytes(1, 1, c_bytes, store_act_grad)  # an element's bytes
-    part = epilogue_bytes(bm, bn, c_bytes, store_act_grad) // epilogue_parts(
-        bm, bn, c_bytes, store_act_grad
-    )
-    return config.num_stages * stage + min(part, CONVERSION_ELEMENTS * widest) + 1024
+    part = epilogue_bytes(bm, bn, c_bytes) // epilogue_parts(bm, bn, c_bytes)
+    return config.num_stages * stage + min(part, CONVERSION_ELEMENTS * c_bytes) + 1024
 
 
 def fits(
-    config: triton.Config, *, c_bytes: int, store_act_grad: bool, epilogue: bool, narrow: bool
+    config: triton.Config, *, c_bytes: int, store_preact: bool, epilogue: bool, narrow: bool
 ) -> bool:
     """Whether ``config`` suits such a launch on Hopper and compiles for it within the
     shared memory and without register spills (measured with ``python -m
     mpgemm.kernels.aot``): tiles at most NARROW_N wide serve launches of at most that
     many columns (``narrow``) only;
-    storing GELU's derivative beside the output needs an accumulator of fewer than 128
-    registers per thread, and a tile stored in halves leaves no registers for a bias or
+    storing GELU's or SiLU's pre-activation beside the output is held to an accumulator
+    of fewer than 128 registers per thread (a rule made for the FP32 derivative it
+    stored before), and a tile stored in halves leaves no registers for a bias or
     an activation or a ReLU's mask (``epilogue``: 128x256 of FP32 logits plus a bias
     spilled 24 bytes under Triton 3.6); weight gradients, FP32 and without either, take
     it. (A 16-bit input gradient masked by a ReLU's output and summed by column takes
@@ -186,11 +184,11 @@ def fits(
     bm, bn, _, warps = tile(config)
     if bn <= NARROW_N and not narrow:
         return False
-    if store_act_grad and bm * bn // (32 * warps) >= 128:
+    if store_preact and bm * bn // (32 * warps) >= 128:
         return False
-    if epilogue and stores_in_halves(config, c_bytes=c_bytes, store_act_grad=store_act_grad):
+    if epilogue and stores_in_halves(config, c_bytes=c_bytes):
         return False
-    return smem_estimate(config, c_bytes=c_bytes, store_act_grad=store_act_grad) <= SMEM_BYTES
+    return smem_estimate(config, c_bytes=c_bytes) <= SMEM_BYTES
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -200,7 +198,7 @@ def _prune_configs(configs, named_args, **kwargs):
         if fits(
             config,
             c_bytes=named_args["c_ptr"].element_size(),
-            store_act_grad=kwargs["STORE_ACT_GRAD"],
+            store_preact=kwargs["STORE_PREACT"],
             epilogue=kwargs["HAS_BIAS"] or kwargs["ACTIVATION"] is not None or kwargs["RELU_GRAD"],
             narrow=named_args["N_BUCKET"] <= NARROW_N,
         )
@@ -260,7 +258,7 @@ def _gemm_tma_kernel(
     INTERPRETED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    STORE_ACT_GRAD: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
     RELU_GRAD: tl.constexpr,
     C_SUMS: tl.constexpr,
     # a_desc describes A.T; b_desc describes B.T
@@ -333,7 +331,7 @@ def _gemm_tma_kernel(
         # The stores take the accumulator through shared memory (a layout conversion),
         # a whole tile or two halves of BLOCK_N / 2 columns (epilogue_parts).
         halves: tl.constexpr = epilogue_parts(
-            BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty.primitive_bitwidth // 8, STORE_ACT_GRAD
+            BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty.primitive_bitwidth // 8
         )
         if halves == 2:
             first, second = tl.split(
@@ -363,7 +361,7 @@ def _gemm_tma_kernel(
                 stride_bias,
                 HAS_BIAS,
                 ACTIVATION,
-                STORE_ACT_GRAD,
+                STORE_PREACT,
                 INTERPRETED,
                 RELU_GRAD,
             )
@@ -386,7 +384,7 @@ _AUTOTUNE_KEY = [
     "COMPUTE_BF16",
     "HAS_BIAS",
     "ACTIVATION",
-    "STORE_ACT_GRAD",
+    "STORE_PREACT",
     "RELU_GRAD",
     "C_SUMS",
     "A_T",

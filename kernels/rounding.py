@@ -34,6 +34,20 @@ def cast_rne(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def saturated(x, dtype: tl.constexpr):
+    """FP32 ``x`` with its finite values beyond ``dtype``'s range (FP16's, BF16's) clamped
+    to its largest finite value of their sign, so that a cast to ``dtype`` keeps them
+    finite; inf and NaN as they are."""
+    y = x
+    if dtype == tl.float16:
+        y = tl.where(tl.abs(x) < float("inf"), tl.minimum(tl.maximum(x, -65504.0), 65504.0), x)
+    elif dtype == tl.bfloat16:
+        big = 3.3895313892515355e38  # (2 - 2**-7) * 2**127
+        y = tl.where(tl.abs(x) < float("inf"), tl.minimum(tl.maximum(x, -big), big), x)
+    return y
+
+
+@triton.jit
 def widen(x, INTERPRETED: tl.constexpr):
     """``x.to(tl.float32)``, exact for BF16 subnormals in the interpreter too."""
     if INTERPRETED and x.dtype == tl.bfloat16:

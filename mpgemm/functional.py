@@ -27,9 +27,10 @@ from mpgemm.reference import activation_backward_ref, compute_dtype_for, gemm_re
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 VALID_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
-# Activations whose backward reads act'(z), which the forward's epilogue stores in FP32
-# beside the output (ReLU's reads its output).
-STORED_DERIVATIVE = ("gelu", "gelu_tanh", "silu")
+# Activations whose backward takes act'(z) from z, which the forward's epilogue stores
+# beside the output, in its dtype, as torch's activations keep their input (ReLU's
+# reads its output).
+SAVES_PREACTIVATION = ("gelu", "gelu_tanh", "silu")
 
 
 # Each op's reference (torch ops) and the module and name of its Triton launcher,
@@ -270,7 +271,7 @@ def _linear_forward(
     compute_dtype: torch.dtype,
     out_dtype: torch.dtype,
     weight_copy: torch.Tensor | None,
-    store_act_grad: bool,
+    store_preact: bool,
     x_rounded: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``LinearFunction``'s forward without autograd: (y, G or None). ``x_rounded``:
@@ -278,14 +279,14 @@ def _linear_forward(
     gemm = _gemm(x.device, x, weight, bias, weight_copy)
     x2d = _as_rows(x) if x_rounded is None else x_rounded
     w = weight if weight_copy is None else weight_copy
-    out, act_grad, _ = gemm(
+    out, preact, _ = gemm(
         x2d,
         w.t(),
         compute_dtype=compute_dtype,
         out_dtype=out_dtype,
         bias=bias,
         activation=activation,
-        store_act_grad=store_act_grad,
+        store_preact=store_preact,
     )
     if x.dim() != 2:  # (*, N) views of the (M, N) results
         shape = (*x.shape[:-1], weight.shape[0])
@@ -293,8 +294,8 @@ def _linear_forward(
         # LinearFunction's forward may not be changed in place (autograd forbids it);
         # nn.Linear's output may.
         out = out.view(shape).detach()
-        act_grad = None if act_grad is None else act_grad.view(shape)
-    return out, act_grad
+        preact = None if preact is None else preact.view(shape)
+    return out, preact
 
 
 _SECOND_DERIVATIVES = (
@@ -393,8 +394,8 @@ class LinearFunction(_Function):
 
     x: (*, K) float32/float16/bfloat16; W: (N, K), any strides; bias: (N,) or None;
     weight_copy: None, or W in the compute dtype (``mpgemm.Linear``'s current copy of
-    its FP32 master), which the GEMMs then read in W's place; store_act_grad: also
-    return G = act'(z) in FP32 (GELU's or SiLU's derivative, for ``ActivationFunction``);
+    its FP32 master), which the GEMMs then read in W's place; store_preact: also
+    return G = z in the output's dtype (GELU's or SiLU's input, for ``ActivationFunction``);
     x_rounded: None, or x as (prod(*), K) rounded to the compute dtype (no gradient),
     which the GEMMs then read in x's place (the caller rounds an FP32 x whose weight
     gradient is needed: the GEMMs would round it anyway, and it is half the memory).
@@ -425,17 +426,17 @@ class LinearFunction(_Function):
             x, x_rounded = args[0].movedim(x_dim, 0), args[8]
             if x_rounded is not None:  # (prod(*), K) each: (batch x prod(*), K)
                 x_rounded = x_rounded.movedim(rounded_dim, 0).flatten(0, 1)
-            out, act_grad = LinearFunction.apply(x, *args[1:8], x_rounded)
-            return (out, act_grad), (0, None if act_grad is None else 0)
+            out, preact = LinearFunction.apply(x, *args[1:8], x_rounded)
+            return (out, preact), (0, None if preact is None else 0)
         entries = [
             LinearFunction.apply(
                 *(a if d is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True))
             )
             for i in range(info.batch_size)
         ]
-        outs, act_grads = zip(*entries, strict=True)
-        act_grad = None if act_grads[0] is None else torch.stack(act_grads)
-        return (torch.stack(outs), act_grad), (0, None if act_grad is None else 0)
+        outs, preacts = zip(*entries, strict=True)
+        preact = None if preacts[0] is None else torch.stack(preacts)
+        return (torch.stack(outs), preact), (0, None if preact is None else 0)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -590,12 +591,12 @@ def _linear_function(
     compute_dtype: torch.dtype,
     out_dtype: torch.dtype,
     weight_copy: torch.Tensor | None = None,
-    store_act_grad: bool = False,
+    store_preact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``LinearFunction.apply``, or, where autograd records nothing (inference, a
     no-grad product), its forward alone: ``Function.apply`` cost 8 of an eager 512^2
     ``mpgemm.matmul``'s 43 us of host time (``bench/host_time.py``)."""
-    args = (x, weight, bias, activation, compute_dtype, out_dtype, weight_copy, store_act_grad)
+    args = (x, weight, bias, activation, compute_dtype, out_dtype, weight_copy, store_preact)
     if _autograd_idle(x, weight, bias):
         return _linear_forward(*args, None)
     # An FP32 x that the weight gradient needs is rounded once, here: the GEMMs read
@@ -708,22 +709,22 @@ class ActivationFunction(_Function):
     gradient until the node returns, and its saved tensors until then too, so with the
     derivative inside the layer's node dY and y would outlive the layer's GEMMs (two
     activations' worth more at the backward's peak than under autocast, whose ReLU frees
-    both first). y: the layer's output; act_grad: GELU's or SiLU's stored act'(z), else None.
+    both first). y: the layer's output; preact: GELU's or SiLU's input z as stored, else None.
     Under ``torch.vmap`` it runs as written on batched tensors (``generate_vmap_rule``:
     its forward is a detach, its backward torch ops there)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(y, act_grad, bias, activation, compute_dtype):
+    def forward(y, preact, bias, activation, compute_dtype):
         return y.detach()  # y's memory, as this node's output
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, act_grad, _, activation, compute_dtype = inputs
+        _, preact, _, activation, compute_dtype = inputs
         # ReLU's mask reads the output as saved here: an in-place change of it then
         # fails the backward, as it does after torch.relu.
-        ctx.save_for_backward(output if activation == "relu" else act_grad)
+        ctx.save_for_backward(output if activation == "relu" else preact)
         ctx.activation, ctx.compute_dtype = activation, compute_dtype
         ctx.second_order = (inputs[2],)  # the bias (z's part goes through the GEMMs' node)
         # (dZ, its version, the bias gradient or None), where the next layer's node took
@@ -924,7 +925,7 @@ def _linear(
     # With an activation and a gradient to compute, the activation's node follows the
     # GEMMs' and owns the bias gradient: the GEMMs' node gets the bias's values only.
     activated = activation is not None and _records_grad(input, weight, bias)
-    out, act_grad = _linear_function(
+    out, preact = _linear_function(
         input,
         weight,
         bias.detach() if activated and bias is not None else bias,
@@ -932,10 +933,10 @@ def _linear(
         compute_dtype,
         out_dtype or compute_dtype,
         weight_copy,
-        activated and activation in STORED_DERIVATIVE,
+        activated and activation in SAVES_PREACTIVATION,
     )
     if activated:
-        out = ActivationFunction.apply(out, act_grad, bias, activation, compute_dtype)
+        out = ActivationFunction.apply(out, preact, bias, activation, compute_dtype)
     return out.squeeze(-1) if vector else out
 
 

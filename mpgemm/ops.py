@@ -39,7 +39,7 @@ def _gemm_op(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     activation: str | None,
-    store_act_grad: bool,
+    store_preact: bool,
     rowsum_a: bool,
     sum_batch: bool = False,
     kept_dims: int = 0,
@@ -53,7 +53,7 @@ def _gemm_op(
         out_dtype=out_dtype,
         bias=bias,
         activation=activation,
-        store_act_grad=store_act_grad,
+        store_preact=store_preact,
         rowsum_a=rowsum_a,
         sum_batch=sum_batch,
         kept_dims=kept_dims,
@@ -61,7 +61,7 @@ def _gemm_op(
     # An op returns tensors, none aliasing another: an output not asked for is empty.
     return (
         c,
-        a.new_empty((0,), dtype=torch.float32) if g is None else g,
+        a.new_empty((0,), dtype=out_dtype) if g is None else g,
         a.new_empty((0,), dtype=torch.float32) if r is None else r,
     )
 
@@ -74,7 +74,7 @@ def _(
     out_dtype,
     bias,
     activation,
-    store_act_grad,
+    store_preact,
     rowsum_a,
     sum_batch=False,
     kept_dims=0,
@@ -82,7 +82,7 @@ def _(
     m, n = a.shape[-2], b.shape[-1]
     batch = a.shape[:kept_dims] if sum_batch else a.shape[:-2]
     c = a.new_empty((*batch, m, n), dtype=out_dtype)
-    g = a.new_empty((m, n) if store_act_grad else (0,), dtype=torch.float32)
+    g = a.new_empty((m, n) if store_preact else (0,), dtype=out_dtype)
     r = a.new_empty((m,) if rowsum_a else (0,), dtype=torch.float32)
     return c, g, r
 
@@ -95,7 +95,7 @@ def gemm(
     out_dtype,
     bias=None,
     activation=None,
-    store_act_grad=False,
+    store_preact=False,
     rowsum_a=False,
     out=None,
     sum_batch=False,
@@ -112,12 +112,12 @@ def gemm(
         out_dtype,
         bias,
         activation,
-        store_act_grad,
+        store_preact,
         rowsum_a,
         sum_batch,
         kept_dims,
     )
-    return c, (g if store_act_grad else None), (r if rowsum_a else None)
+    return c, (g if store_preact else None), (r if rowsum_a else None)
 
 
 @torch.library.custom_op("mpgemm::linear_backward", mutates_args=())

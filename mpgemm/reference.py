@@ -66,6 +66,14 @@ def round_to(t: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     return t.to(compute_dtype).to(torch.float32)
 
 
+def saturated(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP32 ``t`` with its finite values beyond ``dtype``'s range clamped to its largest
+    finite value of their sign (so that rounding to ``dtype`` keeps them finite); inf
+    and NaN as they are."""
+    big = torch.finfo(dtype).max
+    return torch.where(t.isfinite(), t.clamp(-big, big), t)
+
+
 # torch's own function for each activation the layers fuse: what an mpgemm.Linear of a
 # dtype outside mixed precision (FP64) runs, and the tests' and benchmarks' baseline.
 TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -113,7 +121,7 @@ def gemm_ref(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     activation: str | None = None,
-    store_act_grad: bool = False,
+    store_preact: bool = False,
     rowsum_a: bool = False,
     out: torch.Tensor | None = None,
     sum_batch: bool = False,
@@ -122,7 +130,8 @@ def gemm_ref(
     colsum_c: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The math of ``triton_gemm`` (see ``mpgemm.kernels.gemm``), same arguments and
-    results: C = act(round(A) @ round(B) + bias), G = act'(...) if asked, R = FP32 row
+    results: C = act(round(A) @ round(B) + bias), G = the pre-activation z in C's dtype
+    if asked (finite values beyond its range clamped to its largest), R = FP32 row
     sums of A; ``sum_batch``: C = the sum of a batch's products over every batch
     dimension after the first ``kept_dims``, in FP32. ``relu_output`` (y): C rounded,
     then 0 where y <= 0 (threshold_backward's rule: a NaN y passes C on); ``colsum_c``:
@@ -133,14 +142,14 @@ def gemm_ref(
         z = z.sum(dim=tuple(range(kept_dims, z.dim() - 2)))
     if bias is not None:
         z = z + bias.to(torch.float32)
-    y, dy_dz = activation_and_derivative(z, activation)
+    y, _ = activation_and_derivative(z, activation)
     if out is None:
         out = y.to(out_dtype)
     else:
         out.copy_(y)
     if relu_output is not None:
         out.masked_fill_(relu_output <= 0, 0)
-    g = dy_dz if store_act_grad else None
+    g = saturated(z, out.dtype).to(out.dtype) if store_preact else None
     r = None
     if rowsum_a or colsum_c:
         r = out.sum(dim=0, dtype=torch.float32) if colsum_c else a32.sum(dim=1)
@@ -162,12 +171,15 @@ def activation_backward_ref(
     grad_y, saved: (M, N). ReLU (``saved`` = y): zero where y <= 0, by torch's
     threshold_backward (a NaN y passes its gradient on; a positive z that underflowed to
     0 in a 16-bit y gets none, as under autocast), exact in dY's dtype. GELU (either
-    form) and SiLU (``saved`` = act'(z), FP32): the product in FP32, rounded once to
+    form) and SiLU (``saved`` = z, their input, as the forward stored it): act'(z) and the
+    product in FP32 (torch's formulas: their inf and NaN), rounded once to
     ``dz_rounding(dY's dtype, compute_dtype)``, in dY's dtype."""
     if activation == "relu":
         grad_z = exact = torch.ops.aten.threshold_backward(grad_y, saved, 0)
     else:
-        exact = torch.mul(grad_y, saved)  # FP32, for the sums
+        derivative = activation_and_derivative(saved.to(torch.float32), activation)[1]
+        assert derivative is not None  # (GELU's and SiLU's)
+        exact = torch.mul(grad_y, derivative)  # FP32, for the sums
         grad_z = exact.to(dz_rounding(grad_y.dtype, compute_dtype)).to(grad_y.dtype)
     return grad_z, torch.sum(exact, dim=0, dtype=torch.float32) if bias_grad else None
 

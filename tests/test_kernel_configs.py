@@ -22,7 +22,7 @@ def test_everything_pruning_reads_is_in_the_autotune_key():
     # A config tuned without a flag must not be reused for a launch that prunes it away.
     assert set(gemm._PRUNE_FLAGS + gemm._PRUNE_ARGS) <= set(gemm.tuned_gemm_kernel.keys)
     # _PRUNE_FLAGS and _PRUNE_ARGS are what pruning really reads: without any, it fails.
-    flags = dict(STORE_ACT_GRAD=0, K_SUMS=None, RELU_GRAD=False, ALIGNED=True)
+    flags = dict(STORE_PREACT=0, K_SUMS=None, RELU_GRAD=False, ALIGNED=True)
     assert gemm._prune_configs(gemm._hopper_configs(), WIDE, **flags)
     for missing in gemm._PRUNE_FLAGS:
         with pytest.raises(KeyError):
@@ -33,9 +33,9 @@ def test_everything_pruning_reads_is_in_the_autotune_key():
         gemm._prune_configs(gemm._hopper_configs(), {}, **flags)
 
 
-@pytest.mark.parametrize("store_act_grad, k_sums, relu_grad, aligned, n_bucket", LAUNCH_FLAGS)
-def test_every_launch_keeps_a_config(store_act_grad, k_sums, relu_grad, aligned, n_bucket):
-    flags = dict(STORE_ACT_GRAD=store_act_grad, K_SUMS=k_sums, RELU_GRAD=relu_grad, ALIGNED=aligned)
+@pytest.mark.parametrize("store_preact, k_sums, relu_grad, aligned, n_bucket", LAUNCH_FLAGS)
+def test_every_launch_keeps_a_config(store_preact, k_sums, relu_grad, aligned, n_bucket):
+    flags = dict(STORE_PREACT=store_preact, K_SUMS=k_sums, RELU_GRAD=relu_grad, ALIGNED=aligned)
     width = {"N_BUCKET": n_bucket}
     kept = gemm._prune_configs(gemm._hopper_configs(), width, **flags)
     assert kept
@@ -48,7 +48,7 @@ def test_every_launch_keeps_a_config(store_act_grad, k_sums, relu_grad, aligned,
 
 def test_aligned_unaligned_and_narrow_launches_tune_over_their_own_tiles():
     def kept(aligned, n_bucket):
-        flags = dict(STORE_ACT_GRAD=0, K_SUMS=None, RELU_GRAD=False, ALIGNED=aligned)
+        flags = dict(STORE_PREACT=0, K_SUMS=None, RELU_GRAD=False, ALIGNED=aligned)
         configs = gemm._prune_configs(gemm._hopper_configs(), {"N_BUCKET": n_bucket}, **flags)
         return {str(c) for c in configs}
 
@@ -77,7 +77,7 @@ def test_operands_aligned(pointers, strides, expected):
     assert gemm.operands_aligned([Pointer(p) for p in pointers], strides) is expected
 
 
-# (HAS_BIAS, ACTIVATION, STORE_ACT_GRAD, RELU_GRAD) of the TMA kernel's launch kinds.
+# (HAS_BIAS, ACTIVATION, STORE_PREACT, RELU_GRAD) of the TMA kernel's launch kinds.
 TMA_EPILOGUES = [
     (False, None, False, False),
     (True, None, False, False),
@@ -90,13 +90,13 @@ TMA_EPILOGUES = [
 
 @pytest.mark.parametrize("n_bucket", [16, 4096])
 @pytest.mark.parametrize("c_bytes", [2, 4])
-@pytest.mark.parametrize("has_bias, activation, store_act_grad, relu_grad", TMA_EPILOGUES)
+@pytest.mark.parametrize("has_bias, activation, store_preact, relu_grad", TMA_EPILOGUES)
 def test_every_tma_launch_keeps_a_config_within_shared_memory(
-    c_bytes, has_bias, activation, store_act_grad, relu_grad, n_bucket
+    c_bytes, has_bias, activation, store_preact, relu_grad, n_bucket
 ):
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
     flags = dict(
-        HAS_BIAS=has_bias, ACTIVATION=activation, STORE_ACT_GRAD=store_act_grad, RELU_GRAD=relu_grad
+        HAS_BIAS=has_bias, ACTIVATION=activation, STORE_PREACT=store_preact, RELU_GRAD=relu_grad
     )
     named = {"c_ptr": c, "N_BUCKET": n_bucket}
     kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), named, **flags)
@@ -105,43 +105,38 @@ def test_every_tma_launch_keeps_a_config_within_shared_memory(
     narrow = [k for k in kept if tile(k)[1] <= gemm_tma.NARROW_N]
     assert bool(narrow) == (n_bucket <= 16) and len(narrow) < len(kept)
     assert kept and all(
-        gemm_tma.smem_estimate(k, c_bytes=c_bytes, store_act_grad=store_act_grad)
-        <= gemm_tma.SMEM_BYTES
-        for k in kept
+        gemm_tma.smem_estimate(k, c_bytes=c_bytes) <= gemm_tma.SMEM_BYTES for k in kept
     )
     # Tiles stored in halves serve plain products only (an FP32 weight gradient's).
-    halves = [
-        k
-        for k in kept
-        if gemm_tma.stores_in_halves(k, c_bytes=c_bytes, store_act_grad=store_act_grad)
-    ]
+    halves = [k for k in kept if gemm_tma.stores_in_halves(k, c_bytes=c_bytes)]
     assert bool(halves) == (c_bytes == 4 and not has_bias and activation is None and not relu_grad)
     single = gemm_tma._prune_configs(gemm_tma._single_config(), named, **flags)
     assert len(single) == 1
 
 
 @pytest.mark.parametrize("c_bytes", [2, 4])
-@pytest.mark.parametrize("has_bias, activation, store_act_grad, relu_grad", TMA_EPILOGUES)
+@pytest.mark.parametrize("has_bias, activation, store_preact, relu_grad", TMA_EPILOGUES)
 def test_the_four_stage_wide_tile_serves_16_bit_outputs_only(
-    c_bytes, has_bias, activation, store_act_grad, relu_grad
+    c_bytes, has_bias, activation, store_preact, relu_grad
 ):
     # 128x256x64 in 4 stages takes 192 KB of operands: with a 16-bit output's layout
-    # conversion (32 KB compiled) it fits an H100 block; an FP32 output's (64 KB), or
-    # GELU's FP32 derivative beside it, does not.
+    # conversion (32 KB compiled) it fits an H100 block; an FP32 output's (64 KB) does
+    # not, and GELU's pre-activation beside the output keeps the tiles of fewer than 128
+    # accumulator registers a thread.
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
     flags = dict(
-        HAS_BIAS=has_bias, ACTIVATION=activation, STORE_ACT_GRAD=store_act_grad, RELU_GRAD=relu_grad
+        HAS_BIAS=has_bias, ACTIVATION=activation, STORE_PREACT=store_preact, RELU_GRAD=relu_grad
     )
     kept = gemm_tma._prune_configs(
         gemm_tma._hopper_configs(), {"c_ptr": c, "N_BUCKET": 4096}, **flags
     )
     deep = [k for k in kept if tile(k) == (128, 256, 64, 8) and k.num_stages == 4]
-    assert bool(deep) == (c_bytes == 2 and not store_act_grad)
+    assert bool(deep) == (c_bytes == 2 and not store_preact)
     for config in deep:
-        assert gemm_tma.smem_estimate(config, c_bytes=2, store_act_grad=False) == 230400
+        assert gemm_tma.smem_estimate(config, c_bytes=2) == 230400
 
 
 def test_what_tma_pruning_reads_is_in_its_autotune_key():
     # C's dtype triton adds to the key.
     keys = gemm_tma.tuned_gemm_tma_kernel.keys
-    assert {"STORE_ACT_GRAD", "HAS_BIAS", "ACTIVATION", "RELU_GRAD", "N_BUCKET"} <= set(keys)
+    assert {"STORE_PREACT", "HAS_BIAS", "ACTIVATION", "RELU_GRAD", "N_BUCKET"} <= set(keys)

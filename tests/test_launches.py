@@ -138,8 +138,8 @@ def test_a_training_step_launches_no_more_kernels_than_fp32(hidden, batch):
 
 @pytest.mark.unpoisoned
 @pytest.mark.parametrize("activation", [torch.nn.GELU, torch.nn.SiLU], ids=["gelu", "silu"])
-def test_a_stored_derivative_costs_the_backward_no_zeros(activation):
-    """A GELU or SiLU layer's forward also returns act'(z) (G, FP32, non-differentiable):
+def test_a_stored_preactivation_costs_the_backward_no_zeros(activation):
+    """A GELU or SiLU layer's forward also returns z (G, non-differentiable), for act'(z):
     its backward gets no gradient of zeros for it, which autograd would otherwise make
     (an FP32 tensor of the layer's output shape, filled every step). So its step too
     launches no torch op but the input's cast."""
@@ -207,7 +207,7 @@ def test_precompile_fills_the_compile_cache_from_threads(tmp_path):
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    flags = dict(STORE_ACT_GRAD=False, K_SUMS=None, RELU_GRAD=False, ALIGNED=True)
+    flags = dict(STORE_PREACT=False, K_SUMS=None, RELU_GRAD=False, ALIGNED=True)
     expected = len(gemm._prune_configs(gemm.GPU_CONFIGS, {"N_BUCKET": 32}, **flags))
     assert len(list(tmp_path.rglob("*.cubin"))) == expected
 
@@ -222,7 +222,7 @@ def test_a_recorded_tma_launch_names_its_descriptors_by_dtype(tmp_path):
     # A descriptor's block shape is the config's: the binary depends on its dtype.
     assert record["specialization"]["a_desc"] == ["descriptor", "torch.float16"]
     c = torch.empty(64, 32, dtype=torch.float16)
-    flags = dict(HAS_BIAS=False, ACTIVATION=None, STORE_ACT_GRAD=False, RELU_GRAD=False)
+    flags = dict(HAS_BIAS=False, ACTIVATION=None, STORE_PREACT=False, RELU_GRAD=False)
     named = {"c_ptr": c, "N_BUCKET": 32}  # (N is 32)
     kept = gemm_tma._prune_configs(gemm_tma.GPU_CONFIGS, named, **flags)
     assert record["configs"] == len(kept)
@@ -612,9 +612,9 @@ def _compare_signatures():
         "row sums": dict(rowsum_a=True),
         "bias": dict(bias=bias),
         "bias relu": dict(bias=bias, activation="relu"),
-        "bias gelu": dict(bias=bias, activation="gelu", store_act_grad=True),
+        "bias gelu": dict(bias=bias, activation="gelu", store_preact=True),
         "bias gelu, no G": dict(bias=bias, activation="gelu"),
-        "silu": dict(activation="silu", store_act_grad=True),
+        "silu": dict(activation="silu", store_preact=True),
         "one bias value": dict(bias=bias[:1].expand(32)),
         "more rows": dict(a=torch.randn(80, 64, generator=g).to(half)),
         "longer K": dict(a=wide, b=torch.randn(96, 32, generator=g).to(half)),

@@ -11,7 +11,13 @@ import torch.nn.functional as F
 
 import mpgemm
 from mpgemm import functional
-from mpgemm.reference import linear_ref, torch_activation
+from mpgemm.reference import (
+    activation_and_derivative,
+    activation_backward_ref,
+    gemm_ref,
+    linear_ref,
+    torch_activation,
+)
 from tests.accuracy import assert_within_torch_error, nan_padded
 
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
@@ -255,34 +261,39 @@ def test_silu_and_tanh_gelu_put_inf_and_nan_where_torchs_do(device, activation):
     torch.testing.assert_close(x.grad[finite], theirs.grad[finite], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
-def test_the_stored_derivative_is_as_accurate_as_torchs(device, activation):
-    """act'(z), which the forward's epilogue keeps in FP32 for dZ = dY * act'(z), at every
-    64th between -12 and 12 (tails and all): its largest error against FP64 at most
-    twice that of torch's own FP32 derivative. (GELU's tanh form took 1 - t^2 from t,
-    which lost its accuracy as t neared 1: 1.9 times torch's error through the
-    interpreter, and more with a GPU's approximate exp; from exp(-2|u|), 0.17.)"""
-    z = torch.arange(-12, 12, 2**-6, device=device).half()  # exact in FP16
+def test_the_forward_stores_z_in_the_outputs_dtype(device, activation, out_dtype):
+    """GELU's and SiLU's backward takes act'(z) from z (``mpgemm.kernels.activation``),
+    which the forward's epilogue stores beside the output, rounded to its dtype, as
+    torch's activations keep their 16-bit input under autocast: z = x + bias here (K =
+    1, a weight of 1), at every 64th between -12 and 12 and 10^5 further on, beyond
+    FP16's range, where the stored z is FP16's largest finite value (an inf would make
+    act'(z) NaN, where z itself was finite), and inf and NaN as they are."""
+    x = torch.arange(-12, 12, 2**-6, device=device)  # exact in FP16 and BF16
+    x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), float("nan")], device=device)])
     one = torch.ones(1, 1, device=device, dtype=torch.float16)
-    gemm = functional._implementation(z.device, z, one)
-    _, g, _ = gemm(
-        z[:, None],
-        one,
-        compute_dtype=torch.float16,
-        out_dtype=torch.float32,
-        activation=activation,
-        store_act_grad=True,
-    )
-
-    def derivative(dtype):
-        t = z.to(dtype).requires_grad_()
-        torch_activation(t, activation).sum().backward()
-        return t.grad.double()
-
-    exact = derivative(torch.float64)
-    err = (g[:, 0].double() - exact).abs().max().item()
-    theirs = (derivative(torch.float32) - exact).abs().max().item()
-    assert err <= 2 * theirs, f"{activation}': error {err:.3g}, torch's {theirs:.3g}"
+    bias = torch.tensor([0.0, 1e5, -1e5], device=device)
+    z = x[:, None] + bias  # exact in FP32
+    big = torch.finfo(out_dtype).max
+    want = torch.where(z.isfinite(), z.clamp(-big, big), z).to(out_dtype)
+    # The kernel (or, without triton's interpreter on a CPU, the reference) and the
+    # reference path.
+    for gemm in (functional._implementation(x.device, x, one), gemm_ref):
+        _, g, _ = gemm(
+            x.half()[:, None],
+            one.expand(1, 3),
+            compute_dtype=torch.float16,
+            out_dtype=out_dtype,
+            bias=bias,
+            activation=activation,
+            store_preact=True,
+        )
+        assert g.dtype == out_dtype
+        assert torch.equal(g.isnan(), want.isnan())
+        assert torch.equal(g[~want.isnan()], want[~want.isnan()])
+        if out_dtype == torch.float16:
+            assert g[:-3, 1].eq(65504).all() and g[:-3, 2].eq(-65504).all()
 
 
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
@@ -312,7 +323,7 @@ def test_dz_reaches_the_gemms_rounded_once_whatever_the_output_dtype(
     )
 
     def derivative(grad_y, saved, *args, **kwargs):
-        seen["dY"], seen["act'(z)"] = grad_y, saved
+        seen["dY"], seen["z"] = grad_y, saved
         return activation_backward(grad_y, saved, *args, **kwargs)
 
     def gemms(grad_z, *args, **kwargs):
@@ -329,9 +340,13 @@ def test_dz_reaches_the_gemms_rounded_once_whatever_the_output_dtype(
     )
     y.backward(torch.randn(y.shape, device=device).to(y.dtype))
     coarser = torch.bfloat16 if torch.bfloat16 in (compute_dtype, out_dtype) else torch.float16
-    product = seen["dY"].float() * seen["act'(z)"]
-    assert seen["dY"].dtype == seen["dZ"].dtype == out_dtype
-    assert torch.equal(seen["dZ"], product.to(coarser).to(out_dtype))
+    dy, dz, z = seen["dY"], seen["dZ"], seen["z"]
+    assert dy.dtype == dz.dtype == z.dtype == out_dtype
+    assert torch.equal(dz, dz.to(coarser).to(out_dtype))  # rounded to the coarser
+    # and from the FP32 product: within the reference's error of it
+    exact = dy.double() * activation_and_derivative(z.double(), activation)[1]
+    reference = activation_backward_ref(dy, z, activation, compute_dtype, bias_grad=False)[0]
+    assert_within_torch_error(dz, exact, reference, "dZ")
 
 
 @pytest.mark.parametrize(
@@ -532,9 +547,9 @@ def test_a_layers_gemms_run_backward_after_its_activation_freed_dy_and_y(
     y = mpgemm.linear(x, w1, activation=activation)
     watched = {"y": StorageWeakRef(y.untyped_storage())}
     if activation != "relu":
-        (act_grad,) = y.grad_fn.saved_tensors
-        watched["act'(z)"] = StorageWeakRef(act_grad.untyped_storage())
-        del act_grad
+        (preact,) = y.grad_fn.saved_tensors
+        watched["act'(z)"] = StorageWeakRef(preact.untyped_storage())
+        del preact
 
     def watch_dy(dy):
         watched["dY"] = StorageWeakRef(dy.untyped_storage())
