@@ -10,6 +10,7 @@ launches are stubbed: its GEMMs allocate their outputs as on a GPU but compute
 nothing. Autocast runs on the CPU with foreach Adam, torch's GPU default.
 
     python3 bench/step_memory.py [--batch B] [--features F] [--hidden H,H] [--top N]
+                                 [--activation relu|gelu|gelu_tanh|silu]
 
 The defaults are the guide MLP (batch 8192, 784 -> 4096 -> 4096 -> 10) with every
 dimension divided by 8 (784 / 8 rounded to 96, a multiple of 8 as the TMA kernel
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -71,10 +72,21 @@ class LiveStorages(TorchDispatchMode):
         return out
 
 
-def step_peak(mode: str, batch: int, features: int, hidden: tuple[int, ...]) -> LiveStorages:
+# The hidden layers' activation modules, by ``--activation``.
+ACTIVATIONS: dict[str, Callable[[], torch.nn.Module]] = {
+    "relu": torch.nn.ReLU,
+    "gelu": torch.nn.GELU,
+    "gelu_tanh": lambda: torch.nn.GELU(approximate="tanh"),
+    "silu": torch.nn.SiLU,
+}
+
+
+def step_peak(
+    mode: str, batch: int, features: int, hidden: tuple[int, ...], activation: str = "relu"
+) -> LiveStorages:
     """The storages of one steady-state step of ``mode`` (after two warm-up steps)."""
     torch.manual_seed(0)
-    net = build_mlp(features, hidden, 10)
+    net = build_mlp(features, hidden, 10, ACTIVATIONS[activation])
     recipe = Recipe(mode, net, TrainConfig(hidden=hidden, batch_size=batch, device="cpu"))
     if mode != "mpgemm":  # torch's GPU default; on the CPU its default is a loop
         recipe.optimizer = torch.optim.Adam(net.parameters(), lr=1e-3, foreach=True)
@@ -101,12 +113,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--features", type=int, default=96)
     parser.add_argument("--hidden", default="512,512")
     parser.add_argument("--top", type=int, default=8, help="tensors listed at each peak")
+    parser.add_argument("--activation", choices=ACTIVATIONS, default="relu")
     args = parser.parse_args(argv)
     hidden = tuple(int(h) for h in args.hidden.split(","))
-    print(f"MLP {args.features} -> {' -> '.join(map(str, hidden))} -> 10, batch {args.batch}")
+    print(
+        f"MLP {args.features} -> {' -> '.join(map(str, hidden))} -> 10, batch {args.batch}, "
+        f"{args.activation}"
+    )
     peaks = {}
     for mode in MODES:
-        live = step_peak(mode, args.batch, args.features, hidden)
+        live = step_peak(mode, args.batch, args.features, hidden, args.activation)
         peaks[mode] = live.peak / MIB
         print(f"{mode}: peak {peaks[mode]:.2f} MiB; alive then:")
         for nbytes, made_by, shape, dtype in live.at_peak[: args.top]:

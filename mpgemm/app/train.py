@@ -134,11 +134,17 @@ class ModeResult:
         return asdict(self)
 
 
-def build_mlp(features: int, hidden: tuple[int, ...], classes: int) -> nn.Sequential:
-    """Linear -> ReLU for each hidden width, then a Linear head with ``classes`` logits."""
+def build_mlp(
+    features: int,
+    hidden: tuple[int, ...],
+    classes: int,
+    activation: Callable[[], nn.Module] = nn.ReLU,
+) -> nn.Sequential:
+    """Linear -> ``activation()`` (ReLU) for each hidden width, then a Linear head with
+    ``classes`` logits."""
     layers, width = [], features
     for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
+        layers += [nn.Linear(width, h), activation()]
         width = h
     return nn.Sequential(*layers, nn.Linear(width, classes))
 
