@@ -152,9 +152,10 @@ def fits_registers(
     only it does. Unaligned operands (``operands_aligned``) get their own tiles.
     Aligned launches with sums over K get the tiles that leave room for them; storing
     GELU's or SiLU's pre-activation beside the output is held to an accumulator of fewer
-    than 128 registers per thread (a rule made for the FP32 derivative it stored before),
-    and reading a ReLU's output to mask the product by (``relu_grad``) is held
-    to the same (128x256x32 took 254 registers with it under 3.6 and 3.9: at the edge).
+    than 128 registers per thread (the activation's erf or exp over more spilled: 56 to
+    400 bytes for the TMA kernel's 128x256 and 64x256 tiles under 3.9), and reading a
+    ReLU's output to mask the product by (``relu_grad``) is held to the same (128x256x32
+    took 254 registers with it under 3.6 and 3.9: at the edge).
     Measured with ``python -m mpgemm.kernels.aot``, which compiles every
     launch kind aligned and unaligned."""
     shape = tile(config)

@@ -174,13 +174,13 @@ def fits(
     mpgemm.kernels.aot``): tiles at most NARROW_N wide serve launches of at most that
     many columns (``narrow``) only;
     storing GELU's or SiLU's pre-activation beside the output is held to an accumulator
-    of fewer than 128 registers per thread (a rule made for the FP32 derivative it
-    stored before), and a tile stored in halves leaves no registers for a bias or
-    an activation or a ReLU's mask (``epilogue``: 128x256 of FP32 logits plus a bias
-    spilled 24 bytes under Triton 3.6); weight gradients, FP32 and without either, take
-    it. (A 16-bit input gradient masked by a ReLU's output and summed by column takes
-    every tile: 128x256 took 199 to 246 registers under 3.6, 254 and 255 under 3.9, no
-    spills.)"""
+    of fewer than 128 registers per thread (the activation's erf or exp over more made
+    128x256 and 64x256 spill 56 to 400 bytes under 3.9), and a tile stored in halves
+    leaves no registers for a bias or an activation or a ReLU's mask (``epilogue``:
+    128x256 of FP32 logits plus a bias spilled 24 bytes under Triton 3.6); weight
+    gradients, FP32 and without either, take it. (A 16-bit input gradient masked by a
+    ReLU's output and summed by column takes every tile: 128x256 took 199 to 246
+    registers under 3.6, 254 and 255 under 3.9, no spills.)"""
     bm, bn, _, warps = tile(config)
     if bn <= NARROW_N and not narrow:
         return False
