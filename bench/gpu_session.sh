@@ -26,8 +26,10 @@ scratch=${SCRATCH:-.scratch}
 # (run8 answered the head's, the ReLU backward's and the 8192x4096x4096 products'
 # sections; they stay in profile_gpu.py. The head's weight gradient again: its K split
 # 8 ways now, against the 4 run8 timed. The two input gradients that now take the ReLU's
-# backward, against themselves without it and the ReLU's kernel: dZ relu.)
-sections="launch,phases,guide mpgemm,guide mpgemm_cuda_graph,guide autocast_fused,head dW,head dW 4 splits,head dX fp32 padded,head dX relu,matmul 8192x4096x4096 A.T,matmul 8192x4096x4096 A.T relu,dZ relu"
+# backward, against themselves without it and the ReLU's kernel: dZ relu. GELU's and
+# SiLU's backward from the stored 16-bit z, at 8 warps, against autocast's ops, and
+# tanh GELU's at 4 warps, which its 172 registers leave one program an SM.)
+sections="launch,phases,guide mpgemm,guide mpgemm_cuda_graph,guide autocast_fused,head dW,head dW 4 splits,head dX fp32 padded,head dX relu,matmul 8192x4096x4096 A.T,matmul 8192x4096x4096 A.T relu,dZ relu,dZ gelu,dZ gelu torch,dZ gelu_tanh,dZ gelu_tanh torch,dZ gelu_tanh 4 warps,dZ silu"
 # Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
 declare -A minimum=(
   [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60

@@ -5,8 +5,10 @@ tensors, a 512^3 FP16 product, the guide's 4096-wide input gradient with dZ in e
 layout (``matmul 8192x4096x4096``, ``... A.T``, ``torch ... A.T``), the guide head's
 weight gradient three ways (``head dW``, ``head dW unswapped``, ``head dW torch``) and
 a 4096-wide layer's ReLU backward with its bias gradient two ways (``dZ relu``, ``dZ
-relu torch``): the host time to enqueue one call, the wall time of a synchronised call,
-torch.profiler's kernel table, and cProfile's top host functions. ``phases``: the
+relu torch``), and a transformer MLP's GELU, tanh GELU and SiLU backward from the
+stored z (``dZ gelu``, ``dZ gelu torch``, ``dZ gelu 4 warps``, the same for
+``gelu_tanh`` and ``silu``): the host time to enqueue one call, the wall time of a
+synchronised call, torch.profiler's kernel table, and cProfile's top host functions. ``phases``: the
 host time of each phase of the guide and small steps in each mode. ``idle``: why a GEMM
 from an idle GPU trails its kernel (``idle_rounds``).
 
@@ -539,6 +541,11 @@ def main() -> None:
         "dZ relu 1 stage": lambda: _relu_backward("mpgemm", stages=1),
         "dZ relu 2 stages": lambda: _relu_backward("mpgemm", stages=2),
         "dZ relu 3 stages": lambda: _relu_backward("mpgemm", stages=3),
+        **{
+            f"dZ {act}{how}": lambda act=act, how=how: _stored_z_backward(act, how)
+            for act in ("gelu", "gelu_tanh", "silu")
+            for how in ("", " torch", " 4 warps")
+        },
     }
     sections = {
         "launch": lambda: launch_costs(out),
@@ -720,6 +727,33 @@ def _relu_backward(how: str, programs_per_sm: int | None = None, stages: int | N
             return triton_activation_backward(dy, y, "relu", torch.float16, bias_grad=True)
         finally:
             activation._PROGRAMS_PER_SM, activation._STAGES["relu"] = defaults
+
+    return run
+
+
+def _stored_z_backward(act: str, how: str):
+    """dZ = dY act'(z) and the bias gradient for a transformer MLP's up-projection
+    (8192 x 11008, FP16), from z as its forward stored it: mpgemm's one pass (``""``;
+    ``" 4 warps"``: at 4 warps a program in place of ``activation._WARPS``'s 8), or
+    autocast's ops (``" torch"``: its backward from its 16-bit z, then a sum that reads
+    dZ again)."""
+    dy = torch.randn(8192, 11008, device=DEVICE).half()
+    z = (torch.randn(8192, 11008, device=DEVICE) * 3).half()
+    if how == " torch":
+        if act == "silu":
+            return lambda: torch.ops.aten.silu_backward(dy, z).sum(0, dtype=torch.float32)
+        approximate = "tanh" if act == "gelu_tanh" else "none"
+        return lambda: torch.ops.aten.gelu_backward(dy, z, approximate=approximate).sum(
+            0, dtype=torch.float32
+        )
+
+    def run():
+        default = activation._WARPS[act]
+        activation._WARPS[act] = 4 if how == " 4 warps" else default
+        try:
+            return triton_activation_backward(dy, z, act, torch.float16, bias_grad=True)
+        finally:
+            activation._WARPS[act] = default
 
     return run
 
