@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mpgemm.app.train import Recipe, TrainConfig, build_mlp
+from mpgemm.app.train import ACTIVATIONS, Recipe, TrainConfig, build_mlp
 from mpgemm.kernels.launches import intercept
 
 MIB = 2**20
@@ -70,15 +70,6 @@ class LiveStorages(TorchDispatchMode):
         if total > self.peak:
             self.peak, self.at_peak = total, self._snapshot()
         return out
-
-
-# The hidden layers' activation modules, by ``--activation``.
-ACTIVATIONS: dict[str, Callable[[], torch.nn.Module]] = {
-    "relu": torch.nn.ReLU,
-    "gelu": torch.nn.GELU,
-    "gelu_tanh": lambda: torch.nn.GELU(approximate="tanh"),
-    "silu": torch.nn.SiLU,
-}
 
 
 def step_peak(

@@ -55,6 +55,27 @@ def test_bfloat16_modes_train_without_loss_scaling(tmp_path, mode, capsys):
     assert all(0 < loss < 10 for loss in row["losses"])
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
+def test_the_hidden_layers_take_the_activation_asked_for(tmp_path, activation, capsys):
+    argv = ["train", "--mode", "mpgemm", *TINY, "--activation", activation]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert f"-> 10 ({activation}), batch 32" in capsys.readouterr().out.splitlines()[0]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["config"]["activation"] == activation
+    (row,) = result["results"]
+    assert all(0 < loss < 10 for loss in row["losses"])
+    # Converted, each hidden layer computes its activation in its epilogue.
+    from mpgemm.app.train import ACTIVATIONS, Recipe, build_mlp
+
+    model = build_mlp(8, (8, 8), 10, ACTIVATIONS[activation])
+    Recipe("mpgemm", model, TrainConfig(hidden=(8, 8), activation=activation))
+    assert [getattr(layer, "activation", None) for layer in model][::2] == [
+        activation,
+        activation,
+        None,
+    ]
+
+
 def test_a_bfloat16_recipe_computes_in_bfloat16_unscaled():
     from mpgemm.app.train import Recipe, build_mlp
 
@@ -131,6 +152,7 @@ def _error_line(argv, capsys):
         (["train", "--batch-size", "-3"], "'-3' is not a positive integer"),
         (["train", "--data", "/nonexistent/mnist.npz"], "no such file or folder"),
         (["train", "--lr", "-1"], "lr must be a positive number"),
+        (["train", "--activation", "tanh"], "invalid choice: 'tanh'"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(argv, message, capsys):

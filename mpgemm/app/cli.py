@@ -19,6 +19,7 @@ import torch
 
 from mpgemm.app.data import Dataset, load
 from mpgemm.app.train import (
+    ACTIVATIONS,
     COMPUTE_DTYPES,
     MODES,
     OPTIMIZERS,
@@ -104,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the mixed-precision modes' 16-bit dtype (default float16, with loss "
         "scaling; bfloat16 has FP32's range and trains without)",
     )
+    t.add_argument(
+        "--activation",
+        choices=list(ACTIVATIONS),
+        default="relu",
+        help="the hidden layers' activation (default relu; gelu_tanh: GELU's tanh form)",
+    )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--device",
@@ -142,6 +149,7 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, Dataset]:
         device=args.device,
         warmup_steps=args.warmup_steps,
         compute_dtype=args.dtype,
+        activation=args.activation,
     )
     if args.mode != "all":
         check_modes((args.mode,), config.device)
@@ -160,6 +168,8 @@ def _threads(n: int) -> str:
 def _train(args: argparse.Namespace, config: TrainConfig, data: Dataset) -> None:
     modes = modes_on(config.device) if args.mode == "all" else (args.mode,)
     widths = " -> ".join(map(str, (data.features, *config.hidden, data.num_classes)))
+    if config.activation != "relu":
+        widths += f" ({config.activation})"
     device = (
         torch.cuda.get_device_name(config.device)
         if config.device == "cuda"

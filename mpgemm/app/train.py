@@ -20,6 +20,7 @@ windows), samples per second, peak GPU memory, skipped steps and the final loss 
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -34,6 +35,7 @@ from mpgemm.app.data import Dataset
 from mpgemm.graphs import GraphedStep
 
 __all__ = [
+    "ACTIVATIONS",
     "COMPUTE_DTYPES",
     "MODES",
     "ModeResult",
@@ -52,6 +54,13 @@ _CUDA_MODES = ("mpgemm_cuda_graph",)
 OPTIMIZERS = ("adam", "sgd")
 # The mixed-precision modes' dtypes, by name; only FP16's range needs loss scaling.
 COMPUTE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# The hidden layers' activation modules, by name (each one ``convert`` fuses).
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "gelu_tanh": functools.partial(nn.GELU, approximate="tanh"),
+    "silu": nn.SiLU,
+}
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class TrainConfig:
     warmup_steps: int = 10
     # The mixed-precision modes' 16-bit dtype: "float16" (loss scaled) or "bfloat16".
     compute_dtype: str = "float16"
+    # The hidden layers' activation: a key of ACTIVATIONS.
+    activation: str = "relu"
 
     def __post_init__(self) -> None:
         if not self.hidden or any(not isinstance(w, int) or w < 1 for w in self.hidden):
@@ -81,6 +92,10 @@ class TrainConfig:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
@@ -294,7 +309,9 @@ class _Run:
     ) -> None:
         self.device = torch.device(config.device)
         before = _allocated(self.device)
-        model = build_mlp(data.features, config.hidden, data.num_classes)
+        model = build_mlp(
+            data.features, config.hidden, data.num_classes, ACTIVATIONS[config.activation]
+        )
         model.load_state_dict(initial_state)
         model.to(self.device)
         self.mode, self.config = mode, config
@@ -381,7 +398,9 @@ def train(
         modes = modes_on(config.device)
     check_modes(modes, config.device)
     torch.manual_seed(config.seed)
-    initial = build_mlp(data.features, config.hidden, data.num_classes).state_dict()
+    initial = build_mlp(
+        data.features, config.hidden, data.num_classes, ACTIVATIONS[config.activation]
+    ).state_dict()
     batches = _batches(data, config)
     device = torch.device(config.device)
     on_device = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
