@@ -5,9 +5,8 @@ before 2026-11-27's tenth session, whose parameters name ``RELU``, act'(z) in FP
 its forward stored it), three alternating rounds, each call timed on the GPU's clock
 with L2 flushed (``harness.median_us``). dZ must match bit for bit (GELU's across that
 change within an FP16 ulp, or 4 ulps of its subnormals: act'(z) of the same z, taken
-by torch or by the kernel);
-the bias gradients are FP32 sums that may add in another order (each kernel's order is
-fixed), so they are compared within FP32's rounding.
+by torch or by the kernel); the bias gradients are FP32 sums that may add in another
+order (each kernel's order is fixed), so they are compared within FP32's rounding.
 
     git show REV:kernels/activation.py > OLD.py
     python3 bench/ab_activation.py OLD.py [OUT.json]   # on a GPU

@@ -740,7 +740,7 @@ def triton_gemm(
         return c, g, r.zero_() if colsum_c else r
     if torch.float32 in (a.dtype, b.dtype):
         a, b = _rounded_fp32(a, b, compute_dtype, rowsum_a=rowsum_a, epilogue=epilogue)
-    # The epilogue's G: y to read (relu_output), or act'(z) to write.
+    # The epilogue's G: y to read (relu_output), or z to write (store_preact).
     read_or_written = relu_output if relu_output is not None else g
     column = _column_sums(r, M, N) if colsum_c else None
 
