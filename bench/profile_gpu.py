@@ -10,7 +10,8 @@ stored z (``dZ gelu``, ``dZ gelu torch``, ``dZ gelu 4 warps``, the same for
 ``gelu_tanh`` and ``silu``): the host time to enqueue one call, the wall time of a
 synchronised call, torch.profiler's kernel table, and cProfile's top host functions. ``phases``: the
 host time of each phase of the guide and small steps in each mode. ``idle``: why a GEMM
-from an idle GPU trails its kernel (``idle_rounds``).
+from an idle GPU trails its kernel (``idle_rounds``). Last, the tiles the autotuners
+chose for the sections' launches, with every config they timed (``write_autotuned``).
 
     python3 bench/profile_gpu.py [OUT_DIR]
 """
@@ -32,6 +33,7 @@ import torch
 import triton
 from harness import L2_FLUSH_BYTES, SYNC_WARNING, median
 from host_time import PHASE_COLUMNS, phase_times, replays_off
+from report import autotuned_lines
 from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
@@ -40,7 +42,13 @@ from mpgemm.kernels import activation, gemm, gemm_tma
 from mpgemm.kernels.activation import triton_activation_backward
 from mpgemm.kernels.cross_entropy import padded_rows
 from mpgemm.kernels.gemm import triton_gemm, use_kernel
-from mpgemm.kernels.launches import intercept, jit_function, launch, launch_options
+from mpgemm.kernels.launches import (
+    chosen_configs,
+    intercept,
+    jit_function,
+    launch,
+    launch_options,
+)
 from mpgemm.reference import activation_backward_ref
 from mpgemm.scaling import unscale_
 
@@ -565,8 +573,19 @@ def main() -> None:
         for name, run in sections.items()
         if (only is None or name in only) and not _ran(name, run, out)
     ]
+    write_autotuned(out)
     if failed:
         sys.exit(f"profile_gpu: {len(failed)} section(s) failed: {', '.join(failed)}")
+
+
+def write_autotuned(out: Path) -> None:
+    """Append to profile.md the tiles the sections' launches ran and what each config
+    the autotuner timed for them cost (the guide step's GEMMs among them): the bench
+    report's tables (``report.autotuned_lines``), at no device time of their own."""
+    tuned = autotuned_lines(chosen_configs())
+    if tuned:
+        with open(out / "profile.md", "a") as f:
+            f.write("\n".join(tuned) + "\n")
 
 
 def _ran(name: str, run, out: Path) -> bool:

@@ -210,18 +210,40 @@ def markdown(data: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += _counts(data["benchmarks"], group)
-    lines += _autotuned(data.get("autotuned", []))
+    lines += autotuned_lines(data.get("autotuned", []))
     return "\n".join(lines)
 
 
-def _autotuned(chosen: list[dict]) -> list[str]:
+def autotuned_lines(chosen: list[dict]) -> list[str]:
     """The config each launch kind ran (``launches.chosen_configs``), where the run
-    autotuned any."""
+    autotuned any, numbered; then, for the kinds whose configs the autotuner timed in
+    the run, every config it timed, fastest first (the first is the one it chose), with
+    its median and its time over the fastest's."""
     if not chosen:
         return []
-    lines = ["### autotuned", "", "| kernel | kind | config |", "|---|---|---|"]
-    for entry in chosen:
-        lines.append(f"| {entry['kernel']} | {', '.join(entry['kind'])} | {entry['config']} |")
+    lines = ["### autotuned", "", "| # | kernel | kind | config |", "|---|---|---|---|"]
+    for number, entry in enumerate(chosen, 1):
+        kind = ", ".join(entry["kind"])
+        lines.append(f"| {number} | {entry['kernel']} | {kind} | {entry['config']} |")
+    timed = [(number, entry) for number, entry in enumerate(chosen, 1) if entry.get("timings")]
+    if timed:
+        lines += [
+            "",
+            "### autotuner timings",
+            "",
+            "| # | config | median ms | x fastest |",
+            "|---|---|---|---|",
+        ]
+    for number, entry in timed:
+        # A config that failed (no time) comes last.
+        ranked = sorted(entry["timings"], key=lambda t: (t[1] is None, t[1] or 0.0))
+        fastest = ranked[0][1]
+        for text, ms in ranked:
+            if ms is None:
+                lines.append(f"| {number} | {text} | failed | |")
+            else:
+                ratio = f"{ms / fastest:.2f}" if fastest else ""
+                lines.append(f"| {number} | {text} | {ms:.4f} | {ratio} |")
     return [*lines, ""]
 
 

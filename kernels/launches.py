@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -112,8 +113,12 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> Launc
     if tuned:
         chosen = _chosen.get(kind := _kind(kernel, args, kwargs))
         if chosen is None:
+            before = getattr(kernel, "configs_timings", None)
             kernel[grid](*args, **kwargs)  # times the configs, then launches the best
             _chosen[kind] = (kernel.best_config, _options(kwargs, kernel.best_config))
+            timings = getattr(kernel, "configs_timings", None)
+            if timings is not None and timings is not before:  # (a new dict: timed now)
+                _timed[kind] = [(config, _median_ms(t)) for config, t in timings.items()]
             return None
         config, options = chosen
         _run_pre_hook(kernel, args, config, options)
@@ -166,17 +171,47 @@ def relaunch(launched: Launched, args: tuple) -> None:
 # arguments), more than the JIT launch behind it (28.5 us):
 # bench/results/h100-2026-11-22/run5-at-4d25c67/host/profile.md.
 _chosen: dict[tuple, tuple[triton.Config, dict]] = {}
+# What the autotuner measured of each config it timed for a launch kind (its median, in
+# ms; None for a config that failed to compile or run), where it timed them in this
+# process: the time a tile won by, and what every other tile would have cost, at no
+# device time beyond the tuning's own.
+_timed: dict[tuple, list[tuple[triton.Config, float | None]]] = {}
+
+
+def _median_ms(timing) -> float | None:
+    """The median of an autotuner's timing of a config (triton's ``do_bench`` with
+    quantiles gives [median, p20, p80]; inf where the config failed)."""
+    median = timing[0] if isinstance(timing, (list, tuple)) else timing
+    return float(median) if math.isfinite(median) else None
+
+
+def config_text(config: triton.Config) -> str:
+    """A config in a few words: its meta-parameters, warps and stages (and a register
+    cap, if any)."""
+    words = [f"{name} {value}" for name, value in config.kwargs.items()]
+    words += [f"warps {config.num_warps}", f"stages {config.num_stages}"]
+    if config.maxnreg is not None:
+        words.append(f"maxnreg {config.maxnreg}")
+    return ", ".join(words)
 
 
 def chosen_configs() -> list[dict[str, object]]:
     """What each autotuner chose so far, one entry per launch kind (``_kind``): the JIT
     function's name, the kind's key values, tensor dtypes and keyword arguments (as
-    strings), and the config; JSON-ready, for a benchmark's record of the tiles that
-    its timings ran."""
-    return [
-        {"kernel": kind[0].fn.__name__, "kind": [str(v) for v in kind[1:]], "config": str(config)}
-        for kind, (config, _) in _chosen.items()
-    ]
+    strings), and the config; where the autotuner timed its configs in this process,
+    also ``timings``, [config_text, median ms or None] for each it timed. JSON-ready,
+    for a benchmark's record of the tiles that its timings ran."""
+    entries = []
+    for kind, (config, _) in _chosen.items():
+        entry: dict[str, object] = {
+            "kernel": kind[0].fn.__name__,
+            "kind": [str(v) for v in kind[1:]],
+            "config": str(config),
+        }
+        if kind in _timed:
+            entry["timings"] = [[config_text(c), ms] for c, ms in _timed[kind]]
+        entries.append(entry)
+    return entries
 
 
 def _no_hooks(hook) -> bool:

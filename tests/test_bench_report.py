@@ -75,7 +75,32 @@ def test_the_autotuned_configs_close_the_report():
     table = report.markdown({"machine_info": {}, "benchmarks": benchmarks, "autotuned": [chosen]})
     lines = table.splitlines()
     start = lines.index("### autotuned")
-    assert lines[start + 4] == "| _gemm_tma_kernel | 8192, torch.float16 | BM 128 |"
+    assert lines[start + 4] == "| 1 | _gemm_tma_kernel | 8192, torch.float16 | BM 128 |"
+    assert "### autotuner timings" not in table  # (none timed in the run)
+
+
+def test_every_config_the_autotuner_timed_is_listed_fastest_first():
+    report = _report()
+    benchmarks = [_bench("mpgemm", 180e-6), _bench("torch_fp16", 30e-6)]
+    report.add_derived_metrics(benchmarks)
+    tuned = {
+        "kernel": "_gemm_tma_kernel",
+        "kind": ["4096", "1024"],
+        "config": "BLOCK_M: 128",
+        "timings": [["BM 128, BN 256", 0.125], ["BM 64, BN 256", None], ["BM 128, BN 128", 0.1]],
+    }
+    untimed = {"kernel": "_adam_kernel", "kind": ["2048"], "config": "BLOCK: 2048"}
+    data = {"machine_info": {}, "benchmarks": benchmarks, "autotuned": [untimed, tuned]}
+    lines = report.markdown(data).splitlines()
+    start = lines.index("### autotuner timings")
+    assert lines[start + 2 : start + 7] == [
+        "| # | config | median ms | x fastest |",
+        "|---|---|---|---|",
+        "| 2 | BM 128, BN 128 | 0.1000 | 1.00 |",
+        "| 2 | BM 128, BN 256 | 0.1250 | 1.25 |",
+        "| 2 | BM 64, BN 256 | failed | |",
+    ]
+    assert lines[lines.index("### autotuned") + 5].startswith("| 2 | _gemm_tma_kernel |")
 
 
 def test_a_steps_host_time_has_a_column_of_its_own():

@@ -272,6 +272,28 @@ def test_the_profile_reports_a_failed_section_and_runs_the_next(tmp_path):
     assert not (tmp_path / "b" / "profile.md").exists()
 
 
+def test_the_profile_ends_with_the_tiles_chosen_and_the_autotuners_timings(tmp_path, monkeypatch):
+    """The profile's last part: the config each launch kind ran, and every config the
+    autotuner timed for it, as the bench report lays them out."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from mpgemm.kernels import gemm_tma, launches
+
+    profile_gpu = load("profile_gpu")
+    kernel, config = gemm_tma._gemm_tma_kernel, gemm_tma.GPU_CONFIGS[0]
+    kind = (kernel, 4096, 1024, 8192)
+    monkeypatch.setattr(launches, "_chosen", {kind: (config, {})})
+    monkeypatch.setattr(launches, "_timed", {kind: [(config, 0.1076)]})
+    profile_gpu.write_autotuned(tmp_path)
+    lines = (tmp_path / "profile.md").read_text().splitlines()
+    chosen = lines[lines.index("### autotuned") + 4]
+    assert chosen.startswith("| 1 | _gemm_tma_kernel | 4096, 1024, 8192 |")
+    row = lines[lines.index("### autotuner timings") + 4]
+    assert row == f"| 1 | {launches.config_text(config)} | 0.1076 | 1.00 |"
+    monkeypatch.setattr(launches, "_chosen", {})
+    profile_gpu.write_autotuned(tmp_path / "none")  # (nothing chosen: nothing written)
+    assert not (tmp_path / "none" / "profile.md").exists()
+
+
 def test_the_activation_ab_runs_both_kernels_to_the_same_results():
     """bench/ab_activation.py, the A/B a GPU session runs for the activation backward,
     on small shapes through the interpreter against the installed module's own file:

@@ -267,6 +267,47 @@ def test_an_autotuner_runs_once_per_launch_kind_then_its_choice_directly(device,
     assert all(c["config"] == str(runs[0].best_config) for c in chosen)
 
 
+def _times(x_ptr, y_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(y_ptr + offsets, FACTOR * tl.load(x_ptr + offsets, mask=mask), mask=mask)
+
+
+def test_the_record_of_a_choice_has_every_config_the_autotuner_timed(monkeypatch):
+    """Where the autotuner times configs for a launch kind, ``chosen_configs`` keeps
+    each one's median beside the choice (a failed config's as None); a kind it did not
+    time (a constexpr apart, which the autotuner's key leaves out: its own cache
+    answered) has no timings, not another kind's."""
+    from mpgemm.kernels import launches
+
+    monkeypatch.setattr(launches, "_chosen", {})
+    monkeypatch.setattr(launches, "_timed", {})
+    medians = iter([0.5, float("inf"), 0.25])
+
+    def bench(kernel_call, quantiles=None, **kwargs):
+        kernel_call()
+        median = next(medians)
+        return [median, median, median]
+
+    configs = [triton.Config({"BLOCK": block}, num_warps=4) for block in (16, 32, 64)]
+    kernel = triton.autotune(configs, key=["n"], do_bench=bench)(triton.jit(_times))
+    x = torch.arange(100, dtype=torch.float32)
+    y = torch.full_like(x, float("nan"))
+    grid = lambda meta: (triton.cdiv(100, meta["BLOCK"]),)  # noqa: E731
+    launches.launch(kernel, grid, x, y, 100, FACTOR=2)
+    assert torch.equal(y, 2 * x)
+    [entry] = launches.chosen_configs()
+    assert entry["config"] == str(configs[2])
+    assert entry["timings"] == [
+        ["BLOCK 16, warps 4, stages 3", 0.5],
+        ["BLOCK 32, warps 4, stages 3", None],
+        ["BLOCK 64, warps 4, stages 3", 0.25],
+    ]
+    launches.launch(kernel, grid, x, y, 100, FACTOR=3)
+    assert torch.equal(y, 3 * x)
+    assert [e.get("timings") is None for e in launches.chosen_configs()] == [False, True]
+
+
 def _probe(
     x_ptr,
     y_ptr,
