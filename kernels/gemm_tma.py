@@ -88,8 +88,8 @@ def _hopper_configs() -> list[triton.Config]:
         # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
         (128, 256, 64, 3, 8),
         # The tile the autotuner chose for the guide's large GEMMs (run6), one stage deeper,
-        # as cuBLAS's kernel for these shapes runs it: 16-bit outputs only (229,408 bytes
-        # of shared memory compiled; an FP32 output's stores need 32 KB more than fit).
+        # as cuBLAS's kernels for these shapes run it (229,408 bytes of shared memory
+        # compiled; 229,440 with an FP32 output, which stores it in quarters).
         (128, 256, 64, 4, 8),
         (128, 128, 64, 4, 8),
         (64, 256, 64, 4, 4),
@@ -121,9 +121,13 @@ def _interpreter_configs() -> list[triton.Config]:
 # Shared memory a block may have on an H100 (227 KB).
 SMEM_BYTES = 232448
 # The most shared memory the epilogue's layout conversion may take at once: a larger
-# tile of C (128x256 of FP32: 128 KB, which with 3 stages of 48 KB would
-# not fit) is stored in two halves.
+# tile of C (128x256 of FP32: 128 KB, which with 3 stages of 48 KB would not fit) is
+# stored in parts of EPILOGUE_PART bytes.
 EPILOGUE_SCRATCH = 64 * 1024
+# Such a part: 128x256 of FP32 goes in quarters of 128x64, so that it fits beside 4
+# stages of 48 KB (229,440 bytes compiled under triton 3.6 and 3.9), as cuBLAS's kernels
+# pipeline their weight gradients; in halves of 64 KB only 3 stages fit.
+EPILOGUE_PART = 32 * 1024
 # Triton converts a larger part a piece at a time: no binary of the AOT check (triton
 # 3.6 and 3.9) took more than this many elements of C for it (a
 # 128x256 tile of FP16 took half of its 64 KB), and the check fails any binary whose
@@ -141,23 +145,24 @@ def epilogue_bytes(block_m: int, block_n: int, c_bytes: int) -> int:
 
 @triton.constexpr_function
 def epilogue_parts(block_m: int, block_n: int, c_bytes: int) -> int:
-    """In how many parts the kernel stores a tile: 1, or 2 halves of BLOCK_N / 2 columns
-    where a whole tile's conversion would take more than EPILOGUE_SCRATCH bytes."""
+    """In how many parts of BLOCK_N / parts columns the kernel stores a tile: 1, or,
+    where a whole tile's conversion would take more than EPILOGUE_SCRATCH bytes, parts
+    of EPILOGUE_PART bytes (the kernel stores in 1, 2 or 4)."""
     whole = epilogue_bytes(block_m, block_n, c_bytes)
-    return 2 if whole > EPILOGUE_SCRATCH else 1
+    return 1 if whole <= EPILOGUE_SCRATCH else whole // EPILOGUE_PART
 
 
-def stores_in_halves(config: triton.Config, *, c_bytes: int) -> bool:
-    """Whether the kernel stores each tile of ``config`` in two halves."""
+def stores_in_parts(config: triton.Config, *, c_bytes: int) -> bool:
+    """Whether the kernel stores each tile of ``config`` in parts."""
     bm, bn, _, _ = tile(config)
-    return epilogue_parts(bm, bn, c_bytes) == 2
+    return epilogue_parts(bm, bn, c_bytes) > 1
 
 
 def smem_estimate(config: triton.Config, *, c_bytes: int) -> int:
     """An upper bound on the shared memory ``config`` takes: each stage holds a tile of
     A and B (16-bit), and the epilogue converts the accumulator's layout through at most
-    BLOCK_M x BLOCK_N elements of C, half of them where it stores in
-    halves, and at most CONVERSION_ELEMENTS of them; 1 KB for the barriers. Checked
+    BLOCK_M x BLOCK_N elements of C, a part of them where it stores in parts
+    (``epilogue_parts``), and at most CONVERSION_ELEMENTS of them; 1 KB for the barriers. Checked
     against the compiled binaries by ``python -m mpgemm.kernels.aot`` (a binary over
     SMEM_BYTES is a defect there)."""
     bm, bn, bk, _ = tile(config)
@@ -175,7 +180,7 @@ def fits(
     many columns (``narrow``) only;
     storing GELU's or SiLU's pre-activation beside the output is held to an accumulator
     of fewer than 128 registers per thread (the activation's erf or exp over more made
-    128x256 and 64x256 spill 56 to 400 bytes under 3.9), and a tile stored in halves
+    128x256 and 64x256 spill 56 to 400 bytes under 3.9), and a tile stored in parts
     leaves no registers for a bias or an activation or a ReLU's mask (``epilogue``:
     128x256 of FP32 logits plus a bias spilled 24 bytes under Triton 3.6); weight
     gradients, FP32 and without either, take it. (A 16-bit input gradient masked by a
@@ -186,7 +191,7 @@ def fits(
         return False
     if store_preact and bm * bn // (32 * warps) >= 128:
         return False
-    if epilogue and stores_in_halves(config, c_bytes=c_bytes):
+    if epilogue and stores_in_parts(config, c_bytes=c_bytes):
         return False
     return smem_estimate(config, c_bytes=c_bytes) <= SMEM_BYTES
 
@@ -329,22 +334,33 @@ def _gemm_tma_kernel(
             acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         # The stores take the accumulator through shared memory (a layout conversion),
-        # a whole tile or two halves of BLOCK_N / 2 columns (epilogue_parts).
-        halves: tl.constexpr = epilogue_parts(
+        # a whole tile or parts of BLOCK_N / parts columns (epilogue_parts): part h is
+        # columns [h * BLOCK_N / parts, (h + 1) * BLOCK_N / parts), split off a
+        # reshaped view's last axis by the bits of h, its high bit first.
+        parts: tl.constexpr = epilogue_parts(
             BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty.primitive_bitwidth // 8
         )
-        if halves == 2:
-            first, second = tl.split(
-                tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        tl.static_assert(parts == 1 or parts == 2 or parts == 4)
+        if parts == 2:
+            p0, p1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        if parts == 4:
+            high_0, high_1 = tl.split(
+                tl.permute(tl.reshape(acc, (BLOCK_M, 2, 2, BLOCK_N // 4)), (0, 3, 2, 1))
             )
-        for h in tl.static_range(halves):
-            if halves == 1:
+            p0, p1 = tl.split(high_0)
+            p2, p3 = tl.split(high_1)
+        for h in tl.static_range(parts):
+            if parts == 1:
                 part = acc
             elif h == 0:
-                part = first
+                part = p0
+            elif h == 1:
+                part = p1
+            elif h == 2:
+                part = p2
             else:
-                part = second
-            offs_n = off_n + h * (BLOCK_N // halves) + tl.arange(0, BLOCK_N // halves)
+                part = p3
+            offs_n = off_n + h * (BLOCK_N // parts) + tl.arange(0, BLOCK_N // parts)
             stored = store_epilogue(
                 part,
                 offs_m,

@@ -4,7 +4,7 @@ GELU's or SiLU's input z; the input gradient; the weight gradient reading dZ.T w
 gradient's row sums) against FP64 with torch's own 16-bit
 product as the bar, operands NaN-padded so that a descriptor reaching outside its
 matrix fails, outputs NaN-poisoned, and fewer programs than tiles so the persistent loop
-walks several, with each tile stored whole or in two halves; and which launches the
+walks several, with each tile stored whole, in halves or in quarters; and which launches the
 default sends to it."""
 
 import pytest
@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 
 
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
+from mpgemm.kernels.gemm_common import tile  # noqa: E402
 
 COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
 # M, K, N: ragged against the interpreter's 32x32x32 tiles and the H100's.
@@ -67,16 +68,27 @@ KINDS = [
 ]
 
 
-@pytest.mark.parametrize("epilogue", ["whole", "halves"])
+def store_in_parts(monkeypatch, parts: int, c_bytes: int) -> None:
+    """Make the kernel store the interpreter's tile of C, of ``c_bytes`` elements, in
+    ``parts`` parts."""
+    block_m, block_n, _, _ = tile(gemm_tma.CONFIGS[0])
+    whole = block_m * block_n * c_bytes
+    monkeypatch.setattr(gemm_tma, "EPILOGUE_SCRATCH", whole - 1)
+    monkeypatch.setattr(gemm_tma, "EPILOGUE_PART", whole // parts)
+    assert gemm_tma.epilogue_parts(block_m, block_n, c_bytes) == parts
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
-def test_every_launch_kind_within_the_bar(kind, compute_dtype, epilogue, device, monkeypatch):
-    if epilogue == "halves":
-        # The interpreter's 32x32 tiles store in halves too (an H100's 128x256 FP32 ones do).
-        monkeypatch.setattr(gemm_tma, "EPILOGUE_SCRATCH", 1024)
+def test_every_launch_kind_within_the_bar(kind, compute_dtype, parts, device, monkeypatch):
     torch.manual_seed(0)
     a, b, kwargs = _operands(kind, compute_dtype, device)
     out_dtype = torch.float32 if kind.startswith("grad_weight") else compute_dtype
+    if parts > 1:
+        # The interpreter's tiles stored in parts too (an H100's 128x256 FP32 ones are,
+        # in quarters).
+        store_in_parts(monkeypatch, parts, out_dtype.itemsize)
     names, (c, g, r) = launched_kernels(
         lambda: gemm.triton_gemm(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype, **kwargs)
     )

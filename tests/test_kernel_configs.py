@@ -107,22 +107,24 @@ def test_every_tma_launch_keeps_a_config_within_shared_memory(
     assert kept and all(
         gemm_tma.smem_estimate(k, c_bytes=c_bytes) <= gemm_tma.SMEM_BYTES for k in kept
     )
-    # Tiles stored in halves serve plain products only (an FP32 weight gradient's).
-    halves = [k for k in kept if gemm_tma.stores_in_halves(k, c_bytes=c_bytes)]
-    assert bool(halves) == (c_bytes == 4 and not has_bias and activation is None and not relu_grad)
+    # Tiles stored in parts serve plain products only (an FP32 weight gradient's).
+    in_parts = [k for k in kept if gemm_tma.stores_in_parts(k, c_bytes=c_bytes)]
+    plain = not has_bias and activation is None and not relu_grad
+    assert bool(in_parts) == (c_bytes == 4 and plain)
     single = gemm_tma._prune_configs(gemm_tma._single_config(), named, **flags)
     assert len(single) == 1
 
 
 @pytest.mark.parametrize("c_bytes", [2, 4])
 @pytest.mark.parametrize("has_bias, activation, store_preact, relu_grad", TMA_EPILOGUES)
-def test_the_four_stage_wide_tile_serves_16_bit_outputs_only(
+def test_the_four_stage_wide_tile_serves_16_bit_outputs_and_plain_fp32_ones(
     c_bytes, has_bias, activation, store_preact, relu_grad
 ):
     # 128x256x64 in 4 stages takes 192 KB of operands: with a 16-bit output's layout
-    # conversion (32 KB compiled) it fits an H100 block; an FP32 output's (64 KB) does
-    # not, and GELU's pre-activation beside the output keeps the tiles of fewer than 128
-    # accumulator registers a thread.
+    # conversion (32 KB compiled) it fits an H100 block, and with an FP32 output's stored
+    # in quarters (32 KB each), which serve plain products only (an FP32 weight
+    # gradient's); GELU's pre-activation beside the output keeps the tiles of fewer than
+    # 128 accumulator registers a thread.
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
     flags = dict(
         HAS_BIAS=has_bias, ACTIVATION=activation, STORE_PREACT=store_preact, RELU_GRAD=relu_grad
@@ -131,9 +133,12 @@ def test_the_four_stage_wide_tile_serves_16_bit_outputs_only(
         gemm_tma._hopper_configs(), {"c_ptr": c, "N_BUCKET": 4096}, **flags
     )
     deep = [k for k in kept if tile(k) == (128, 256, 64, 8) and k.num_stages == 4]
-    assert bool(deep) == (c_bytes == 2 and not store_preact)
+    plain = not has_bias and activation is None and not relu_grad
+    assert bool(deep) == (not store_preact if c_bytes == 2 else plain)
     for config in deep:
-        assert gemm_tma.smem_estimate(config, c_bytes=2) == 230400
+        assert gemm_tma.smem_estimate(config, c_bytes=c_bytes) == 230400
+    if c_bytes == 4:
+        assert gemm_tma.epilogue_parts(128, 256, 4) == 4  # quarters of 32 KB
 
 
 def test_what_tma_pruning_reads_is_in_its_autotune_key():
