@@ -91,6 +91,10 @@ def _hopper_configs() -> list[triton.Config]:
         # as cuBLAS's kernels for these shapes run it (229,408 bytes of shared memory
         # compiled; 229,440 with an FP32 output, which stores it in quarters).
         (128, 256, 64, 4, 8),
+        # cuBLAS's tile for the guide's input gradients (nvjet 256x128_64x4 on an H100:
+        # 311.6 us where run8's 128x256 in 4 stages took 330.6): the same accumulator,
+        # two m64n128 wgmmas a warpgroup where 128x256 has one m64n256.
+        (256, 128, 64, 4, 8),
         (128, 128, 64, 4, 8),
         (64, 256, 64, 4, 4),
         (128, 64, 64, 4, 4),

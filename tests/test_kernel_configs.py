@@ -111,6 +111,10 @@ def test_every_tma_launch_keeps_a_config_within_shared_memory(
     in_parts = [k for k in kept if gemm_tma.stores_in_parts(k, c_bytes=c_bytes)]
     plain = not has_bias and activation is None and not relu_grad
     assert bool(in_parts) == (c_bytes == 4 and plain)
+    # The 256-row tile, cuBLAS's for the input gradients: not beside GELU's
+    # pre-activation (the accumulator's registers), nor stored in parts with an epilogue.
+    tall = [k for k in kept if tile(k)[0] == 256]
+    assert bool(tall) == (not store_preact and (c_bytes == 2 or plain))
     single = gemm_tma._prune_configs(gemm_tma._single_config(), named, **flags)
     assert len(single) == 1
 
