@@ -166,9 +166,9 @@ def smem_estimate(config: triton.Config, *, c_bytes: int) -> int:
     """An upper bound on the shared memory ``config`` takes: each stage holds a tile of
     A and B (16-bit), and the epilogue converts the accumulator's layout through at most
     BLOCK_M x BLOCK_N elements of C, a part of them where it stores in parts
-    (``epilogue_parts``), and at most CONVERSION_ELEMENTS of them; 1 KB for the barriers. Checked
-    against the compiled binaries by ``python -m mpgemm.kernels.aot`` (a binary over
-    SMEM_BYTES is a defect there)."""
+    (``epilogue_parts``), and at most CONVERSION_ELEMENTS of them; 1 KB for the
+    barriers. Checked against the compiled binaries by ``python -m mpgemm.kernels.aot``
+    (a binary over SMEM_BYTES is a defect there)."""
     bm, bn, bk, _ = tile(config)
     stage = (bm + bn) * bk * 2
     part = epilogue_bytes(bm, bn, c_bytes) // epilogue_parts(bm, bn, c_bytes)
