@@ -23,6 +23,12 @@ pytest.importorskip("triton")
 
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 from mpgemm.kernels.gemm_common import tile  # noqa: E402
+from mpgemm.kernels.launches import (  # noqa: E402
+    intercept,
+    jit_function,
+    launch_options,
+    named_arguments,
+)
 
 COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
 # M, K, N: ragged against the interpreter's 32x32x32 tiles and the H100's.
@@ -35,9 +41,11 @@ def few_programs(monkeypatch):
     monkeypatch.setattr(gemm, "multiprocessors", lambda device: 3)
 
 
-def _operands(kind, dtype, device):
+def _operands(kind, dtype, device, shape=(M, K, N)):
     """(a, b, kwargs) of one launch kind, as LinearFunction makes it: 16-bit operands,
-    views where the layer has them (W.T, dY.T), each padded with NaN."""
+    views where the layer has them (W.T, dY.T), each padded with NaN; ``shape`` is
+    (M, K, N) of the product."""
+    M, K, N = shape  # noqa: N806 - the product's dimensions, as everywhere in this file
 
     def half(*shape, transposed=False):
         return nan_padded(torch.randn(*shape, device=device).to(dtype), transposed, aligned=True)
@@ -107,6 +115,40 @@ def test_every_launch_kind_within_the_bar(kind, compute_dtype, parts, device, mo
         assert_within_torch_error(g, z, ref_g, f"{kind}: z")
     if kwargs.get("rowsum_a"):
         assert_sum_within_torch_error(r, a64, ref_r, f"{kind}: row sums", dim=1)
+
+
+@pytest.mark.parametrize("kind", ["forward relu", "grad_input", "grad_weight"])
+def test_every_tile_an_h100_may_choose_within_the_bar(kind, device):
+    """Each tile that pruning keeps for the launch on an H100 (the autotuner may choose
+    any, where the tests stage runs one a launch: among them the 128x256 FP32 tile stored
+    in quarters, the 4-stage and the 256-row tiles), launched alone with its config on a
+    shape ragged against every one, against FP64 with torch's product as the bar. On a
+    GPU this runs each compiled tile; interpreted, each tile's own parts and bounds."""
+    m, k, n = 328, 200, 264  # 3 programs walk 2 to 8 tiles each
+    a, b, kwargs = _operands(kind, torch.float16, device, (m, k, n))
+    out_dtype = torch.float32 if kind == "grad_weight" else torch.float16
+    args = dict(compute_dtype=torch.float16, out_dtype=out_dtype, **kwargs)
+    captured = []
+    with intercept(lambda kernel, grid, *launch: captured.append((kernel, grid, *launch[:2]))):
+        gemm.triton_gemm(a, b, **args)
+    [(kernel, grid, launch_args, launch_kwargs)] = [
+        c for c in captured if jit_function(c[0]).fn.__name__ == "_gemm_tma_kernel"
+    ]
+    named = named_arguments(kernel, launch_args, launch_kwargs)
+    flags = {f: named[f] for f in ("HAS_BIAS", "ACTIVATION", "STORE_PREACT", "RELU_GRAD")}
+    configs = gemm_tma._prune_configs(gemm_tma._hopper_configs(), named, **flags)
+    tiles = {tile(config) + (config.num_stages,) for config in configs}
+    assert (128, 256, 64, 8, 4) in tiles and (256, 128, 64, 8, 4) in tiles
+    c = named["c_ptr"]
+    exact = a.double() @ b.double()
+    if "bias" in kwargs:
+        exact = torch.relu(exact + kwargs["bias"].double())
+    baseline, _, _ = gemm_ref(a, b, **args)
+    for config in configs:
+        c.fill_(float("nan"))
+        options = launch_options(kernel, launch_args, launch_kwargs, config)
+        jit_function(kernel)[grid](*launch_args, **options)
+        assert_within_torch_error(c, exact, baseline, f"{kind}, {config}")
 
 
 def test_nan_and_inf_propagate_as_in_torch(device):
