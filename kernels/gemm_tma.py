@@ -189,7 +189,8 @@ def fits(
     128x256 of FP32 logits plus a bias spilled 24 bytes under Triton 3.6); weight
     gradients, FP32 and without either, take it. (A 16-bit input gradient masked by a
     ReLU's output and summed by column takes every tile: 128x256 took 199 to 246
-    registers under 3.6, 254 and 255 under 3.9, no spills.)"""
+    registers under 3.6, 254 and 255 under 3.9, 256x128 in 4 stages 254 and 255, no
+    spills; 256x128 in 3 stages spilled 24 bytes under 3.9, and is not a config.)"""
     bm, bn, _, warps = tile(config)
     if bn <= NARROW_N and not narrow:
         return False
