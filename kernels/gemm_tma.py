@@ -151,7 +151,8 @@ def epilogue_bytes(block_m: int, block_n: int, c_bytes: int) -> int:
 def epilogue_parts(block_m: int, block_n: int, c_bytes: int) -> int:
     """In how many parts of BLOCK_N / parts columns the kernel stores a tile: 1, or,
     where a whole tile's conversion would take more than EPILOGUE_SCRATCH bytes, parts
-    of EPILOGUE_PART bytes (the kernel stores in 1, 2 or 4)."""
+    of EPILOGUE_PART bytes: 4 (the kernel stores in 1 or 4; only 128x256 of FP32 takes
+    parts)."""
     whole = epilogue_bytes(block_m, block_n, c_bytes)
     return 1 if whole <= EPILOGUE_SCRATCH else whole // EPILOGUE_PART
 
@@ -339,15 +340,13 @@ def _gemm_tma_kernel(
             acc = dot_rounded(a, b, acc, compute_dtype, INTERPRETED)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         # The stores take the accumulator through shared memory (a layout conversion),
-        # a whole tile or parts of BLOCK_N / parts columns (epilogue_parts): part h is
-        # columns [h * BLOCK_N / parts, (h + 1) * BLOCK_N / parts), split off a
-        # reshaped view's last axis by the bits of h, its high bit first.
+        # a whole tile or quarters of BLOCK_N / 4 columns (epilogue_parts): quarter h is
+        # columns [h * BLOCK_N / 4, (h + 1) * BLOCK_N / 4), split off a reshaped view's
+        # last axis by the bits of h, its high bit first.
         parts: tl.constexpr = epilogue_parts(
             BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty.primitive_bitwidth // 8
         )
-        tl.static_assert(parts == 1 or parts == 2 or parts == 4)
-        if parts == 2:
-            p0, p1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        tl.static_assert(parts == 1 or parts == 4)
         if parts == 4:
             high_0, high_1 = tl.split(
                 tl.permute(tl.reshape(acc, (BLOCK_M, 2, 2, BLOCK_N // 4)), (0, 3, 2, 1))

@@ -1,6 +1,7 @@
 """Shared test helpers: the accuracy bar, operands that expose missing masks, the
 kernels a call launches and the torch ops it runs besides, the optimizers' launch
-shape, the input gradients that took a ReLU's backward."""
+shape, the input gradients that took a ReLU's backward, the TMA kernel's tiles stored
+in parts."""
 
 from __future__ import annotations
 
@@ -162,3 +163,16 @@ def fused_relu_gradients() -> Iterator[list[torch.Tensor]]:
         yield made
     finally:
         functional._input_gradient = record
+
+
+def store_in_parts(monkeypatch, parts: int, c_bytes: int) -> None:
+    """Make the TMA kernel store the interpreter's tile of C, of ``c_bytes`` elements, in
+    ``parts`` parts (an H100's 128x256 FP32 tile is stored in quarters)."""
+    from mpgemm.kernels import gemm_tma
+    from mpgemm.kernels.gemm_common import tile
+
+    block_m, block_n, _, _ = tile(gemm_tma.CONFIGS[0])
+    whole = block_m * block_n * c_bytes
+    monkeypatch.setattr(gemm_tma, "EPILOGUE_SCRATCH", whole - 1)
+    monkeypatch.setattr(gemm_tma, "EPILOGUE_PART", whole // parts)
+    assert gemm_tma.epilogue_parts(block_m, block_n, c_bytes) == parts

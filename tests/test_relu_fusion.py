@@ -27,13 +27,14 @@ from tests.accuracy import (
     fused_relu_gradients,
     launched_kernels,
     nan_padded,
+    store_in_parts,
 )
 
 pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
 
-from mpgemm.kernels import gemm, gemm_common, gemm_tma  # noqa: E402
+from mpgemm.kernels import gemm, gemm_common  # noqa: E402
 
 # M, K, N: ragged against the interpreter's 32x32x32 tiles.
 M, K, N = 72, 112, 48
@@ -50,7 +51,7 @@ def _relu_output(dtype, device):
 
 
 @pytest.mark.parametrize("summed_rows", [32, 16])  # a tile's 32 rows: 1 or 2 partial rows
-@pytest.mark.parametrize("kernel", ["tma", "tma, stored in halves", "pointer"])
+@pytest.mark.parametrize("kernel", ["tma", "tma, stored in quarters", "pointer"])
 @pytest.mark.parametrize("compute_dtype", [torch.float16, torch.bfloat16])
 def test_the_masked_product_and_its_column_sums_within_the_bar(
     kernel, compute_dtype, summed_rows, device, monkeypatch
@@ -58,9 +59,8 @@ def test_the_masked_product_and_its_column_sums_within_the_bar(
     monkeypatch.setattr(gemm, "multiprocessors", lambda device: 3)  # tiles a program: 4
     monkeypatch.setattr(gemm, "COLUMN_SUM_ROWS", summed_rows)
     monkeypatch.setattr(gemm_common, "_SUM_ROWS", tl.constexpr(summed_rows))
-    if kernel.endswith("halves"):  # the interpreter's 32x32 tile of 16-bit C: 2048 bytes
-        monkeypatch.setattr(gemm_tma, "EPILOGUE_SCRATCH", 1024)
-        monkeypatch.setattr(gemm_tma, "EPILOGUE_PART", 1024)
+    if kernel.endswith("quarters"):
+        store_in_parts(monkeypatch, 4, compute_dtype.itemsize)
     torch.manual_seed(0)
     a = nan_padded(torch.randn(M, K, device=device).to(compute_dtype), aligned=True)
     b = nan_padded(torch.randn(K, N, device=device).to(compute_dtype), aligned=True)
