@@ -37,6 +37,7 @@ from report import autotuned_lines
 from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
+from mpgemm import loss_scale_optimizer
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import activation, gemm, gemm_tma
 from mpgemm.kernels.activation import triton_activation_backward
@@ -476,19 +477,48 @@ def idle_waits(
     return flushes, waits, idle, busy
 
 
+# The phases' variants of a mode's step, by the backward's thread: mpgemm's
+# (``LossScaleOptimizer.backward``, on the calling thread) on autograd's worker thread
+# of the GPU, as torch runs a backward by default; autocast's on the calling thread.
+WORKER_THREAD = "backward on autograd's worker thread"
+CALLING_THREAD = "backward on the calling thread"
+PHASE_VARIANTS = (
+    ("mpgemm", ""),
+    ("mpgemm", WORKER_THREAD),
+    ("autocast", ""),
+    ("autocast", CALLING_THREAD),
+    ("fp32", ""),
+)
+
+
+def variant_phase_times(mode: str, variant: str, batch: int, hidden: tuple[int, ...]) -> dict:
+    """``phase_times`` of a step of ``mode`` (autocast with fused Adam, FP32 with
+    torch's default foreach Adam) as shipped, or as ``variant`` says (``PHASE_VARIANTS``)."""
+    inputs = step_inputs(mode, batch, hidden, mode == "autocast")
+    calling = loss_scale_optimizer._CALLING_THREAD
+    loss_scale_optimizer._CALLING_THREAD = variant != WORKER_THREAD
+    try:
+        # (autograd's setting is the calling thread's, read by each backward it starts)
+        with torch.autograd.set_multithreading_enabled(variant != CALLING_THREAD):
+            return phase_times(*inputs)
+    finally:
+        loss_scale_optimizer._CALLING_THREAD = calling
+
+
 def phases(out: Path) -> None:
-    """``phase_times`` of the guide and small steps in each mode (autocast with fused
-    Adam, FP32 with torch's default foreach Adam), as one table."""
+    """``phase_times`` of the guide and small steps in each mode, and by the backward's
+    thread (``PHASE_VARIANTS``), as one table."""
     lines = [
         "## host time of a step by phase (us, medians of 50 steps)",
         "| case | " + " | ".join(PHASE_COLUMNS) + " |",
         "|" + " --- |" * (len(PHASE_COLUMNS) + 1),
     ]
     for size, batch, hidden in (("guide", 8192, (4096, 4096)), ("small", 128, (128,))):
-        for mode, fused in (("mpgemm", False), ("autocast", True), ("fp32", False)):
-            times = phase_times(*step_inputs(mode, batch, hidden, fused))
+        for mode, variant in PHASE_VARIANTS:
+            times = variant_phase_times(mode, variant, batch, hidden)
             row = " | ".join(f"{times[name]:.0f}" for name in PHASE_COLUMNS)
-            lines.append(f"| {size} {mode} | {row} |")
+            label = f"{size} {mode}, {variant}" if variant else f"{size} {mode}"
+            lines.append(f"| {label} | {row} |")
     body = "\n".join(lines)
     print(body, flush=True)
     with open(out / "profile.md", "a") as f:

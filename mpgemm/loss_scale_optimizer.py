@@ -31,6 +31,10 @@ from mpgemm.grad_scaler import GradScaler, OptState
 __all__ = ["LossScaleOptimizer"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Whether ``LossScaleOptimizer.backward`` runs autograd's nodes on the calling thread
+# (see there); off, on autograd's worker thread per device as torch does by default
+# (for A/Bs: bench/profile_gpu.py's phases).
+_CALLING_THREAD = True
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -182,13 +186,29 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         the scale (the product's backward), after the product itself. ``loss``: one
         element; the keywords are ``Tensor.backward``'s. The scale tensor itself is
         the seed: a tensor hook on ``loss`` must not change its gradient in place (as
-        torch asks of every hook)."""
+        torch asks of every hook).
+
+        The backward runs on the calling thread
+        (``torch.autograd.set_multithreading_enabled(False)``), hooks included. By
+        default autograd hands a GPU's nodes to a worker thread of that device and
+        wakes the caller when they are done: for a graph on one device, two thread
+        handoffs a step and nothing to overlap. In run8's profile of the guide MLP's
+        eager step (an H200's host: ``bench/results/h200-2026-11-26/run8-at-c0225a0/
+        profile/guide_mpgemm.trace.json``) the worker's first node began 107 to 196 us
+        after the caller's last op, and the caller's next op came 124 to 324 us after
+        the worker's last, mostly the handoffs (the Python between is a few calls);
+        autocast's step on the H100 (run2) waited 69 to 229 and 116 to 271 us. Torch's
+        engine is moving to the calling thread for graphs on one device (pytorch
+        #192004, #192082). A graph spanning several GPUs of one process then runs
+        their nodes one after another; ``scale_loss(loss).backward()`` gives the same
+        gradients with autograd's threads, which overlap them."""
         if loss.numel() != 1:
             # (what scale_loss(loss).backward() raises)
             raise RuntimeError("grad can be implicitly created only for scalar outputs")
         # (No copy where the device and dtype are the scale's: an FP32 loss.)
         seed = self.scaler._scale_on(loss.device).to(loss.dtype).expand_as(loss)
-        loss.backward(seed, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+        with torch.autograd.set_multithreading_enabled(not _CALLING_THREAD):
+            loss.backward(seed, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
     @property
     def loss_scale(self) -> float:

@@ -2,6 +2,7 @@
 side; FP32 master weights for FP16 models; clipping, schedulers, checkpoints."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -508,6 +509,35 @@ def test_backward_takes_tensor_backwards_keywords_and_refuses_what_it_would(devi
     for call in (lambda: optimizer.backward(losses), optimizer.scale_loss(losses).backward):
         with pytest.raises(RuntimeError, match="only for scalar outputs"):
             call()
+
+
+def test_backward_runs_on_the_calling_thread_and_restores_autograds_setting(device):
+    # Every node, hooks included, on the calling thread (autograd's multithreading off
+    # within; on a GPU, not on autograd's worker thread of the device), and the
+    # setting as it was afterwards, also where the backward raises.
+    model = _mlp(device)
+    optimizer = mpgemm.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device)
+    seen = []
+
+    def hook(grad):
+        seen.append((threading.get_ident(), torch._C._is_multithreading_enabled()))
+
+    for p in model.parameters():
+        p.register_hook(hook)
+    before = torch._C._is_multithreading_enabled()
+    optimizer.backward(_loss(model, x, y))
+    assert seen == [(threading.get_ident(), False)] * len(list(model.parameters()))
+    assert torch._C._is_multithreading_enabled() == before
+
+    def refuse(grad):
+        raise ValueError("refused")
+
+    handle = next(iter(model.parameters())).register_hook(refuse)
+    with pytest.raises(ValueError, match="refused"):
+        optimizer.backward(_loss(model, x, y))
+    handle.remove()
+    assert torch._C._is_multithreading_enabled() == before
 
 
 def test_torch_distributed_checkpoints_state_dict_functions_take_it(device):
