@@ -34,6 +34,7 @@ import triton
 from harness import L2_FLUSH_BYTES, SYNC_WARNING, median
 from host_time import PHASE_COLUMNS, phase_times, replays_off
 from report import autotuned_lines
+from thread_handoffs import summary as handoff_summary
 from torch.profiler import ProfilerActivity, profile
 
 import mpgemm
@@ -88,7 +89,9 @@ def report(name: str, fn, out: Path) -> None:
     )
     trace = out / f"{name.replace(' ', '_')}.trace.json"
     prof.export_chrome_trace(str(trace))
-    text.append(_last_call_kernels(trace, calls=5))
+    events = json.loads(trace.read_text())["traceEvents"]
+    text.append(_last_call_kernels(events, calls=5))
+    text.append(handoff_summary(events))
     if not name.startswith("guide"):  # the files that come back are few
         trace.unlink()
     pr = cProfile.Profile()
@@ -106,13 +109,10 @@ def report(name: str, fn, out: Path) -> None:
         f.write(body + "\n")
 
 
-def _last_call_kernels(trace: Path, calls: int) -> str:
-    """The kernels of the last of ``calls`` profiled calls: start (us from the first),
-    duration (us), name, grid, shared memory."""
-    events = sorted(
-        (e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"),
-        key=lambda e: e["ts"],
-    )
+def _last_call_kernels(trace_events: list[dict], calls: int) -> str:
+    """The kernels of the last of ``calls`` profiled calls (from a chrome trace's
+    events): start (us from the first), duration (us), name, grid, shared memory."""
+    events = sorted((e for e in trace_events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     last = events[-(len(events) // calls) :]
     t0 = last[0]["ts"]
     rows = [
