@@ -505,20 +505,22 @@ def variant_phase_times(mode: str, variant: str, batch: int, hidden: tuple[int, 
         loss_scale_optimizer._CALLING_THREAD = calling
 
 
-def phases(out: Path) -> None:
+def phases(out: Path, rounds: int = 2) -> None:
     """``phase_times`` of the guide and small steps in each mode, and by the backward's
-    thread (``PHASE_VARIANTS``), as one table."""
+    thread (``PHASE_VARIANTS``), as one table: ``rounds`` rounds over the variants in
+    turn, so that a drift of the host's speed shows as a difference between rounds."""
     lines = [
         "## host time of a step by phase (us, medians of 50 steps)",
-        "| case | " + " | ".join(PHASE_COLUMNS) + " |",
-        "|" + " --- |" * (len(PHASE_COLUMNS) + 1),
+        "| case | round | " + " | ".join(PHASE_COLUMNS) + " |",
+        "|" + " --- |" * (len(PHASE_COLUMNS) + 2),
     ]
     for size, batch, hidden in (("guide", 8192, (4096, 4096)), ("small", 128, (128,))):
-        for mode, variant in PHASE_VARIANTS:
-            times = variant_phase_times(mode, variant, batch, hidden)
-            row = " | ".join(f"{times[name]:.0f}" for name in PHASE_COLUMNS)
-            label = f"{size} {mode}, {variant}" if variant else f"{size} {mode}"
-            lines.append(f"| {label} | {row} |")
+        for round_ in range(1, rounds + 1):
+            for mode, variant in PHASE_VARIANTS:
+                times = variant_phase_times(mode, variant, batch, hidden)
+                row = " | ".join(f"{times[name]:.0f}" for name in PHASE_COLUMNS)
+                label = f"{size} {mode}, {variant}" if variant else f"{size} {mode}"
+                lines.append(f"| {label} | {round_} | {row} |")
     body = "\n".join(lines)
     print(body, flush=True)
     with open(out / "profile.md", "a") as f:
