@@ -90,26 +90,35 @@ def torch_activation(z: torch.Tensor, activation: str | None) -> torch.Tensor:
     return z if activation is None else TORCH_ACTIVATIONS[activation](z)
 
 
-def activation_and_derivative(
-    z: torch.Tensor, activation: str | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """act(z) and, for GELU (exact erf form, or its tanh approximation) and SiLU,
-    act'(z); z is FP32."""
+def activation_value(z: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """act(z), z FP32 (z itself for None): torch's ReLU and tanh GELU, and GELU's and
+    SiLU's values by the formulas ``activation_derivative`` differentiates."""
     if activation is None:
-        return z, None
+        return z
     if activation == "relu":
-        return torch.relu(z), None
-    if activation == "gelu_tanh":  # torch's forward, and its backward's formula
+        return torch.relu(z)
+    if activation == "gelu_tanh":  # torch's forward
+        return F.gelu(z, approximate="tanh")
+    if activation == "silu":  # torch's formula (its inf and NaN)
+        return z / (1.0 + torch.exp(-z))
+    return z * (0.5 * (1.0 + torch.erf(z * 0.7071067811865476)))
+
+
+def activation_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """act'(z) for GELU (exact erf form, or its tanh approximation) and SiLU, the
+    activations whose backward takes it from the stored z; z FP32 (or FP64)."""
+    if activation == "gelu_tanh":  # torch's backward's formula
         t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
         slope = (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
-        return F.gelu(z, approximate="tanh"), 0.5 * (1.0 + t) + 0.5 * z * slope
+        return 0.5 * (1.0 + t) + 0.5 * z * slope
     if activation == "silu":  # torch's formulas (its inf and NaN)
-        denom = 1.0 + torch.exp(-z)
-        s = 1.0 / denom
-        return z / denom, s * (1.0 + z * (1.0 - s))
-    cdf = 0.5 * (1.0 + torch.erf(z * 0.7071067811865476))
-    pdf = torch.exp(-0.5 * z * z) * 0.3989422804014327
-    return z * cdf, cdf + z * pdf
+        s = 1.0 / (1.0 + torch.exp(-z))
+        return s * (1.0 + z * (1.0 - s))
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(z * 0.7071067811865476))
+        pdf = torch.exp(-0.5 * z * z) * 0.3989422804014327
+        return cdf + z * pdf
+    raise ValueError(f"no derivative is taken from z for activation {activation!r}")
 
 
 @_autocast_off
@@ -142,7 +151,7 @@ def gemm_ref(
         z = z.sum(dim=tuple(range(kept_dims, z.dim() - 2)))
     if bias is not None:
         z = z + bias.to(torch.float32)
-    y, _ = activation_and_derivative(z, activation)
+    y = activation_value(z, activation)
     if out is None:
         out = y.to(out_dtype)
     else:
@@ -177,8 +186,7 @@ def activation_backward_ref(
     if activation == "relu":
         grad_z = exact = torch.ops.aten.threshold_backward(grad_y, saved, 0)
     else:
-        derivative = activation_and_derivative(saved.to(torch.float32), activation)[1]
-        assert derivative is not None  # (GELU's and SiLU's)
+        derivative = activation_derivative(saved.to(torch.float32), activation)
         exact = torch.mul(grad_y, derivative)  # FP32, for the sums
         grad_z = exact.to(dz_rounding(grad_y.dtype, compute_dtype)).to(grad_y.dtype)
     return grad_z, torch.sum(exact, dim=0, dtype=torch.float32) if bias_grad else None
@@ -251,5 +259,5 @@ def linear_ref(
     z = F.linear(round_to(input, compute_dtype), round_to(weight, compute_dtype))
     if bias is not None:
         z = z + bias.to(torch.float32)
-    y, _ = activation_and_derivative(z, activation)
+    y = activation_value(z, activation)
     return y.to(out_dtype or compute_dtype)
