@@ -335,6 +335,53 @@ def test_unscale_grads_is_torchs_override_point(device):
     assert Counting.calls == [False, False]
 
 
+def test_unscale_grads_coalesces_a_sparse_fp16_gradient_it_unscales_as_torch(device):
+    # The override point's allow_fp16 (torch's sharded scaler passes True): a 16-bit
+    # sparse gradient with duplicate indices is coalesced first, as torch's, so that
+    # its sums are checked, and param.grad becomes that unscaled coalesced tensor.
+    grads = []
+    for scaler_class in (mpgemm.GradScaler, torch.amp.GradScaler):
+        param = torch.nn.Parameter(torch.zeros(6, 3, dtype=torch.float16, device=device))
+        rows = torch.tensor([[0, 2, 0, 5]])
+        values = torch.arange(1.0, 13.0).view(4, 3).to(torch.float16) * 1024
+        param.grad = torch.sparse_coo_tensor(rows, values, (6, 3)).to(device)
+        scaler = scaler_class(device.type, init_scale=1024.0)
+        scaler._lazy_init_scale_growth_tracker(device)
+        inv_scale = scaler._scale.double().reciprocal().float()
+        found_inf = torch.zeros(1, device=device)
+        scaler._unscale_grads_(torch.optim.SGD([param], lr=0.1), inv_scale, found_inf, True)
+        assert param.grad.is_coalesced() and found_inf.item() == 0.0
+        grads.append(param.grad.to_dense())
+    assert grads[0][0].tolist() == [8.0, 10.0, 12.0]  # rows 0's two entries, summed
+    assert_same_bits(grads[0], grads[1], "the unscaled gradient")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: mpgemm.optim.Adam(ps, lr=0.1),
+        lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True),
+    ],
+    ids=["mpgemm_adam", "torch_fused_adam"],
+)
+def test_a_grad_scale_set_on_the_optimizer_multiplies_the_scalers_as_torch(device, make):
+    # torch's scaler steps a scale-aware optimizer with its scale times the
+    # optimizer's own grad_scale where the caller set one, and removes the attribute.
+    params = []
+    for scaler_class in (mpgemm.GradScaler, torch.amp.GradScaler):
+        param = torch.nn.Parameter(torch.ones(5, device=device))
+        optimizer = make([param])
+        scaler = scaler_class(device.type, init_scale=8.0)
+        scaler.scale((param * torch.arange(1.0, 6.0, device=device)).sum()).backward()
+        optimizer.grad_scale = torch.tensor(4.0, device=device)
+        scaler.step(optimizer)
+        scaler.update()
+        assert not hasattr(optimizer, "grad_scale")
+        assert param.grad.tolist() == [v / 4 for v in range(1, 6)]  # by 8, then by 4
+        params.append(param.detach())
+    assert_same_bits(params[0], params[1], "the stepped parameter")
+
+
 def test_maybe_opt_step_is_torchs_override_point(device):
     import inspect
 

@@ -172,6 +172,29 @@ def test_updates_below_fp16_resolution_accumulate_in_the_masters(device):
     assert model.weight.detach().float().sub(1.0).abs().max() > 0
 
 
+def test_a_16_bit_parameter_without_a_gradient_this_step_is_not_stepped(device):
+    # A layer a step does not use, its 16-bit gradient cleared by the model's zero_grad
+    # (which leaves the masters' as they were): its master's gradient goes too, and the
+    # step passes it by, as torch's Adam passes by a parameter whose gradient is None.
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8), "b": torch.nn.Linear(8, 8)})
+    model = model.to(device).half()
+    wrapped = mpgemm.LossScaleOptimizer(mpgemm.optim.Adam(model.parameters(), lr=0.1))
+    x = torch.randn(4, 8, device=device).half()
+    for use_b in (True, False):
+        model.zero_grad()
+        y = model["a"](x)
+        wrapped.backward((model["b"](y) if use_b else y).float().pow(2).mean())
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        wrapped.step()
+    for (name, p), master in zip(model.named_parameters(), wrapped.master_params(), strict=True):
+        used = name.startswith("a.")
+        assert (not torch.equal(before[name], p.detach())) == used, name
+        assert (master.grad is None) != used, name
+        # (Adam's step count: one step for b, taken with a)
+        assert wrapped.optimizer.state[master]["step"].item() == (2 if used else 1), name
+
+
 def test_unscale_then_clip_matches_torchs_documented_order(device):
     ours, theirs = _mlp(device), _mlp(device)
     wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), **SCALER_ARGS)
