@@ -466,6 +466,19 @@ def test_an_edit_after_a_fused_step_or_a_failed_one_remakes_the_copy(device, mon
     _assert_forward_uses_the_current_weight(layer, device)
 
 
+def test_a_storage_assigned_right_after_a_fused_step_remakes_the_copy(device):
+    # weight.data = ... keeps the weight's version counter: the version the fused step
+    # gave it, at which its copy is current. The storage tells them apart.
+    layer = _layer(device)
+    optimizer = mpgemm.optim.AdamW(layer.parameters(), lr=0.1)
+    layer(torch.randn(8, 48, device=device)).float().sum().backward()
+    optimizer.step()
+    version = layer.weight._version
+    _data_assignment(layer)
+    assert layer.weight._version == version
+    _assert_forward_uses_the_current_weight(layer, device)
+
+
 def test_a_skipped_step_leaves_weight_and_copy_alone(device):
     layer = _layer(device)
     optimizer = mpgemm.optim.Adam(layer.parameters(), lr=0.1)

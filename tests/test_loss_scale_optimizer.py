@@ -195,6 +195,42 @@ def test_a_16_bit_parameter_without_a_gradient_this_step_is_not_stepped(device):
         assert wrapped.optimizer.state[master]["step"].item() == (2 if used else 1), name
 
 
+def test_wrapping_an_optimizer_with_16_bit_state_hands_it_to_the_masters_in_fp32(device):
+    # An optimizer that already stepped (or loaded the state of) an FP16 model, wrapped:
+    # each master takes its parameter's state, widened, and its requires_grad.
+    model = _mlp(device, torch.float16)
+    model[0].bias.requires_grad_(False)  # listed but frozen
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 16, device=device).half()).float().sum().backward()
+    optimizer.step()
+    before = {p: {k: v.clone() for k, v in optimizer.state[p].items()} for p in optimizer.state}
+    wrapped = mpgemm.LossScaleOptimizer(optimizer)
+    for p, master in zip(model.parameters(), wrapped.master_params(), strict=True):
+        assert master.dtype == torch.float32 and master.requires_grad == p.requires_grad
+        state = wrapped.state.get(master, {})
+        assert state.keys() == before.get(p, {}).keys()
+        for name, value in state.items():
+            expected = before[p][name]
+            expected = expected.float() if expected.dtype == torch.float16 else expected
+            assert_same_bits(value, expected, f"{name} of a {tuple(p.shape)} parameter")
+    assert len(wrapped.state) == len(before) == 3  # (the frozen bias never stepped)
+
+
+def test_zero_grad_keeps_zeroed_16_bit_gradients_unless_set_to_none(device):
+    # As torch.optim.Optimizer.zero_grad: zeros in place, or None (the default).
+    model = _mlp(device, torch.float16)
+    wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for set_to_none in (False, True):
+        wrapped.backward(model(torch.randn(8, 16, device=device).half()).float().sum())
+        grads = [p.grad for p in model.parameters()]
+        wrapped.zero_grad(set_to_none=set_to_none)
+        for p, grad in zip(model.parameters(), grads, strict=True):
+            if set_to_none:
+                assert p.grad is None
+            else:
+                assert p.grad is grad and not grad.any()
+
+
 def test_unscale_then_clip_matches_torchs_documented_order(device):
     ours, theirs = _mlp(device), _mlp(device)
     wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), **SCALER_ARGS)
