@@ -656,6 +656,35 @@ def test_groups_that_differ_in_a_flag_or_read_a_tensor_lr_step_apart(device, mon
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "name, defaults, flagged",
+    [
+        ("Adam", {"weight_decay": 0.1}, {"maximize": True}),
+        ("Adam", {"weight_decay": 0.1}, {"decoupled_weight_decay": True}),
+        ("AdamW", {}, {"maximize": True}),
+        ("SGD", {"momentum": 0.9}, {"maximize": True}),
+        ("SGD", {"momentum": 0.9}, {"nesterov": True}),
+        ("SGD", {"momentum": 0.9}, {"momentum": 0.0}),
+        ("SGD", {"momentum": 0.9}, {"dampening": 0.5}),
+    ],
+)
+def test_a_group_that_differs_in_each_flag_steps_by_its_own(device, name, defaults, flagged):
+    # Every flag of the kernels' (a group's launch key, _merge_key): a group with it set
+    # otherwise than the rest takes a launch of its own, and steps as torch steps it.
+    runs = []
+    for library in (mpgemm.optim, torch.optim):
+        model = _mlp(device)
+        first, *rest = model.parameters()
+        groups = [{"params": [first], **flagged}, {"params": rest}]
+        optimizer = getattr(library, name)(groups, lr=0.01, **defaults)
+        names, _ = launched_kernels(functools.partial(_train, model, optimizer, 4, device))
+        runs.append((model, names))
+    (ours, names), (theirs, _) = runs
+    assert names.count("_sgd_kernel" if name == "SGD" else "_adam_kernel") == 2 * 4, names
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_param_groups_of_mixed_dtypes_split_with_their_values(device):
     # One call over three runs of parameters, FP32 and BF16 mixed: the dtypes split the
     # launch (as the kernels take one dtype each), and each part keeps its parameters'
