@@ -623,12 +623,13 @@ def _compare_pdl_step():
 def test_calls_that_differ_in_any_part_of_the_signature_never_share_a_replay(tmp_path):
     """``triton_gemm`` calls of one shape that differ in one thing each (the epilogue,
     A's row sums, the dtypes, an operand's layout or alignment, the output's strides, a
-    bias broadcast from one value, the kernel asked for), compiled for an H100 through
+    bias broadcast from one value, a ReLU's output and column sums, the kernel asked
+    for), compiled for an H100 through
     the stand-in driver, launchers recorded: called over and over in turn with replays,
     each call hands the launcher what it does when every launch is decided anew. A
     signature that missed what tells two of them apart would replay one's launch for
     the other. In a process of its own."""
-    assert _compared_apart("_compare_signatures", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 66
+    assert _compared_apart("_compare_signatures", tmp_path, MPGEMM_SINGLE_CONFIG="1") == 75
 
 
 def _compare_signatures():
@@ -646,6 +647,7 @@ def _compare_signatures():
     bias = torch.randn(32, generator=g)
     shifted = torch.randn(64 * 64 + 1, generator=g).to(half)[1:].view(64, 64)  # 2 bytes off
     wide = torch.randn(64, 96, generator=g).to(half)
+    relu_y = torch.randn(64, 32, generator=g).relu().to(half)
     kinds = {
         "plain": dict(),
         "fp32 out": dict(out_dtype=torch.float32),
@@ -670,6 +672,12 @@ def _compare_signatures():
         "b transposed": dict(b=b.t().contiguous().t()),
         "strided out": dict(out=torch.empty(64, 48, dtype=half)[:, :32]),
         "pointer kernel": dict(kernel="pointer"),
+        # C the gradient at a ReLU's input, from its output y (an input gradient's
+        # epilogue), with the ReLU's bias gradient (C's column sums) or without, and y
+        # laid out otherwise than C
+        "relu grad": dict(relu_output=relu_y),
+        "relu grad, column sums": dict(relu_output=relu_y, colsum_c=True),
+        "relu grad, y transposed": dict(relu_output=relu_y.t().contiguous().t()),
     }
 
     def product(kind: str):
