@@ -350,6 +350,77 @@ def test_convert_does_not_fuse_where_a_hook_would_see_otherwise(device):
         torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("hook", ["forward", "full_backward", "full_backward_pre"])
+def test_a_hook_on_a_layers_output_or_its_gradient_keeps_the_activation_apart(device, hook):
+    # Such a hook sees the layer's output, or the gradient there, before the ReLU: fused,
+    # it would see the ReLU's output, or the gradient at it (nonzero where the ReLU
+    # passes none back).
+    seen = []
+    for net in (mlp(device), mlp(device)):
+        log: list[torch.Tensor] = []
+        seen.append(log)
+        if hook == "forward":
+            net[0].register_forward_hook(lambda m, args, out, log=log: log.append(out.float()))
+        elif hook == "full_backward":
+            net[0].register_full_backward_hook(lambda m, gi, go, log=log: log.append(go[0].float()))
+        else:
+            net[0].register_full_backward_pre_hook(lambda m, go, log=log: log.append(go[0].float()))
+        if not seen[1:]:  # the first: converted
+            mpgemm.convert(net)
+            assert type(net[1]) is nn.ReLU and net[0].activation is None
+        x = torch.randn(8, 33, generator=torch.Generator().manual_seed(1)).to(device)
+        net(x.requires_grad_()).sum().backward()
+    ours, theirs = seen
+    assert len(ours) == len(theirs) == 1
+    # (the gradient before the ReLU: zeros where it passes none back, as fused it would)
+    assert (theirs[0] < 0).any() if hook == "forward" else (theirs[0] == 0).any()
+    torch.testing.assert_close(ours[0], theirs[0], rtol=2e-2, atol=2e-2)
+
+
+def test_convert_fuses_nothing_outside_an_nn_sequential(device):
+    # Only an nn.Sequential calls its modules in their order: a ModuleList's order is
+    # whatever the forward makes it (here the ReLU first).
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(33, 16), nn.ReLU()])
+
+        def forward(self, x):
+            return self.layers[0](self.layers[1](x))
+
+    torch.manual_seed(0)
+    model, reference = Net().to(device), Net().to(device)
+    reference.load_state_dict(model.state_dict())
+    mpgemm.convert(model, keep_output_fp32=False)
+    assert type(model.layers[1]) is nn.ReLU and model.layers[0].activation is None
+    x = torch.randn(8, 33, device=device)
+    assert (reference(x) < 0).any()
+    torch.testing.assert_close(model(x).float(), reference(x), rtol=2e-2, atol=2e-2)
+
+
+def test_convert_leaves_subclasses_that_compute_otherwise(device):
+    # An nn.Linear or nn.ReLU subclass may have a forward of its own: neither converted
+    # nor fused.
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Clipped(nn.ReLU):
+        def forward(self, x):
+            return super().forward(x).clamp(max=0.1)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(33, 16), Clipped(), Doubled(16, 10)).to(device)
+
+    model, reference = make(), make()
+    mpgemm.convert(model)
+    assert [type(m) for m in model] == [mpgemm.Linear, Clipped, Doubled]
+    assert model[0].activation is None
+    x = torch.randn(8, 33, device=device)
+    torch.testing.assert_close(model(x).float(), reference(x), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("cast", ["bfloat16", "half", "to"])
 def test_casting_a_layer_to_16_bits_makes_that_the_compute_dtype(device, cast):
     layer = mpgemm.Linear(16, 8, device=device)  # compute_dtype float16 by default
