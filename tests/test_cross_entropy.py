@@ -205,6 +205,15 @@ def test_every_other_call_is_torchs(device):
         ((x, x.softmax(1)), {}),  # class probabilities
         ((x, target.int()), {}),  # an int32 target: torch's error
         ((x, target[:4]), {}),  # a batch mismatch: torch's error
+        ((x, target[:, None]), {}),  # a 2-D target: torch's error
+        ((x[..., None], target), {}),  # K-dimensional logits, a 1-D target: torch's error
+        ((x[:, :0], target), {}),  # no classes: torch's error
+        ((x.double(), target), {}),  # FP64 logits
+        ((x, target), dict(size_average=False)),  # the deprecated arguments
+        ((x, target), dict(reduce=False)),
+        ((x, target), dict(reduction="avg")),  # torch's error
+        ((x, target), dict(label_smoothing=1.5)),  # torch's error
+        ((x, target), dict(label_smoothing=torch.tensor(0.1))),  # torch's error
     ]
     for args, options in calls:
         names, ours = launched_kernels(
