@@ -409,13 +409,31 @@ def _check_lists(op: str, src, dst) -> Collection[type]:
     for name, types in (("src", src_types), ("dst", dst_types)):
         if not all(issubclass(t, torch.Tensor) for t in types):
             raise TypeError(f"mpgemm.scaling.{op}: {name} must be a sequence of tensors")
-    if dst is not None and [t.shape for t in dst] != [t.shape for t in src]:
-        raise ValueError(
-            f"mpgemm.scaling.{op}: dst must hold tensors of src's shapes, "
-            f"got {[tuple(t.shape) for t in dst]} for "
-            f"{[tuple(t.shape) for t in src]}"
-        )
+    _check_shapes(op, "src", src, dst=dst)
     return src_types
+
+
+def _check_shapes(op: str, name: str, tensors: Sequence[torch.Tensor], **lists) -> None:
+    """ValueError where one of ``lists`` (by name; None: not given) holds other shapes
+    than ``tensors`` (named ``name``), position by position: the kernels walk each
+    position's tensors as flat memory of one size, and the references' torch ops would
+    broadcast a gradient of shape (1,) over its parameter. Lists of other lengths are
+    left to ``_dispatch``, which says so."""
+    facts = None if torch.compiler.is_compiling() else list_facts(tensors, PLAIN_TYPES)
+    for other, given in lists.items():
+        if given is None or given is tensors or len(given) != len(tensors):
+            continue
+        if facts is not None and facts.plain:
+            known = list_facts(given, PLAIN_TYPES)  # (read once within reading_once)
+            if known.plain and known.shapes == facts.shapes:
+                continue
+        shapes = [tuple(t.shape) for t in given]
+        expected = [tuple(t.shape) for t in tensors]
+        if shapes != expected:
+            raise ValueError(
+                f"mpgemm.scaling.{op}: the shapes of {other} must be those of {name}, "
+                f"got {shapes} for {expected}"
+            )
 
 
 def _check_scalar(op: str, name: str, t, device: torch.device | None) -> None:
@@ -567,7 +585,8 @@ def sgd_step_(
     ``mpgemm.optim``; compiled, a call per run), which must agree with those given on
     whether momentum and dampening are nonzero.
 
-    Raises ValueError for momentum with dampening and no ``steps``."""
+    Raises ValueError for momentum with dampening and no ``steps``, or for gradients,
+    buffers or copies of other shapes than the parameters'."""
     if hyper.get("momentum", 0.0) != 0 and hyper.get("dampening", 0.0) != 0 and steps is None:
         raise ValueError(
             "mpgemm.scaling.sgd_step_: momentum with dampening needs the parameters' step "
@@ -591,22 +610,31 @@ def sgd_step_(
     # come last.
     buffers = [] if momentum_buffers is None else [momentum_buffers]
     counts = [] if steps is None else [steps]
-    _dispatch(
-        "sgd_step",
-        [params, grads, copies, *buffers, *counts],
-        lambda impl, ls, runs: impl(
-            ls[0],
-            ls[1],
-            ls[3] if buffers else None,
-            compute_copies=ls[2],
-            steps=ls[-1] if counts else None,
-            groups=runs,
-            **hyper,
-        ),
-        strided=3 + len(buffers),
-        copies=2,
-        groups=groups,
-    )
+    with reading_once():  # the check, the split by dtype and the launch table
+        _check_shapes(
+            "sgd_step_",
+            "params",
+            params,
+            grads=grads,
+            momentum_buffers=momentum_buffers,
+            compute_copies=compute_copies,
+        )
+        _dispatch(
+            "sgd_step",
+            [params, grads, copies, *buffers, *counts],
+            lambda impl, ls, runs: impl(
+                ls[0],
+                ls[1],
+                ls[3] if buffers else None,
+                compute_copies=ls[2],
+                steps=ls[-1] if counts else None,
+                groups=runs,
+                **hyper,
+            ),
+            strided=3 + len(buffers),
+            copies=2,
+            groups=groups,
+        )
     # (A parameter listed as its own copy is bumped twice, which is as good as once.)
     unscaled = grads if hyper.get("grad_scale") is not None else None
     _bumped(params, unscaled, compute_copies, momentum_buffers, steps)
@@ -629,7 +657,10 @@ def adam_step_(
     element, on its device), advanced by the step where it is taken.
     ``compute_copies`` as for ``sgd_step_``; ``max_exp_avg_sqs``: AMSGrad's maxima of
     the second moments (None: plain Adam); ``lr``, ``beta1`` and ``beta2`` may be
-    one-element tensors, as ``sgd_step_``'s ``lr``; ``groups`` as ``sgd_step_``'s."""
+    one-element tensors, as ``sgd_step_``'s ``lr``; ``groups`` as ``sgd_step_``'s.
+
+    Raises ValueError for gradients, moments or copies of other shapes than the
+    parameters'."""
     if torch.compiler.is_compiling():
         if groups is not None:  # (the op takes one value of each: a call per run)
             arguments: dict[str, Any] = dict(params=params, grads=grads, exp_avgs=exp_avgs)
@@ -654,20 +685,31 @@ def adam_step_(
     copies = params if compute_copies is None else compute_copies
     # AMSGrad's maxima are walked with the moments, before the copies and step counts.
     maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]
-    _dispatch(
-        "adam_step",
-        [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps],
-        lambda impl, ls, runs: impl(
-            *ls[:4],
-            ls[-1],
-            compute_copies=ls[-2],
-            max_exp_avg_sqs=ls[4] if maxima else None,
-            groups=runs,
-            **hyper,
-        ),
-        strided=5 + len(maxima),
-        copies=4 + len(maxima),
-        groups=groups,
-    )
+    with reading_once():  # the check, the split by dtype and the launch table
+        _check_shapes(
+            "adam_step_",
+            "params",
+            params,
+            grads=grads,
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
+            max_exp_avg_sqs=max_exp_avg_sqs,
+            compute_copies=compute_copies,
+        )
+        _dispatch(
+            "adam_step",
+            [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps],
+            lambda impl, ls, runs: impl(
+                *ls[:4],
+                ls[-1],
+                compute_copies=ls[-2],
+                max_exp_avg_sqs=ls[4] if maxima else None,
+                groups=runs,
+                **hyper,
+            ),
+            strided=5 + len(maxima),
+            copies=4 + len(maxima),
+            groups=groups,
+        )
     unscaled = grads if hyper.get("grad_scale") is not None else None
     _bumped(params, unscaled, compute_copies, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)

@@ -165,6 +165,35 @@ def test_an_optimizer_step_refuses_lists_of_different_lengths(device):
     assert all(torch.equal(p, torch.zeros(5, device=device)) for p in params)
 
 
+@pytest.mark.parametrize(
+    "op, name, position",
+    [
+        ("sgd_step_", "grads", 1),
+        ("sgd_step_", "momentum_buffers", 2),
+        ("adam_step_", "grads", 1),
+        ("adam_step_", "exp_avgs", 2),
+        ("adam_step_", "exp_avg_sqs", 3),
+    ],
+)
+@pytest.mark.parametrize("shape", [(1,), (5, 1), (4,)], ids=["broadcast", "same size", "fewer"])
+def test_an_optimizer_step_refuses_lists_of_other_shapes(device, op, name, position, shape):
+    # A (1,)-shaped gradient would broadcast over its parameter in the reference's torch
+    # ops, and the kernels walk a position's tensors as flat memory of one size: named
+    # here, with nothing stepped.
+    params = [torch.zeros(5, device=device), torch.zeros(2, 3, device=device)]
+    lists = [params] + [[torch.ones_like(p) for p in params] for _ in range(3)]
+    lists[position] = [torch.ones(shape, device=device), lists[position][1]]
+    step = [torch.zeros((), device=device) for _ in params]
+    hyper = dict(lr=0.1, weight_decay=0.0, maximize=False, grad_scale=None, found_inf=None)
+    with pytest.raises(ValueError, match=f"{op}: the shapes of {name} must be those of params"):
+        if op == "sgd_step_":
+            scaling.sgd_step_(*lists[:3], momentum=0.9, nesterov=False, **hyper)
+        else:
+            hyper.update(beta1=0.9, beta2=0.999, eps=1e-8, decoupled_weight_decay=False)
+            scaling.adam_step_(*lists[:4], step, **hyper)
+    assert not any(p.any() for p in params)
+
+
 def test_each_op_names_its_kernel_and_reference_in_one_table():
     # An explicit table, not names built from strings: each op's two implementations
     # take the same parameters, so either serves a call.
