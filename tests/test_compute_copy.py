@@ -603,6 +603,12 @@ def test_an_fp32_input_is_rounded_once_and_saved_in_16_bits(device):
     saved_x, saved_w = y.grad_fn.saved_tensors
     assert saved_x.dtype == saved_w.dtype == torch.float16
     assert torch.equal(saved_x, x.half()) and saved_w is _copy(layer)
+    # A frozen layer's backward needs no weight gradient, so no rounding of x is made:
+    # x is saved as it is (a LoRA-like step's frozen layers, each input already alive).
+    layer.requires_grad_(False)
+    x.requires_grad_()
+    saved_x, saved_w = layer(x).grad_fn.saved_tensors
+    assert saved_x.dtype == torch.float32 and torch.equal(saved_x, x)
 
 
 def test_the_optimizers_registry_forgets_dropped_layers_and_replaced_weights():

@@ -455,6 +455,10 @@ def test_f_linears_bias_shapes_beyond_one_value_are_refused():
         mpgemm.linear(torch.randn(2, 3), torch.randn(4, 3), torch.randn(2, 4))
     with pytest.raises(ValueError, match=r"bias of shape \(2,\).*\(3,\); expected \(1,\)"):
         mpgemm.linear(torch.randn(2, 3), torch.randn(3), torch.randn(2))
+    # One value in a 2-D bias: refused whatever the input, where torch's linear adds it
+    # by broadcasting, and so refuses it for a result of fewer dimensions (a 1-D input).
+    with pytest.raises(ValueError, match=r"bias of shape \(1, 1\).*expected \(4,\), or one"):
+        mpgemm.linear(torch.randn(3), torch.randn(4, 3), torch.randn(1, 1))
 
 
 def test_a_tensor_subclass_gets_the_call_and_its_tensors_the_reference_path(device):
