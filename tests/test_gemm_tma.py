@@ -164,11 +164,17 @@ def test_nan_and_inf_propagate_as_in_torch(device):
         ("16-bit, aligned", "_gemm_tma_kernel"),
         ("FP32 weight", "_gemm_kernel"),  # the TMA kernel converts nothing
         ("a row of 70 halves", "_gemm_kernel"),  # 140 bytes: no descriptor
+        ("every 8th column", "_gemm_kernel"),  # no unit stride either way
+        ("no K", "_gemm_kernel"),  # an empty dimension: no descriptor
         ("split K", "_gemm_kernel"),
     ],
 )
 def test_the_default_takes_the_tma_kernel_where_it_can(case, expected, device, monkeypatch):
     a = torch.randn(M, 70 if case.startswith("a row") else K, device=device).half()
+    if case == "every 8th column":  # strides (8 K, 8): 16 bytes apart, but none of 1
+        a = torch.randn(M, 8 * K, device=device).half()[:, ::8]
+    if case == "no K":  # rows 16-byte aligned, with nothing in them
+        a = a[:, :0]
     b = torch.randn(a.shape[1], N, device=device)
     b = b if case == "FP32 weight" else b.half()
     if case == "split K":
@@ -185,6 +191,21 @@ def test_the_default_takes_the_tma_kernel_where_it_can(case, expected, device, m
     if expected == "_gemm_kernel":
         with gemm.use_kernel("tma"), pytest.raises(ValueError, match="TMA"):
             gemm.triton_gemm(a, b, compute_dtype=torch.float16, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("batch_stride, expected", [(M * K, "_gemm_tma_kernel"), (M * K + 1, None)])
+def test_a_batch_takes_the_tma_kernel_only_with_aligned_matrices(batch_stride, expected, device):
+    # Each matrix of a batch starts 16-byte aligned for a descriptor, as each row does:
+    # a batch stride of M * K + 1 halves leaves every other one 2 bytes off.
+    a = torch.randn(2 * batch_stride, device=device).half()
+    a = a.as_strided((2, M, K), (batch_stride, K, 1))
+    b = torch.randn(2, K, N, device=device).half()
+    names, (c, _, _) = launched_kernels(
+        lambda: gemm.triton_gemm(a, b, compute_dtype=torch.float16, out_dtype=torch.float32)
+    )
+    assert names[0] == (expected or "_gemm_kernel")
+    assert (gemm_tma.tma_layout(a, b, torch.float16) is not None) == (expected is not None)
+    assert_within_torch_error(c, a.double() @ b.double(), a.float() @ b.float(), "the batch")
 
 
 @pytest.mark.parametrize(
