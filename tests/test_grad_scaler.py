@@ -203,6 +203,24 @@ def test_state_dict_mid_growth_interval_resumes_the_same_trajectory(device):
     assert ours.state_dict() == theirs.state_dict()
 
 
+def test_a_state_dict_loaded_into_a_scaler_in_use_sets_its_live_scale(device):
+    # Loaded mid-run (a checkpoint restored into the running job), as torch's scaler:
+    # the scale and growth tracker tensors the next steps read take the loaded values.
+    saved = mpgemm.GradScaler(device.type, init_scale=2.0**7, growth_interval=10)
+    saved.load_state_dict({**saved.state_dict(), "_growth_tracker": 9})
+    trajectories = []
+    for cls in (mpgemm.GradScaler, torch.amp.GradScaler):
+        params = _params(torch.float32, device)
+        scaler = cls(device.type, growth_interval=10)
+        _drive(scaler, torch.optim.SGD(params, lr=1e-3), params, 2, dtype=torch.float32)
+        assert scaler._scale is not None and scaler.get_scale() == 2.0**16
+        scaler.load_state_dict(saved.state_dict())
+        assert (scaler.get_scale(), scaler._get_growth_tracker()) == (2.0**7, 9)
+        optimizer = torch.optim.SGD(params, lr=1e-3)
+        trajectories.append(_drive(scaler, optimizer, params, 2, dtype=torch.float32, seed=3))
+    assert trajectories[0] == trajectories[1] == [(2.0**8, True), (2.0**8, True)]
+
+
 def test_pickle_between_iterations_keeps_scale_and_tracker(device):
     params = _params(torch.float32, device)
     scaler = mpgemm.GradScaler(device.type, growth_interval=10)

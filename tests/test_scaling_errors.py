@@ -91,6 +91,8 @@ def test_bad_new_scale_and_empty_state_dict(device):
         scaler.update(new_scale=torch.ones((), device=device, requires_grad=True))
     with pytest.raises(TypeError, match="float or a one-element tensor"):
         scaler.update(new_scale="2.0")
+    with pytest.raises(ValueError, match="new_scale is on meta"):
+        scaler.update(new_scale=torch.ones((), device="meta"))
     with pytest.raises(RuntimeError, match="source state dict is empty"):
         scaler.load_state_dict({})
 
