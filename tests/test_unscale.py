@@ -214,6 +214,35 @@ def test_tables_are_cached_by_address_and_the_least_recently_used_goes(monkeypat
     assert tables.tensor_table([lists[1]])[0] is not first_other  # built again
 
 
+def test_a_cached_table_serves_only_calls_it_was_built_for(monkeypatch):
+    # The same tensors at the same addresses, laid out otherwise: each option of the
+    # table, and which list each position reads, is in its cache key.
+    from array import array
+    from collections import OrderedDict
+
+    from mpgemm.kernels import tensor_table as tables
+
+    monkeypatch.setattr(tables, "_cache", OrderedDict())
+    # (the empty tensors: a program each with every_tensor)
+    a = [torch.randn(5000), torch.randn(3), torch.randn(0)]
+    b = [torch.randn(5000), torch.randn(3), torch.randn(0)]
+    variants = {
+        "plain": ([a, b, a], {}),
+        "which list": ([a, b, b], {}),
+        "every tensor": ([a, b, a], dict(every_tensor=True)),
+        "blocks a program": ([a, b, a], dict(blocks_per_program=2, block=1024)),
+        "a block": ([a, b, a], dict(block=1024)),
+        "groups": ([a, b, a], dict(groups=array("q", [1, 2, 3]).tobytes())),
+    }
+    built = {name: tables.tensor_table(lists, **kw) for name, (lists, kw) in variants.items()}
+    for name, (lists, options) in variants.items():
+        table = tables.tensor_table(lists, **options)
+        assert table is built[name]  # cached
+        for other, theirs in built.items():
+            same = torch.equal(table.table, theirs.table) and table[1:] == theirs[1:]
+            assert same == (other == name), (name, other)
+
+
 def test_fp64_gradients_take_torchs_op(device):
     grads = [torch.randn(300, dtype=torch.float64, device=device), torch.randn(70, device=device)]
     grads[0][5] = float("nan")
