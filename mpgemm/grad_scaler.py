@@ -311,28 +311,25 @@ class GradScaler:
                 grad_scale = previous
             else:
                 grad_scale = scale if previous is None else scale * previous
-            if getattr(optimizer, "_step_takes_scaling_tensors", False):
-                # mpgemm's optimizers take them as arguments. Setting an attribute on an
-                # optimizer fails to compile before torch 2.13 (pytorch#171590).
-                try:
+            try:
+                if getattr(optimizer, "_step_takes_scaling_tensors", False):
+                    # mpgemm's optimizers take them as arguments. Setting an attribute on
+                    # an optimizer fails to compile before torch 2.13 (pytorch#171590).
                     result = optimizer.step(  # type: ignore[call-overload]
                         *args, grad_scale=grad_scale, found_inf=found_inf, **kwargs
                     )
-                finally:
-                    # A grad_scale the caller set counts for this step only: torch's
-                    # scaler sets both attributes and removes them after the step.
-                    for name in ("grad_scale", "found_inf"):
-                        if hasattr(optimizer, name):
-                            delattr(optimizer, name)
-            else:
-                # The attributes torch's scale-aware optimizers read (as torch's scaler sets).
-                optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-                optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-                try:
+                else:
+                    # The attributes torch's scale-aware optimizers read (as torch's
+                    # scaler sets).
+                    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+                    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
                     result = optimizer.step(*args, **kwargs)
-                finally:
-                    del optimizer.grad_scale  # type: ignore[attr-defined]
-                    del optimizer.found_inf  # type: ignore[attr-defined]
+            finally:
+                # Torch's scaler removes both after the step: a grad_scale the caller set
+                # counts for this step only.
+                for name in ("grad_scale", "found_inf"):
+                    if hasattr(optimizer, name):
+                        delattr(optimizer, name)
             state["stage"] = OptState.STEPPED
             return result
 
