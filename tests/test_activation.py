@@ -10,7 +10,12 @@ in the kernel's one launch."""
 import pytest
 import torch
 
-from mpgemm.reference import activation_backward_ref, activation_derivative, torch_activation
+from mpgemm.reference import (
+    activation_backward_ref,
+    activation_derivative,
+    activation_value,
+    torch_activation,
+)
 from tests.accuracy import (
     assert_same_bits,
     assert_sum_within_torch_error,
@@ -91,6 +96,9 @@ def test_matches_the_reference(activation, dtype, compute_dtype, bias_grad, devi
     if activation != "relu":  # act'(z) and the product in FP32, rounded once, to the coarser
         coarser = torch.bfloat16 if torch.bfloat16 in (dtype, compute_dtype) else torch.float16
         assert torch.equal(dz, dz.to(coarser).to(dtype))
+        # The reference (what CPU tensors run) too: the FP32 product, rounded once.
+        once = grad_y.float() * activation_derivative(saved.float(), activation)
+        assert_same_bits(ref_dz, once.to(coarser).to(dtype), "the reference's dZ")
     if not bias_grad:
         assert db is None
         return
@@ -261,6 +269,19 @@ def _derivative_kernel(z_ptr, d_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.cons
     mask = offsets < n
     _, derivative = kernel_derivative(tl.load(z_ptr + offsets, mask=mask), ACTIVATION)
     tl.store(d_ptr + offsets, derivative, mask=mask)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_the_references_activations_are_torchs(activation):
+    """act(z) as the references take it (``activation_value``: CPU tensors' forward
+    without the interpreter, and the bar of the kernels' epilogues) is torch's own
+    function to FP64 rounding, at every 64th between -12 and 12 and at inf, -inf and
+    NaN (GELU's erf form 2e-10 off, relatively, where its tail cancels; a constant off
+    in its fifth digit is 1e-5 off)."""
+    special = torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=torch.float64)
+    z = torch.cat([torch.arange(-12, 12, 2**-6, dtype=torch.float64), special])
+    ours, torchs = activation_value(z, activation), torch_activation(z, activation)
+    torch.testing.assert_close(ours, torchs, rtol=1e-9, atol=1e-12, equal_nan=True)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])

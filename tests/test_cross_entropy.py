@@ -127,6 +127,29 @@ def test_the_backwards_reference_is_the_kernels_math(dtype, reduction, smoothing
     assert_within_torch_error(ours[kept], exact, theirs, "gradient", rtol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_the_backwards_reference_puts_nan_where_the_kernel_does(reduction, device):
+    """Where the kernel's backward gives NaN, its reference does, from the same saved
+    tensors: the rows of a class index out of range either way (below 0 and not the
+    ignored index, or past the last class), and in an ignored row, torch's 0 - p * 0,
+    NaN where p is (ignored rows holding a +inf, or a NaN, have p NaN throughout)."""
+    from mpgemm.kernels.cross_entropy import triton_cross_entropy, triton_cross_entropy_backward
+    from mpgemm.reference import cross_entropy_backward_ref
+
+    x, target = _case(10, torch.float32, device)
+    target[2], target[7] = -3, 10
+    x[5, 4] = float("inf")  # rows 5 and 9 are ignored
+    x[9, 1] = float("nan")
+    options = (-100, reduction, 0.0)
+    _, lse, count = triton_cross_entropy(x, target, *options)
+    grad = torch.ones((N,) if reduction == "none" else (), device=device)
+    ours = cross_entropy_backward_ref(grad, x, target, lse, count, *options)
+    kernels = triton_cross_entropy_backward(grad, x, target, lse, count, *options)
+    assert torch.equal(ours.isnan(), kernels.isnan())
+    assert ours.isnan().any(dim=1).nonzero().flatten().tolist() == [2, 5, 7, 9]
+    torch.testing.assert_close(ours.nan_to_num(), kernels.nan_to_num(), rtol=1e-5, atol=1e-7)
+
+
 def test_nan_and_inf_as_torchs(device):
     # A row with +inf (NaN loss), a target at -inf (inf loss), a NaN logit (NaN loss),
     # a row all -inf (NaN): torch's losses and gradients, NaN where torch's are. The

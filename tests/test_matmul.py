@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mpgemm
-from mpgemm.reference import matmul_ref, round_to
+from mpgemm.reference import gemm_ref, matmul_ref, round_to
 from tests.accuracy import assert_within_torch_error, nan_padded
 
 SIZES = [1, 7, 16, 33, 130, 257]
@@ -53,6 +53,36 @@ def test_matmul_is_close_to_the_unrounded_fp64_product(compute_dtype, device):
     relative = ((out.double() - exact).norm() / exact.norm()).item()
     unit_roundoff = torch.finfo(compute_dtype).eps / 2
     assert relative < 2 * unit_roundoff
+
+
+@pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
+def test_the_references_round_each_operand_once_and_accumulate_in_fp32(compute_dtype, device):
+    """The references, against FP64 of operands rounded here: ``matmul_ref`` and
+    ``linear_ref`` (public, and the bar every GEMM test holds the kernels to: a looser
+    reference would loosen every test) and ``gemm_ref`` (what CPU tensors run without
+    the interpreter), each within FP32 accumulation's error, where an operand left
+    unrounded, or the bias rounded, is 16-bit rounding off."""
+    a = torch.randn(37, 70, device=device)
+    b = torch.randn(70, 29, device=device)
+    bias = torch.randn(29, device=device)
+    f32 = torch.float32
+    exact = a.to(compute_dtype).double() @ b.to(compute_dtype).double()
+    biased = exact + bias.double()
+    got = {
+        "matmul_ref": (matmul_ref(a, b, compute_dtype=compute_dtype, out_dtype=f32), exact),
+        "linear_ref": (
+            mpgemm.linear_ref(a, b.t(), bias, compute_dtype=compute_dtype, out_dtype=f32),
+            biased,
+        ),
+        "gemm_ref": (
+            gemm_ref(a, b, compute_dtype=compute_dtype, out_dtype=f32, bias=bias)[0],
+            biased,
+        ),
+    }
+    for name, (out, want) in got.items():
+        assert out.dtype == f32, name
+        bound = 1e-5 * want.abs().max().item()
+        torch.testing.assert_close(out.double(), want, rtol=0.0, atol=bound, msg=name)
 
 
 @pytest.mark.parametrize(
