@@ -67,6 +67,26 @@ def device() -> torch.device:
     return DEVICE
 
 
+@pytest.fixture
+def on_path(device, monkeypatch):
+    """``on_path(path)``: the device a test parametrized by ``path`` runs on. "kernels":
+    the test's device (compiled kernels on a GPU, interpreted ones here); "reference":
+    the CPU, with CPU tensors on the reference path (torch ops: what they run without
+    the interpreter, a CPU user's every op) for the rest of the test."""
+
+    def choose(path: str) -> torch.device:
+        if path == "kernels":
+            return device
+        from mpgemm import functional
+
+        monkeypatch.setattr(functional, "_interpreting", lambda: False)
+        cpu = torch.device("cpu")
+        assert functional.backend(cpu) == "reference"
+        return cpu
+
+    return choose
+
+
 @pytest.fixture(autouse=True)
 def fresh_gemm_replays():
     """Each test starts with no ``triton_gemm`` replays: a replay is keyed by its launch's

@@ -47,14 +47,14 @@ def _torch_unscale_(t, found, inv) -> None:
         torch._amp_foreach_non_finite_check_and_unscale_([t], found, inv)
 
 
-def _check_against_torch(grads, expected, inv_scale, *, dst=None) -> float:
-    """Run ``unscale_`` on ``grads`` (into ``dst`` if given) and torch's op on
-    ``expected`` (one call per tensor, so dtypes may mix); the flags and every result
-    must agree. Returns the flag."""
+def _check_against_torch(grads, expected, inv_scale, *, dst=None, impl=unscale_) -> float:
+    """Run ``impl`` (``unscale_``, or its reference) on ``grads`` (into ``dst`` if given)
+    and torch's op on ``expected`` (one call per tensor, so dtypes may mix); the flags
+    and every result must agree. Returns the flag."""
     device = grads[0].device
     inv = torch.tensor(inv_scale, dtype=torch.float32, device=device)
     found, found_ref = (torch.zeros((), device=device) for _ in range(2))
-    unscale_(grads, found, inv, dst=dst)
+    impl(grads, found, inv, dst=dst)
     for e in expected:
         _torch_unscale_(e, found_ref, inv)
     assert found.item() == found_ref.item()
@@ -74,26 +74,39 @@ def test_unscale_matches_torch(device, dtype, inv_scale, poison):
     assert _check_against_torch(grads, expected, inv_scale) == (poison is not None)
 
 
+# The dispatching op (the kernels here), and the reference, which CPU tensors run
+# without the interpreter: where ``dst`` is given, or nothing is written, it checks
+# by ops of its own rather than torch's fused one.
+IMPLS = pytest.mark.parametrize(
+    "impl", [unscale_, scaling_ref.unscale_ref_], ids=["unscale_", "reference"]
+)
+
+
+@IMPLS
+@pytest.mark.parametrize("poison", [float("nan"), -float("inf")])
 @pytest.mark.parametrize("src_dtype", [torch.float16, torch.bfloat16])
-def test_unscale_into_fp32_masters_equals_unscaling_the_widened_copy(device, src_dtype):
-    grads = _gradients(src_dtype, device, poison=(4, 3, float("nan")))
+def test_unscale_into_fp32_masters_equals_unscaling_the_widened_copy(
+    device, src_dtype, poison, impl
+):
+    grads = _gradients(src_dtype, device, poison=(4, 3, poison))
     masters = [torch.empty(g.shape, device=device) for g in grads]
     expected = [g.float() for g in grads]
-    assert _check_against_torch(grads, expected, 2.0**-13, dst=masters) == 1.0
+    assert _check_against_torch(grads, expected, 2.0**-13, dst=masters, impl=impl) == 1.0
 
 
+@IMPLS
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_check_only_writes_nothing_and_keeps_a_raised_flag(device, dtype):
+def test_check_only_writes_nothing_and_keeps_a_raised_flag(device, dtype, impl):
     grads = _gradients(dtype, device)
     before = [g.clone() for g in grads]
     found = torch.zeros((), device=device)
-    unscale_(grads, found, None)
+    impl(grads, found, None)
     assert found.item() == 0.0
     grads[1].view(-1)[4321] = float("nan")
-    unscale_(grads, found, None)
+    impl(grads, found, None)
     assert found.item() == 1.0
     grads[1].view(-1)[4321] = before[1].view(-1)[4321]
-    unscale_(grads, found, None)  # torch's flag is sticky: only ever set to 1
+    impl(grads, found, None)  # torch's flag is sticky: only ever set to 1
     assert found.item() == 1.0
     for g, b in zip(grads, before, strict=True):
         assert_same_bits(g, b, "unchanged")
