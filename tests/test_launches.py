@@ -722,6 +722,11 @@ def _desc_probe(in_desc, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offsets, tile, mask=offsets < n)
 
 
+def _tile_sum_probe(in_desc, y_ptr):
+    # The descriptor's block shape alone sizes the tile: no constexpr says it.
+    tl.store(y_ptr, tl.sum(tl.sum(in_desc.load([0, 0]), axis=1), axis=0))
+
+
 def _set_probe_block(nargs):
     nargs["in_desc"].block_shape = [nargs["BLOCK"], nargs["BLOCK"]]
 
@@ -730,12 +735,14 @@ def test_a_launch_hands_the_launcher_what_the_jit_would(tmp_path):
     """``launch`` on a compiled JIT function (for an H100 through the compile check's
     stand-in driver, the launcher recorded instead of run) calls the binary the JIT
     chooses with the JIT's grid, stream and arguments, for each specialisation
-    (alignment, an integer 1, a multiple of 16 or neither, positional constexprs), met
-    first or again after others, and an autotuned kernel's whose config pre-hook sets
-    a descriptor's block shape; without launch hooks it skips the launch metadata, and
-    with one it passes what the JIT passes. In a process of its own: triton's
-    interpreter leaves the language patched after a launch, which breaks compiling."""
-    assert _compared_apart("_compare_launchers", tmp_path) == 18
+    (alignment, an integer 1, a multiple of 16 or neither, positional constexprs, a
+    descriptor's block shape), met first or again after others, and an autotuned
+    kernel's whose config pre-hook sets a descriptor's block shape (a JIT function with
+    a pre-run hook goes through the JIT every time); without launch hooks it skips the
+    launch metadata, and with one it passes what the JIT passes. In a process of its
+    own: triton's interpreter leaves the language patched after a launch, which breaks
+    compiling."""
+    assert _compared_apart("_compare_launchers", tmp_path) == 22
 
 
 def _compared_apart(comparison: str, cache_dir, **env: str) -> int:
@@ -846,6 +853,26 @@ def _compare_launchers():
             assert launched[9] is ours_desc and their_launched[9] is their_desc
             assert ours_desc.block_shape == their_desc.block_shape == [32, 32]
             assert [id(a) for a in launched[10:]] == [id(a) for a in their_launched[10:]]
+            compared += 1
+
+        # A JIT function with a pre-run hook goes through the JIT at every launch, which
+        # runs the hook (a cached binary's launcher would skip it).
+        hooked, ran = JITFunction(_probe), []
+        hooked.add_pre_run_hook(lambda *args, **kwargs: ran.append(args))
+        for _ in range(3):
+            launches.launch(hooked, grid, *cases[0], num_warps=4)
+        assert len(ran) == 3
+
+        # One kernel, descriptors of two block shapes, nothing else apart: a binary each,
+        # the JIT's, for every launch (its binary was compiled for its block shape).
+        tile_sum = JITFunction(_tile_sum_probe)
+        for block in ([16, 16], [8, 8], [16, 16], [8, 8]):
+            descriptors = [TensorDescriptor(square, [32, 32], [32, 1], block) for _ in range(2)]
+            tile_sum[(1,)](descriptors[0], y)
+            launches.launch(tile_sum, (1,), descriptors[1], y)
+            (kernel, launched), (their_kernel, their_launched) = calls[-1], calls[-2]
+            assert kernel is their_kernel
+            assert launched[9] is descriptors[1] and their_launched[9] is descriptors[0]
             compared += 1
 
         seen = []

@@ -27,6 +27,27 @@ def _scaler():
     return _scalar(4.0), _scalar(0.0)
 
 
+def _linear_backward(need_x, need_w, need_b):
+    return (
+        torch.ops.mpgemm.linear_backward.default,
+        _randn(16, 24, dtype=f16),
+        _randn(16, 32, dtype=f16),
+        _randn(24, 32, dtype=f16),
+        [16, 32],
+        f16,
+        f32,
+        f16,
+        need_x,
+        need_w,
+        need_b,
+    )
+
+
+def _activation_backward(activation, bias_grad):
+    op = torch.ops.mpgemm.activation_backward.default
+    return op, _randn(16, 24, dtype=f16), _randn(16, 24, dtype=f16), activation, f16, bias_grad
+
+
 # Each op with arguments: the op and the tensors it takes, then its other arguments.
 CASES = {
     "gemm": lambda: (
@@ -65,27 +86,12 @@ CASES = {
         False,
         True,
     ),
-    "linear_backward": lambda: (
-        torch.ops.mpgemm.linear_backward.default,
-        _randn(16, 24, dtype=f16),
-        _randn(16, 32, dtype=f16),
-        _randn(24, 32, dtype=f16),
-        [16, 32],
-        f16,
-        f32,
-        f16,
-        True,
-        True,
-        True,
-    ),
-    "activation_backward": lambda: (
-        torch.ops.mpgemm.activation_backward.default,
-        _randn(16, 24, dtype=f16),
-        _randn(16, 24, dtype=f16),
-        "relu",
-        f16,
-        True,
-    ),
+    "linear_backward": lambda: _linear_backward(True, True, True),
+    # Gradients not asked for: empty results, as their fakes say (the batched gemm's
+    # G and R above, too).
+    "linear_backward of the weight alone": lambda: _linear_backward(False, True, False),
+    "activation_backward": lambda: _activation_backward("relu", True),
+    "activation_backward without the bias gradient": lambda: _activation_backward("gelu", False),
     "unscale_": lambda: (
         torch.ops.mpgemm.unscale_.default,
         [_randn(8), _randn(5, dtype=f16)],
