@@ -237,6 +237,36 @@ def test_samples_per_second_counts_the_samples_each_step_trained_on(monkeypatch)
     assert result.samples_per_s == len(data.x_train)
 
 
+def test_each_epoch_visits_every_sample_once_in_batches_of_its_size():
+    """10 samples in batches of 4 over 3 epochs: 9 batches, each epoch 4, 4 and 2
+    samples, together every sample once, in an order of its own."""
+    from mpgemm.app.data import Dataset
+    from mpgemm.app.train import _batches
+
+    x, y = torch.zeros(10, 3), torch.zeros(10, dtype=torch.int64)
+    data = Dataset("ten", x, y, x, y, num_classes=2)
+    batches = _batches(data, TrainConfig(batch_size=4, epochs=3))
+    assert [len(b) for b in batches] == [4, 4, 2] * 3
+    epochs = [torch.cat(batches[i : i + 3]) for i in (0, 3, 6)]
+    assert all(sorted(e.tolist()) == list(range(10)) for e in epochs)
+    assert len({tuple(e.tolist()) for e in epochs}) == 3
+
+
+@pytest.mark.parametrize("mode", ["autocast", "mpgemm"])
+def test_a_step_its_scaler_skipped_is_counted(mode):
+    """A batch holding an inf makes every gradient NaN: torch's scaler (autocast) and
+    mpgemm's LossScaleOptimizer each skip the step, and the recipe counts it."""
+    from mpgemm.app.train import Recipe, build_mlp
+
+    torch.manual_seed(0)
+    recipe = Recipe(mode, build_mlp(8, (8,), 10), TrainConfig(hidden=(8,), batch_size=4))
+    x, y = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    recipe.step(x, y)
+    x[0, 0] = float("inf")
+    recipe.step(x, y)
+    assert recipe.skipped_steps(2) == 1
+
+
 def test_windows_cover_every_step_once():
     from mpgemm.app.train import _windows
 
