@@ -152,6 +152,20 @@ def test_zero_size_dimensions(m, n, k, device):
     assert torch.equal(b.grad, torch.zeros_like(b))
 
 
+def test_rows_of_no_elements_under_batch_dimensions(device):
+    """(2, 3, 0) @ (0, 4): zeros of shape (2, 3, 4), as torch's; the batch dimensions are
+    merged into rows with explicit sizes (reshape(-1, 0) is ambiguous for a tensor of no
+    elements, and raises)."""
+    a = torch.randn(2, 3, 0, device=device, requires_grad=True)
+    b = torch.randn(0, 4, device=device, requires_grad=True)
+    out = mpgemm.matmul(a, b, out_dtype=torch.float32)
+    assert torch.equal(out, torch.zeros(2, 3, 4, device=device))
+    out.sum().backward()
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
+    y = mpgemm.linear(a.detach(), b.detach().t(), torch.ones(4, device=device))
+    assert torch.equal(y.float(), torch.ones(2, 3, 4, device=device))
+
+
 @pytest.mark.parametrize(
     "compute_dtype, shape", list(itertools.product(COMPUTE_DTYPES, [(33, 7, 130), (1, 257, 16)]))
 )
