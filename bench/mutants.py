@@ -9,11 +9,14 @@ no test holds any more.
     python3 bench/mutants.py --list      # index, file and change of each
 
 The list holds what the suite kills, as of 2026-11-27 (``bench/NOTES.md``, thirteenth
-session): mutants the interpreter cannot tell apart (an IEEE division for an
-approximate one, a NaN-dropping maximum; the compile check, ``test_hopper_compile``,
-and a GPU's test run see those) and mutants that change nothing observable are left
-out. Exit status 1 if any survived. The files are restored whatever happens, from
-what they held before; run it on a clean tree (``git status``) all the same."""
+and fourteenth sessions): mutants the interpreter cannot tell apart (an IEEE division
+for an approximate one, a NaN-dropping maximum; the compile check,
+``test_hopper_compile``, and a GPU's test run see those) and mutants that change
+nothing observable are left out. Exit status 1 if any survived. The files are restored
+whatever happens, from what they held before; run it on a clean tree (``git status``)
+all the same, and nothing else on that tree meanwhile: tests run there would import
+the mutant (a git worktree of its own, with ``mpgemm`` imported from it, keeps other
+work apart)."""
 
 from __future__ import annotations
 
