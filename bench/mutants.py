@@ -4,7 +4,7 @@ test files that fail it in ``bench/mutants.json``. A run applies each alone, run
 tests, puts the file back, and reports KILLED or SURVIVED: a survivor is a behaviour
 no test holds any more.
 
-    python3 bench/mutants.py             # all of them (some 40 minutes on 2 cores)
+    python3 bench/mutants.py             # all of them (some 80 minutes on 2 cores)
     python3 bench/mutants.py 3 17 40     # those, by index
     python3 bench/mutants.py --list      # index, file and change of each
 
