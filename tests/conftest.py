@@ -69,10 +69,10 @@ def device() -> torch.device:
 
 @pytest.fixture
 def on_path(device, monkeypatch):
-    """``on_path(path)``: the device a test parametrized by ``path`` runs on. "kernels":
-    the test's device (compiled kernels on a GPU, interpreted ones here); "reference":
-    the CPU, with CPU tensors on the reference path (torch ops: what they run without
-    the interpreter, a CPU user's every op) for the rest of the test."""
+    """``on_path(path)``: the device a test runs on along ``path``. "kernels": the
+    test's device (compiled kernels on a GPU, interpreted ones here); "reference": the
+    CPU, with CPU tensors on the reference path (torch ops: what they run without the
+    interpreter, a CPU user's every op) for the rest of the test."""
 
     def choose(path: str) -> torch.device:
         if path == "kernels":
@@ -85,6 +85,12 @@ def on_path(device, monkeypatch):
         return cpu
 
     return choose
+
+
+@pytest.fixture(params=["kernels", "reference"])
+def path_device(request, on_path) -> torch.device:
+    """The test, once along each path (``on_path``): the device it runs on."""
+    return on_path(request.param)
 
 
 @pytest.fixture(autouse=True)

@@ -67,15 +67,14 @@ def test_gradients_of_batches_that_broadcast(shapes, compute_dtype, device):
     assert_gradients_within_torch_error(a, b, grad_out, compute_dtype, f"{shapes}")
 
 
-@pytest.mark.parametrize("path", ["kernels", "reference"])
 @pytest.mark.parametrize("whole", [True, False], ids=["whole batch", "some dimensions"])
-def test_a_broadcast_operands_gradient_is_summed_before_its_one_rounding(whole, path, on_path):
+def test_a_broadcast_operands_gradient_is_summed_before_its_one_rounding(whole, path_device):
     # a's gradient is the sum of two products that nearly cancel: rounded to FP16 one by
     # one, each would carry an error as large as the sum itself. a is broadcast over
     # the whole batch (summed by _sum_batched), or over b's second batch dimension only
     # (the products in FP32, then their sums). On the kernels, and on the reference
     # path (CPU tensors without the interpreter: gemm_ref's sum_batch).
-    device = on_path(path)
+    device = path_device
     a_shape = (17, 33) if whole else (3, 1, 17, 33)
     a = torch.randn(a_shape, device=device, dtype=torch.float16, requires_grad=True)
     b = torch.randn(33, 9, device=device).expand(3, 2, 33, 9)

@@ -103,13 +103,12 @@ def test_amsgrad_kernel_matches_reference(device, param_dtype):
         assert_same_bits(new[r], v[r], "raised maximum")
 
 
-@pytest.mark.parametrize("path", ["kernels", "reference"])
-def test_amsgrad_keeps_a_nan_as_torch_maximum_does(path, on_path):
+def test_amsgrad_keeps_a_nan_as_torch_maximum_does(path_device):
     """A NaN gradient (no scaler to skip the step) reaches the second moment, and
     torch.maximum keeps it in the maximum, where the GPU's max.f32 would drop it: the
     state after the step has torch's Adam's bits, NaNs included (the kernels', and the
     reference path's, whose maximum a torch.fmax would drop it from)."""
-    device = on_path(path)
+    device = path_device
     values = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     values[1, 7] = float("nan")
     runs = []

@@ -125,13 +125,12 @@ def test_fp16_gradients_with_a_scale_aware_optimizer_over_300_steps(device):
     assert sum(not stepped for _, stepped in ours) > len(INJECTIONS)
 
 
-@pytest.mark.parametrize("path", ["kernels", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mpgemm_fused_sgd_under_either_scaler(path, on_path, dtype):
+def test_mpgemm_fused_sgd_under_either_scaler(path_device, dtype):
     # Same optimizer, two scalers: ours checks without writing and passes the flag;
     # torch's checks with an unscale by 1. The steps must agree bit for bit, on the
     # kernels and on the reference path (its skips on the device, by torch.where).
-    device = on_path(path)
+    device = path_device
     if device.type == "cuda" and dtype == torch.bfloat16:
         pytest.skip(
             "torch's GradScaler cannot unscale BF16 gradients on CUDA "
@@ -318,11 +317,10 @@ def test_getters_setters_and_nested_outputs(device):
 @pytest.mark.parametrize(
     "scaler_class", [mpgemm.GradScaler, torch.amp.GradScaler], ids=["mpgemm_scaler", "torch_scaler"]
 )
-@pytest.mark.parametrize("path", ["kernels", "reference"])
 def test_after_step_the_gradients_are_unscaled_as_torch_leaves_them(
-    path, on_path, make, scaler_class
+    path_device, make, scaler_class
 ):
-    device = on_path(path)
+    device = path_device
     p = torch.nn.Parameter(torch.ones(3, device=device))
     optimizer = make([p])
     scaler = scaler_class(device.type, init_scale=128.0)

@@ -127,14 +127,13 @@ def test_kernels_agree_with_the_reference_path(activation, device, on_path):
         torch.testing.assert_close(got.cpu(), want, rtol=rtol, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("path", ["kernels", "reference"])
-def test_an_enclosing_autocast_changes_nothing(path, on_path):
+def test_an_enclosing_autocast_changes_nothing(path_device):
     """mpgemm states its own precision: under ``torch.autocast`` (16-bit, for the
     tensors' device) a layer, ``linear`` and ``matmul`` (2-D and batched) give the same
     bits, forward and backward, as without it, on the kernels and on the reference path
     (CPU tensors without the interpreter; also what torch.func's transforms run), whose
     FP32 products autocast would otherwise round to 16 bits."""
-    device = on_path(path)
+    device = path_device
     x = torch.randn(2, 5, 64, device=device)
     w = torch.randn(48, 64, device=device) / 8
     b = torch.randn(48, device=device)

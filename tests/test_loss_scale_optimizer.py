@@ -112,14 +112,10 @@ def test_wrapping_a_torch_optimizer_is_bit_identical_to_torchs_recipe(device, ma
         assert_same_bits(p.detach(), q.detach(), "param")
 
 
-# The kernels, and the reference path: a CPU user's step, checked, skipped and rescaled
-# by torch ops of mpgemm's own.
-PATHS = pytest.mark.parametrize("path", ["kernels", "reference"])
-
-
-@PATHS
-def test_with_mpgemm_adamw_scales_and_skips_match_and_params_track(path, on_path):
-    device = on_path(path)
+# Along both paths (path_device): on the reference path, a CPU user's step, checked,
+# skipped and rescaled by torch ops of mpgemm's own.
+def test_with_mpgemm_adamw_scales_and_skips_match_and_params_track(path_device):
+    device = path_device
     ours, theirs = _mlp(device), _mlp(device)
     wrapped = mpgemm.LossScaleOptimizer(
         mpgemm.optim.AdamW(ours.parameters(), lr=1e-3), **SCALER_ARGS
@@ -138,9 +134,8 @@ def test_with_mpgemm_adamw_scales_and_skips_match_and_params_track(path, on_path
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@PATHS
-def test_fp16_model_steps_fp32_masters_like_torch_with_hand_made_masters(path, on_path):
-    device = on_path(path)
+def test_fp16_model_steps_fp32_masters_like_torch_with_hand_made_masters(path_device):
+    device = path_device
     ours, theirs = _mlp(device, torch.float16), _mlp(device, torch.float16)
     wrapped = mpgemm.LossScaleOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-3), **SCALER_ARGS)
     masters = [p.detach().float().requires_grad_() for p in theirs.parameters()]

@@ -65,16 +65,15 @@ def _assert_same_trajectory(ours, theirs, what):
             torch.testing.assert_close(a[key], b[key], check_device=False, msg=f"{what}: {key}")
 
 
-@pytest.mark.parametrize("path", ["kernels", "reference"])
 @pytest.mark.parametrize("name", sorted(INFOS))
-def test_torchs_configurations_step_as_torch(name, path, on_path):
+def test_torchs_configurations_step_as_torch(name, path_device):
     """Each configuration torch tests its optimizer with, as given (float or tensor
     ``lr`` and ``betas``, AMSGrad, weight decay, maximize, dampening, Nesterov,
     capturable), over two param groups with a parameter of no elements and one left
     without a gradient every other step: 6 steps track torch's own optimizer, and each
     state dict then loads into the other and steps on as it does. On the kernels, and
     on the reference path (a CPU user's optimizer steps: torch ops of mpgemm's own)."""
-    device = on_path(path)
+    device = path_device
     info = INFOS[name]
     for desc, kwargs in configurations(info, device):
         theirs_kwargs = copy.deepcopy(kwargs)
