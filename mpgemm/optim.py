@@ -244,17 +244,23 @@ class _ScaledStep(torch.optim.Optimizer):
             self.__dict__.update(scaling)
 
 
-def _sgd_step_count(state: dict, p: torch.Tensor, new: bool) -> torch.Tensor:
-    """A damped SGD parameter's count of steps taken (``state["step"]``), an FP32
-    tensor on its device: 0 with a ``new`` buffer; 1 where the state has no count
-    (torch's SGD keeps none, and its buffer has seen a step: not a new one)."""
-    step = state.get("step")
-    if new or step is None:
-        step = torch.full((), 0.0 if new else 1.0, dtype=torch.float32, device=p.device)
-    elif step.device != p.device or step.dtype != torch.float32:  # a CPU checkpoint's
-        step = step.to(p.device, torch.float32)
-    state["step"] = step
+def _step_count(state: dict, p: torch.Tensor) -> torch.Tensor:
+    """``state["step"]`` as the kernels read it, an FP32 tensor on ``p``'s device: one
+    loaded from a CPU checkpoint, or saved by torch's Adam under a float64 default
+    dtype, is converted once, as torch's fused Adam converts it when loading."""
+    step = state["step"]
+    if step.device != p.device or step.dtype != torch.float32:
+        step = state["step"] = step.to(p.device, torch.float32)
     return step
+
+
+def _sgd_step_count(state: dict, p: torch.Tensor, new: bool) -> torch.Tensor:
+    """A damped SGD parameter's count of steps taken (``state["step"]``, ``_step_count``):
+    0 with a ``new`` buffer; 1 where the state has no count (torch's SGD keeps none, and
+    its buffer has seen a step: not a new one)."""
+    if new or state.get("step") is None:
+        state["step"] = torch.full((), 0.0 if new else 1.0, dtype=torch.float32, device=p.device)
+    return _step_count(state, p)
 
 
 class SGD(_ScaledStep, torch.optim.SGD):
@@ -390,11 +396,9 @@ class _FusedAdamStep(_ScaledStep):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif state["step"].device != p.device:  # loaded from a CPU checkpoint
-                state["step"] = state["step"].to(p.device, torch.float32)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+            steps.append(_step_count(state, p))
             if max_exp_avg_sqs is not None:
                 # Made where missing, as torch makes it with the other state: also for
                 # a state from before amsgrad was turned on in the group (torch's step

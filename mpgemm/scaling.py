@@ -436,6 +436,29 @@ def _check_shapes(op: str, name: str, tensors: Sequence[torch.Tensor], **lists) 
             )
 
 
+# A list's numels as ``list_facts`` gives them (int64s in native order): one element.
+_ONE_ELEMENT = array("q", [1]).tobytes()
+
+
+def _check_counts(op: str, steps: Sequence[torch.Tensor]) -> None:
+    """TypeError where a step count of ``steps`` is not FP32, ValueError where one has
+    other than one element: each is read as one FP32 value, by the kernels as its
+    bits (an FP64 count, as torch's Adam keeps it under a float64 default dtype, would
+    be read as another number and advanced into half of its bits)."""
+    facts = list_facts(steps, PLAIN_TYPES)  # (read once within reading_once)
+    if facts.plain:
+        dtypes, one_each = facts.dtypes, facts.numels == _ONE_ELEMENT * len(steps)
+    else:
+        dtypes, one_each = {t.dtype for t in steps}, all(t.numel() == 1 for t in steps)
+    if others := dtypes - {torch.float32}:
+        raise TypeError(
+            f"mpgemm.scaling.{op}: the step counts (steps) must be float32, got "
+            f"{', '.join(sorted(map(str, others)))}"
+        )
+    if not one_each:
+        raise ValueError(f"mpgemm.scaling.{op}: each step count (steps) must have one element")
+
+
 def _check_scalar(op: str, name: str, t, device: torch.device | None) -> None:
     """``t`` must be a one-element FP32 tensor on ``device``, as torch's op requires."""
     if not torch.is_tensor(t):
@@ -619,6 +642,8 @@ def sgd_step_(
             momentum_buffers=momentum_buffers,
             compute_copies=compute_copies,
         )
+        if steps is not None:
+            _check_counts("sgd_step_", steps)
         _dispatch(
             "sgd_step",
             [params, grads, copies, *buffers, *counts],
@@ -696,6 +721,7 @@ def adam_step_(
             max_exp_avg_sqs=max_exp_avg_sqs,
             compute_copies=compute_copies,
         )
+        _check_counts("adam_step_", steps)
         _dispatch(
             "adam_step",
             [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps],

@@ -249,3 +249,31 @@ def test_a_damped_sgd_step_needs_the_step_counts(device):
             maximize=False,
         )
     assert torch.equal(params[0], torch.zeros(5, device=device))
+
+
+@pytest.mark.parametrize("op", ["sgd_step_", "adam_step_"])
+def test_an_optimizer_step_refuses_step_counts_it_cannot_read(path_device, op):
+    # Each count is read as one FP32 value, by the kernels as its bits: an FP64 count (as
+    # torch's Adam keeps them under a float64 default dtype) was read as another number.
+    device = path_device
+    params = [torch.zeros(5, device=device), torch.zeros(3, device=device)]
+
+    def step(counts):
+        lists = [params, *([torch.ones_like(p) for p in params] for _ in range(3))]
+        hyper = dict(lr=0.1, weight_decay=0.0, maximize=False)
+        if op == "sgd_step_":
+            scaling.sgd_step_(
+                *lists[:3], steps=counts, momentum=0.9, dampening=0.5, nesterov=False, **hyper
+            )
+        else:
+            hyper.update(beta1=0.9, beta2=0.999, eps=1e-8, decoupled_weight_decay=False)
+            scaling.adam_step_(*lists[:4], counts, **hyper)
+
+    fp32 = torch.zeros((), device=device)
+    with pytest.raises(TypeError, match=f"{op}: the step counts .* float32, got torch.float64"):
+        step([fp32, torch.zeros((), dtype=torch.float64, device=device)])
+    with pytest.raises(ValueError, match=f"{op}: each step count .* one element"):
+        step([fp32, torch.zeros(2, device=device)])
+    assert not any(p.any() for p in params)
+    step([fp32, torch.zeros(1, device=device)])  # one element, of any shape
+    assert all(p.any() for p in params)
