@@ -34,8 +34,10 @@ def test_unsupported_input_dtypes_raise_type_error(dtype):
 def test_compute_dtype_must_be_16_bit(dtype):
     with pytest.raises(TypeError, match="compute_dtype"):
         mpgemm.matmul(torch.randn(2, 3), torch.randn(3, 4), compute_dtype=dtype)
-    with pytest.raises(TypeError, match="compute_dtype"):
-        mpgemm.convert(torch.nn.Linear(3, 4), compute_dtype=dtype)
+    # convert names itself, also for a model with no nn.Linear to hand the value to.
+    for model in (torch.nn.Linear(3, 4), torch.nn.Sequential(torch.nn.ReLU())):
+        with pytest.raises(TypeError, match="mpgemm.convert: compute_dtype"):
+            mpgemm.convert(model, compute_dtype=dtype)
 
 
 def test_out_dtype_must_be_a_float_type_we_store():

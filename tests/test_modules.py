@@ -315,13 +315,43 @@ def test_convert_keeps_each_layers_hooks(device):
     first.register_forward_hook(lambda m, args, out: seen.append(("out", out.dtype)))
     handle = first.register_forward_hook(lambda m, args, out: seen.append("removed"))
     head.register_full_backward_hook(lambda m, gin, gout: seen.append(("grad", gout[0].shape)))
+    head.register_state_dict_pre_hook(lambda m, prefix, keep_vars: seen.append("state pre"))
     head.register_state_dict_post_hook(lambda m, sd, prefix, local: seen.append("state"))
+    head.register_load_state_dict_pre_hook(lambda m, sd, prefix, *rest: seen.append("load pre"))
+    head.register_load_state_dict_post_hook(lambda m, keys: seen.append("load"))
+    # Called also when the forward raises.
+    head.register_forward_hook(lambda m, args, out: seen.append("always"), always_call=True)
 
     mpgemm.convert(model)
     handle.remove()
     model(torch.randn(4, 33, device=device)).sum().backward()
-    model.state_dict()
-    assert seen == ["pre", ("out", torch.float16), ("grad", (4, 10)), "state"]
+    model.load_state_dict(model.state_dict())
+    assert seen == [
+        "pre",
+        ("out", torch.float16),
+        "always",
+        ("grad", (4, 10)),
+        "state pre",
+        "state",
+        "load pre",
+        "load",
+    ]
+    seen.clear()
+    with pytest.raises(ValueError):
+        model[4](torch.randn(4, 3, device=device))  # 3 features where it takes 64
+    assert seen == ["always"]
+
+
+def test_convert_keeps_buffers_and_which_are_persistent(device):
+    """A layer's buffers move to the replacement, a non-persistent one staying out of
+    the state dict, as on the nn.Linear."""
+    layer = nn.Linear(8, 4).to(device)
+    layer.register_buffer("kept", torch.ones(4, device=device))
+    layer.register_buffer("scratch", torch.zeros(4, device=device), persistent=False)
+    keys = list(layer.state_dict())
+    converted = mpgemm.convert(layer)
+    assert converted.kept is layer.kept and converted.scratch is layer.scratch
+    assert list(converted.state_dict()) == keys == ["weight", "bias", "kept"]
 
 
 def test_convert_does_not_fuse_where_a_hook_would_see_otherwise(device):
@@ -435,8 +465,17 @@ def test_casting_a_layer_to_16_bits_makes_that_the_compute_dtype(device, cast):
     torch.testing.assert_close(y, expected)
     if dtype == torch.bfloat16:
         assert torch.isfinite(y).all()
-    # Back to FP32 masters: the compute dtype stays what it last was.
+    # Back to FP32 masters: the compute dtype stays what it last was, and the layer
+    # computes in it, its weight's 16-bit copy remade in that dtype (the copy made at
+    # construction was FP16), as a layer built so does.
     assert layer.float().compute_dtype == dtype
+    built = mpgemm.Linear(16, 8, device=device, compute_dtype=dtype)
+    built.load_state_dict(layer.state_dict())
+    x = torch.randn(4, 16, device=device)
+    assert torch.equal(layer(x), built(x))
+    # So too where compute_dtype is assigned after a forward.
+    layer.compute_dtype = built.compute_dtype = torch.float16
+    assert torch.equal(layer(x), built(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -554,8 +593,11 @@ def test_convert_keeps_a_pruned_layers_mask_and_hook(device):
     prune.l1_unstructured(layer, "weight", amount=0.5)
     keys = list(layer.state_dict())
     mask = layer.weight_mask.clone()
+    weight = layer.weight
     model = mpgemm.convert(nn.Sequential(layer, nn.ReLU()), keep_output_fp32=False)
     converted = model[0]
+    # The masked weight is there before any forward, as on the pruned nn.Linear.
+    assert converted.weight is weight
     assert type(converted) is mpgemm.Linear and converted.activation == "relu"
     assert list(converted.state_dict()) == keys == ["bias", "weight_orig", "weight_mask"]
     assert converted.weight_orig is layer.weight_orig
