@@ -10,6 +10,7 @@ default sends to it."""
 import pytest
 import torch
 
+import mpgemm
 from mpgemm.reference import gemm_ref, torch_activation
 from tests.accuracy import (
     assert_sum_within_torch_error,
@@ -250,6 +251,33 @@ def test_a_large_products_fp32_operands_are_rounded_for_the_tma_kernel(
         )
     assert names == ["_gemm_kernel"]
     torch.testing.assert_close(c, c_pointer, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unpoisoned  # (a poisoned allocation's fill would count as a copy)
+@pytest.mark.parametrize(
+    "shape, rounded",
+    [
+        ((2048, 2048, 2048), True),  # 2^34 FLOPs: the casts pay (run6: 0.41x without)
+        ((8192, 2048, 1024), True),  # A's elements each used 1024 times
+        ((1024, 1024, 1024), False),  # 2^31 FLOPs: rounded in the kernel (run6: 0.96x)
+        ((8192, 2048, 256), False),  # A's elements each used 256 times, under 512
+    ],
+    ids=str,
+)
+def test_which_fp32_products_are_rounded_by_a_cast_at_their_real_sizes(shape, rounded):
+    """ROUND_FP32_FLOPS and ROUND_FP32_REUSE as they decide at full size (launches
+    counted, not run): a large product of FP32 operands casts both and takes the TMA
+    kernel; a smaller one, or one whose operand is read too few times, takes the pointer
+    kernel with no cast."""
+    from mpgemm.kernels.launches import count_launches
+
+    m, k, n = shape
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    with count_launches() as count:
+        mpgemm.matmul(a, b)
+    kernel = "_gemm_tma_kernel" if rounded else "_gemm_kernel"
+    assert count.triton.get(kernel) == 1, count.triton
+    assert count.torch.get("aten.copy_", 0) == (2 if rounded else 0), count.torch
 
 
 def test_use_kernel_names_the_choices():

@@ -134,12 +134,15 @@ def test_with_mpgemm_adamw_scales_and_skips_match_and_params_track(path_device):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_fp16_model_steps_fp32_masters_like_torch_with_hand_made_masters(path_device):
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["", "unscale_ and clip"])
+def test_fp16_model_steps_fp32_masters_like_torch_with_hand_made_masters(path_device, clip):
+    # With clip: unscale_ into the masters, clip them, then step (which must not
+    # unscale again), as torch's documented order on masters by hand.
     device = path_device
     ours, theirs = _mlp(device, torch.float16), _mlp(device, torch.float16)
     wrapped = mpgemm.LossScaleOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-3), **SCALER_ARGS)
     masters = [p.detach().float().requires_grad_() for p in theirs.parameters()]
-    our_scales = _run_wrapper(ours, wrapped, 120, device, dtype=torch.float16)
+    our_scales = _run_wrapper(ours, wrapped, 120, device, dtype=torch.float16, clip=clip)
     torch_scales = _run_torch(
         theirs,
         torch.optim.Adam(masters, lr=1e-3),
@@ -147,6 +150,7 @@ def test_fp16_model_steps_fp32_masters_like_torch_with_hand_made_masters(path_de
         120,
         device,
         masters=masters,
+        clip=clip,
     )
     assert our_scales == torch_scales
     # FP16 overflows at these scales: natural skips on top of the injected ones.
@@ -381,6 +385,8 @@ def test_behaves_as_an_optimizer_for_lr_schedulers(device):
 def test_bad_arguments():
     with pytest.raises(TypeError, match="Optimizer"):
         mpgemm.LossScaleOptimizer(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="the wrapped optimizer has no parameters"):
+        mpgemm.LossScaleOptimizer(torch.optim.SGD([{"params": []}], lr=0.1))
     model = torch.nn.Linear(2, 2).half()
     wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="closure"):
@@ -464,6 +470,14 @@ def test_hooks_registered_on_the_wrapper_run(device):
     wrapped.load_state_dict(saved)
     assert calls == ["saving", "saved", "loading tag 1", "loaded"]
     assert "tag" in saved  # the hooks are given a copy, as torch gives them
+
+    def lowered(opt, state_dict):  # a load pre-hook's returned state dict is what loads
+        groups = [{**group, "lr": 0.01} for group in state_dict["param_groups"]]
+        return {**state_dict, "param_groups": groups}
+
+    wrapped.register_load_state_dict_pre_hook(lowered)
+    wrapped.load_state_dict(saved)
+    assert wrapped.param_groups[0]["lr"] == 0.01
 
 
 def test_add_param_group_gives_new_16_bit_params_masters(device):
@@ -572,6 +586,18 @@ def test_backward_takes_tensor_backwards_keywords_and_refuses_what_it_would(devi
     for call in (lambda: optimizer.backward(losses), optimizer.scale_loss(losses).backward):
         with pytest.raises(RuntimeError, match="only for scalar outputs"):
             call()
+    # create_graph: the gradients keep their graph (torch's layers: a gradient penalty
+    # differentiates them), as after scale_loss(loss).backward(create_graph=True).
+    grads = []
+    for backward in (
+        optimizer.backward,
+        lambda loss, **kw: optimizer.scale_loss(loss).backward(**kw),
+    ):
+        optimizer.zero_grad()
+        backward(_loss(model, x, y), create_graph=True)
+        assert first.grad.requires_grad and first.grad.grad_fn is not None
+        grads.append(first.grad.detach())
+    assert_same_bits(*grads, "gradient with its graph")
 
 
 def test_backward_runs_on_the_calling_thread_and_restores_autograds_setting(device):
