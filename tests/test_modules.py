@@ -469,6 +469,8 @@ def test_casting_a_layer_to_16_bits_makes_that_the_compute_dtype(device, cast):
     # computes in it, its weight's 16-bit copy remade in that dtype (the copy made at
     # construction was FP16), as a layer built so does.
     assert layer.float().compute_dtype == dtype
+    with torch.no_grad():  # FP32 masters of their own (a 16-bit value rounds as itself)
+        layer.weight.copy_(torch.randn(8, 16, device=device))
     built = mpgemm.Linear(16, 8, device=device, compute_dtype=dtype)
     built.load_state_dict(layer.state_dict())
     x = torch.randn(4, 16, device=device)
