@@ -34,12 +34,15 @@ for GPU parameters is read on the host, as torch's fused optimizers read it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from mpgemm.compute_copy import copies_of, step_failed
+from mpgemm.functional import PLAIN_TYPES
 from mpgemm.graphs import note_host_values
+from mpgemm.native import list_facts, reading_once
 from mpgemm.scaling import KERNEL_DTYPES, ParamGroups, adam_step_, by_device, sgd_step_
 
 __all__ = ["SGD", "Adam", "AdamW"]
@@ -189,9 +192,12 @@ class _ScaledStep(torch.optim.Optimizer):
         # is its own op call (the ops take one value of each hyperparameter).
         # (device, merge key) -> (the device's scale and flag, [(group, params), ...])
         merged: dict[tuple, tuple[Any, Any, list]] = {}
-        alone = len(self.param_groups) == 1 or torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
+        alone = len(self.param_groups) == 1 or compiling
         try:
-            with torch.no_grad():
+            # Eager, each list's facts, read by the step counts' check, serve the op that
+            # steps it (reading_once).
+            with torch.no_grad(), nullcontext() if compiling else reading_once():
                 for group in self.param_groups:
                     params, rest = self._params_with_grad(group)
                     others.append(rest)
@@ -244,23 +250,24 @@ class _ScaledStep(torch.optim.Optimizer):
             self.__dict__.update(scaling)
 
 
-def _step_count(state: dict, p: torch.Tensor) -> torch.Tensor:
-    """``state["step"]`` as the kernels read it, an FP32 tensor on ``p``'s device: one
-    loaded from a CPU checkpoint, or saved by torch's Adam under a float64 default
-    dtype, is converted once, as torch's fused Adam converts it when loading."""
-    step = state["step"]
-    if step.device != p.device or step.dtype != torch.float32:
-        step = state["step"] = step.to(p.device, torch.float32)
-    return step
-
-
-def _sgd_step_count(state: dict, p: torch.Tensor, new: bool) -> torch.Tensor:
-    """A damped SGD parameter's count of steps taken (``state["step"]``, ``_step_count``):
-    0 with a ``new`` buffer; 1 where the state has no count (torch's SGD keeps none, and
-    its buffer has seen a step: not a new one)."""
-    if new or state.get("step") is None:
-        state["step"] = torch.full((), 0.0 if new else 1.0, dtype=torch.float32, device=p.device)
-    return _step_count(state, p)
+def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's ``state["step"]`` (``states`` in the order of ``params``, which
+    share a device) as the kernels read it: an FP32 tensor on that device. One loaded
+    from a CPU checkpoint, or saved by torch's Adam under a float64 default dtype, is
+    converted once, in its state, as torch's fused Adam converts it when loading. The
+    usual case, every count so already, is told by one pass in C (``list_facts``),
+    which the step's op then reads again for nothing (within ``reading_once``)."""
+    steps = [state["step"] for state in states]
+    if not torch.compiler.is_compiling():  # (compiled, the checks below are traced once)
+        facts = list_facts(steps, PLAIN_TYPES)
+        if facts.plain and facts.dtypes == {torch.float32}:
+            if facts.devices == {params[0].get_device()}:
+                return steps
+    for state, p in zip(states, params, strict=True):
+        step = state["step"]
+        if step.device != p.device or step.dtype != torch.float32:
+            state["step"] = step.to(p.device, torch.float32)
+    return [state["step"] for state in states]
 
 
 class SGD(_ScaledStep, torch.optim.SGD):
@@ -312,15 +319,21 @@ class SGD(_ScaledStep, torch.optim.SGD):
             # With dampening, a step count per parameter on its device (advanced only by
             # a step taken) tells the kernel a buffer's first step, which torch's takes
             # undamped: a skipped step must not count, and the host never reads the flag.
-            steps = [] if group["dampening"] != 0 else None
+            damped = group["dampening"] != 0
             for p in params:
                 state = self.state[p]
                 new = state.get("momentum_buffer") is None
                 if new:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                if steps is not None:
-                    steps.append(_sgd_step_count(state, p, new))
+                # 0 with a new buffer; 1 where the state has no count (torch's SGD keeps
+                # none, and its buffer has seen a step: not a new one).
+                if damped and (new or state.get("step") is None):
+                    state["step"] = torch.full(
+                        (), 0.0 if new else 1.0, dtype=torch.float32, device=p.device
+                    )
                 buffers.append(state["momentum_buffer"])
+            if damped:
+                steps = _step_counts([self.state[p] for p in params], params)
         sgd_step_(
             params,
             [p.grad for p in params],
@@ -388,17 +401,17 @@ class _FusedAdamStep(_ScaledStep):
 
     def _step_groups(self, parts, grad_scale, found_inf) -> None:
         group, params = _merged(parts)
-        exp_avgs, exp_avg_sqs, steps = [], [], []
+        exp_avgs, exp_avg_sqs, states = [], [], []
         max_exp_avg_sqs: list[torch.Tensor] | None = [] if group["amsgrad"] else None
         for p in params:
             state = self.state[p]
+            states.append(state)
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(_step_count(state, p))
             if max_exp_avg_sqs is not None:
                 # Made where missing, as torch makes it with the other state: also for
                 # a state from before amsgrad was turned on in the group (torch's step
@@ -413,7 +426,7 @@ class _FusedAdamStep(_ScaledStep):
             [p.grad for p in params],
             exp_avgs,
             exp_avg_sqs,
-            steps,
+            _step_counts(states, params),
             **_hyperparameters(
                 parts,
                 lr="lr",
