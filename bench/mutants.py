@@ -4,12 +4,12 @@ test files that fail it in ``bench/mutants.json``. A run applies each alone, run
 tests, puts the file back, and reports KILLED or SURVIVED: a survivor is a behaviour
 no test holds any more.
 
-    python3 bench/mutants.py             # all of them (some 80 minutes on 2 cores)
+    python3 bench/mutants.py             # all of them (some two hours on 2 cores)
     python3 bench/mutants.py 3 17 40     # those, by index
     python3 bench/mutants.py --list      # index, file and change of each
 
 The list holds what the suite kills, as of 2026-11-27 (``bench/NOTES.md``, thirteenth
-and fourteenth sessions): mutants the interpreter cannot tell apart (an IEEE division
+to fifteenth sessions): mutants the interpreter cannot tell apart (an IEEE division
 for an approximate one, a NaN-dropping maximum; the compile check,
 ``test_hopper_compile``, and a GPU's test run see those) and mutants that change
 nothing observable are left out. Exit status 1 if any survived. The files are restored

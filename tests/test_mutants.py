@@ -1,5 +1,5 @@
 """bench/mutants.py's list stays applicable: each mutant changes exactly one place of
-its file, and names test files that exist (the run itself takes some 40 minutes: a
+its file, and names test files that exist (the run itself takes some two hours: a
 tool for a session, not CI)."""
 
 from pathlib import Path
