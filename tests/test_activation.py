@@ -193,6 +193,34 @@ def test_the_bias_gradient_is_summed_in_the_one_launch(device, monkeypatch):
     assert_sum_within_torch_error(db, exact, ref_db, "bias gradient", dim=0)
 
 
+@pytest.mark.unpoisoned  # (a poisoned allocation's fill would show as one)
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_a_layers_stored_z_gets_no_gradient_filled_in(activation, device):
+    # z, stored beside the output for the activation's node, has no gradient: autograd
+    # must not make a tensor of zeros of the output's shape for it at every backward.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import mpgemm
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("zeros", "zeros_like", "zero_", "fill_"):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    layer = mpgemm.Linear(16, 8, activation=activation, device=device)
+    y = layer(torch.randn(4, 16, device=device))
+    with Fills() as fills:
+        y.float().sum().backward()
+    assert (4, 8) not in fills.shapes, fills.shapes
+    assert layer.weight.grad is not None
+
+
 def test_many_chunks_sum_to_the_same_bits_every_launch(device, monkeypatch):
     # On a GPU, chunks finish in any order and the last reads the others' partials from
     # memory (poisoned with NaN where one is read before it is written): the sum must

@@ -71,6 +71,17 @@ def _data_assignment(layer):
     layer.weight.data = torch.randn_like(layer.weight)
 
 
+def _same_memory_read_transposed(layer):
+    # The same storage, address and shape, read through other strides (no version bump).
+    layer.weight.data = layer.weight.data.view(layer.in_features, -1).t()
+
+
+def _fewer_rows(layer):
+    # The same storage, address and strides, fewer of its rows (a layer narrowed in place).
+    layer.weight.data = layer.weight.data[:16]
+    layer.bias.data = layer.bias.data[:16]
+
+
 def _rewrite_without_a_version_bump(layer):
     # As FSDP2 refreshes an unsharded weight: all-gathered into the same storage under
     # _unsafe_preserve_version_counter.
@@ -130,6 +141,8 @@ _VISIBLE_EDITS = [
     _to_and_back,
     _to_and_back_swapped,
     _data_assignment,
+    _same_memory_read_transposed,
+    _fewer_rows,
     _fsdp_load_state_dict,
 ]
 
@@ -215,6 +228,40 @@ def test_one_optimizers_steps_leave_the_others_copies_current(device, second):
         _assert_forward_uses_the_current_weight(layer, device)
 
 
+def test_a_copy_written_after_another_optimizers_counted_step_is_current(device):
+    """Two models' backwards, then an optimizer with kernels of its own (counted: it may
+    write any weight without a bump) steps one, then mpgemm's steps the other and writes
+    its copies: those are current at the next forwards, where the first model's layer
+    casts anew."""
+    torch.manual_seed(0)
+    ours, other = mpgemm.Linear(48, 32, device=device), mpgemm.Linear(48, 24, device=device)
+    optimizers = [_OwnKernelsSGD(other.parameters()), mpgemm.optim.AdamW(ours.parameters())]
+    x = torch.randn(8, 48, device=device)
+    for _ in range(3):
+        with _OpLog() as log:  # (the last step's: the first one's forward makes the copies)
+            for layer, optimizer in zip((other, ours), optimizers, strict=True):
+                optimizer.zero_grad()
+                layer(x).float().square().sum().backward()
+            for optimizer in optimizers:
+                optimizer.step()
+    assert not log.casts_of(ours.weight) and log.casts_of(other.weight)
+    for layer in (ours, other):
+        _assert_forward_uses_the_current_weight(layer, device)
+
+
+def test_forwards_with_nothing_changed_between_cast_once(device):
+    # An evaluation loop, or a layer called twice in a step.
+    layer = _layer(device)
+    x = torch.randn(8, 48, device=device)
+    with _OpLog() as first:
+        layer(x)
+    assert first.casts_of(layer.weight)
+    with _OpLog() as log:
+        layer(x)
+        layer(x)
+    assert not log.casts_of(layer.weight)
+
+
 def test_a_frozen_base_in_16_bits_has_no_copy(device):
     # A LoRA-style base stored in BF16 after convert: its layer computes in BF16 and
     # reads the weight itself, so no 16-bit copy is made or cast (README's way to save
@@ -241,10 +288,11 @@ def test_a_frozen_base_in_16_bits_has_no_copy(device):
     torch.testing.assert_close(model[1](model[0](x)), expected)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["torch_adamw", "mpgemm_adamw"])
-def test_a_frozen_backbones_copies_outlive_the_steps_of_what_trains(device, fused):
+@pytest.mark.parametrize("trainer", ["torch_adamw", "mpgemm_adamw", "own_kernels"])
+def test_a_frozen_backbones_copies_outlive_the_steps_of_what_trains(device, trainer):
     # Fine-tuning a head (or LoRA over frozen layers): the frozen layers' copies are
-    # cast once, not at every step.
+    # cast once, not at every step, also under an optimizer whose steps are counted
+    # (own_kernels: they may write any weight with a gradient, not a frozen one).
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
@@ -252,7 +300,11 @@ def test_a_frozen_backbones_copies_outlive_the_steps_of_what_trains(device, fuse
     mpgemm.convert(model)
     model[:4].requires_grad_(False)
     head = [p for p in model.parameters() if p.requires_grad]
-    optimizer = (mpgemm.optim.AdamW if fused else torch.optim.AdamW)(head, lr=0.1)
+    fused = trainer == "mpgemm_adamw"
+    if trainer == "own_kernels":
+        optimizer = _OwnKernelsSGD(head)
+    else:
+        optimizer = (mpgemm.optim.AdamW if fused else torch.optim.AdamW)(head, lr=0.1)
     x = torch.randn(32, 48, device=device)
     y = torch.randint(0, 10, (32,), device=device)
 
