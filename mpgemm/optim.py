@@ -260,9 +260,9 @@ def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.T
     steps = [state["step"] for state in states]
     if not torch.compiler.is_compiling():  # (compiled, the checks below are traced once)
         facts = list_facts(steps, PLAIN_TYPES)
-        if facts.plain and facts.dtypes == {torch.float32}:
-            if facts.devices == {params[0].get_device()}:
-                return steps
+        device = params[0].get_device()
+        if facts.plain and facts.dtypes == {torch.float32} and facts.devices == {device}:
+            return steps
     for state, p in zip(states, params, strict=True):
         step = state["step"]
         if step.device != p.device or step.dtype != torch.float32:
