@@ -128,6 +128,43 @@ def torch_ops_besides_launches() -> Iterator[list[str]]:
         yield ops.names
 
 
+class OpLog(TorchDispatchMode):
+    """The aten ops that run, with their arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, args, out))
+        return out
+
+    def names(self) -> list[str]:
+        return [func.__name__ for func, _, _ in self.calls]
+
+    def casts_of(self, weight: torch.Tensor) -> list:
+        """Ops that turn an FP32 tensor of ``weight``'s shape into a 16-bit one."""
+        found = []
+        for func, args, out in self.calls:
+            made = args[0] if func.__name__.startswith("copy_") else out
+            sources = [
+                a
+                for a in args
+                if isinstance(a, torch.Tensor)
+                and a.shape == weight.shape
+                and a.dtype == torch.float32
+            ]
+            if (
+                isinstance(made, torch.Tensor)
+                and made.shape == weight.shape
+                and made.dtype in (torch.float16, torch.bfloat16)
+                and sources
+            ):
+                found.append(func)
+        return found
+
+
 @contextmanager
 def optimizer_launch_shape(**shape: object) -> Iterator[None]:
     """Within the block, the fused optimizers' launches take ``shape``'s keywords of

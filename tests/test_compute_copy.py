@@ -5,10 +5,10 @@ GEMM with no weight-cast kernels, its activations fused into the forward GEMMs."
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpgemm
 from mpgemm.kernels.launches import intercept, jit_function
+from tests.accuracy import OpLog
 
 
 def _layer(device, **options):
@@ -218,7 +218,7 @@ def test_one_optimizers_steps_leave_the_others_copies_current(device, second):
         step(first, optimizers[0])
         step(other, optimizers[1])
     for _ in range(2):
-        with _OpLog() as log:
+        with OpLog() as log:
             step(first, optimizers[0])
             step(other, optimizers[1])
         assert not log.casts_of(first.weight)
@@ -238,7 +238,7 @@ def test_a_copy_written_after_another_optimizers_counted_step_is_current(device)
     optimizers = [_OwnKernelsSGD(other.parameters()), mpgemm.optim.AdamW(ours.parameters())]
     x = torch.randn(8, 48, device=device)
     for _ in range(3):
-        with _OpLog() as log:  # (the last step's: the first one's forward makes the copies)
+        with OpLog() as log:  # (the last step's: the first one's forward makes the copies)
             for layer, optimizer in zip((other, ours), optimizers, strict=True):
                 optimizer.zero_grad()
                 layer(x).float().square().sum().backward()
@@ -253,10 +253,10 @@ def test_forwards_with_nothing_changed_between_cast_once(device):
     # An evaluation loop, or a layer called twice in a step.
     layer = _layer(device)
     x = torch.randn(8, 48, device=device)
-    with _OpLog() as first:
+    with OpLog() as first:
         layer(x)
     assert first.casts_of(layer.weight)
-    with _OpLog() as log:
+    with OpLog() as log:
         layer(x)
         layer(x)
     assert not log.casts_of(layer.weight)
@@ -275,7 +275,7 @@ def test_a_frozen_base_in_16_bits_has_no_copy(device):
     x = torch.randn(32, 48, device=device)
     y = torch.randint(0, 10, (32,), device=device)
     for _ in range(2):
-        with _OpLog() as log:
+        with OpLog() as log:
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
@@ -317,7 +317,7 @@ def test_a_frozen_backbones_copies_outlive_the_steps_of_what_trains(device, trai
     # As made (``_copy`` asks as an optimizer does, which marks the copy current).
     frozen = [model[0]._weight_copy.tensor, model[2]._weight_copy.tensor]
     for _ in range(2):
-        with _OpLog() as log:
+        with OpLog() as log:
             step()
         assert not log.casts_of(model[0].weight) and not log.casts_of(model[2].weight)
         assert model[0]._weight_copy.tensor is frozen[0]
@@ -488,7 +488,7 @@ def test_fused_optimizers_write_the_copy_in_their_step(device, make, compute_dty
         # Written in the step: the copy is the new weight rounded, and the same tensor
         # the next forward reads, with no cast.
         assert torch.equal(copy, layer.weight.detach().to(compute_dtype))
-        with _OpLog() as log:
+        with OpLog() as log:
             layer(x)
         assert _copy(layer) is copy and not log.casts_of(layer.weight)
         _assert_forward_uses_the_current_weight(layer, device, in_features=130)
@@ -543,43 +543,6 @@ def test_a_skipped_step_leaves_weight_and_copy_alone(device):
     assert torch.equal(layer.weight, before) and torch.equal(copy, copy_before)
 
 
-class _OpLog(TorchDispatchMode):
-    """The aten ops that run, with their arguments."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.calls.append((func, args, out))
-        return out
-
-    def names(self) -> list[str]:
-        return [func.__name__ for func, _, _ in self.calls]
-
-    def casts_of(self, weight: torch.Tensor) -> list:
-        """Ops that turn an FP32 tensor of ``weight``'s shape into a 16-bit one."""
-        found = []
-        for func, args, out in self.calls:
-            made = args[0] if func.__name__.startswith("copy_") else out
-            sources = [
-                a
-                for a in args
-                if isinstance(a, torch.Tensor)
-                and a.shape == weight.shape
-                and a.dtype == torch.float32
-            ]
-            if (
-                isinstance(made, torch.Tensor)
-                and made.shape == weight.shape
-                and made.dtype in (torch.float16, torch.bfloat16)
-                and sources
-            ):
-                found.append(func)
-        return found
-
-
 def test_a_training_step_feeds_16_bit_operands_and_fuses_the_forward_activation(device):
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -609,7 +572,7 @@ def test_a_training_step_feeds_16_bit_operands_and_fuses_the_forward_activation(
             launches.append((name, a.dtype, b.dtype))
         kernel[grid](*args, **kwargs)
 
-    with intercept(run_and_keep), _OpLog() as log:
+    with intercept(run_and_keep), OpLog() as log:
         step()
     # 3 forward GEMMs, then 2 + 2 + 1 backward (the input needs no gradient).
     assert len(launches) == 8
