@@ -320,8 +320,10 @@ class SGD(_ScaledStep, torch.optim.SGD):
             # a step taken) tells the kernel a buffer's first step, which torch's takes
             # undamped: a skipped step must not count, and the host never reads the flag.
             damped = group["dampening"] != 0
+            states = []
             for p in params:
                 state = self.state[p]
+                states.append(state)
                 new = state.get("momentum_buffer") is None
                 if new:
                     state["momentum_buffer"] = torch.zeros_like(p)
@@ -333,7 +335,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
                     )
                 buffers.append(state["momentum_buffer"])
             if damped:
-                steps = _step_counts([self.state[p] for p in params], params)
+                steps = _step_counts(states, params)
         sgd_step_(
             params,
             [p.grad for p in params],

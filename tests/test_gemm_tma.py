@@ -26,6 +26,7 @@ pytest.importorskip("triton")
 from mpgemm.kernels import gemm, gemm_tma  # noqa: E402
 from mpgemm.kernels.gemm_common import tile  # noqa: E402
 from mpgemm.kernels.launches import (  # noqa: E402
+    count_launches,
     intercept,
     jit_function,
     launch_options,
@@ -269,8 +270,6 @@ def test_which_fp32_products_are_rounded_by_a_cast_at_their_real_sizes(shape, ro
     counted, not run): a large product of FP32 operands casts both and takes the TMA
     kernel; a smaller one, or one whose operand is read too few times, takes the pointer
     kernel with no cast."""
-    from mpgemm.kernels.launches import count_launches
-
     m, k, n = shape
     a, b = torch.randn(m, k), torch.randn(k, n)
     with count_launches() as count:
