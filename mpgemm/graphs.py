@@ -21,7 +21,9 @@ group added, or a parameter added, removed or frozen since the capture raises
 ``RuntimeError``, where the replay would keep stepping what it captured. A tensor
 ``lr`` on the GPU (``mpgemm.optim``'s optimizers take one, as torch's do) is read by the
 kernels at each replay, so a schedule that changes it in place between calls (torch's
-schedulers ``fill_`` it) reaches every replay. What a capture read from
+schedulers ``fill_`` it) reaches every replay. A tensor read on the host (a CPU tensor,
+or a weight decay, eps, momentum or dampening as a tensor) is checked by its value as
+a float is; such a CUDA tensor is refused at the capture. What a capture read from
 mpgemm's caches (the layers' 16-bit weight copies, the kernels' tables) stays allocated
 for its replays, even where eager work between them remakes it (another optimizer's
 step, then an eager forward, remakes the copies).
@@ -40,18 +42,39 @@ import torch
 __all__ = ["GraphedStep"]
 
 _HOST_TYPES = (bool, int, float, str, type(None))
+# The param group keys whose tensors mpgemm's kernels read on the device at every step
+# (``mpgemm.scaling._TENSOR_HYPERPARAMETERS``), but for a CPU tensor with parameters
+# elsewhere, which is read on the host. A tensor of another key is read on the host (a
+# CUDA one refused in a capture: ``mpgemm.scaling.host_number``).
+_READ_ON_DEVICE = ("lr", "betas")
 
 
-def _kind(value: object) -> str | None:
-    """How a replay uses a param group's value: "host" for a number, flag or string (or
-    a tuple of them, as Adam's betas), which the capture baked in; "device" for a tensor
-    (or a tuple with one), which each replay reads where it was; None for anything else."""
+def _kind(key: str, value: object, params_device: torch.device | None) -> str | None:
+    """How a replay uses a param group's value: "host" for a number, flag or string, or
+    a tensor read on the host (or a tuple of them, as Adam's betas), which the capture
+    baked in; "device" for a tensor that the kernels read (or a tuple with one), which
+    each replay reads where it was; None for anything else. ``params_device``: the
+    group's parameters'."""
     values = value if isinstance(value, tuple) else (value,)
-    if all(isinstance(v, _HOST_TYPES) for v in values):
-        return "host"
-    if all(isinstance(v, (torch.Tensor, *_HOST_TYPES)) for v in values):
+    if not all(isinstance(v, (torch.Tensor, *_HOST_TYPES)) for v in values):
+        return None
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if (
+        tensors
+        and key in _READ_ON_DEVICE
+        and all(t.device.type != "cpu" or t.device == params_device for t in tensors)
+    ):
         return "device"
-    return None
+    # Read on the host: a CPU tensor's value is noted (a CUDA one is refused at capture).
+    return "host" if all(t.device.type == "cpu" for t in tensors) else None
+
+
+def _host_value(group: Mapping[str, Any], key: str) -> object:
+    """``group[key]`` as a capture baked it in: a CPU tensor as its value (a list)."""
+    value = group.get(key)
+    if isinstance(value, tuple):
+        return tuple(v.tolist() if isinstance(v, torch.Tensor) else v for v in value)
+    return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
 def _same_tensors(now: object, then: object) -> bool:
@@ -90,7 +113,9 @@ class HostReads:
 
     def __init__(self) -> None:
         # (what, a function that reads it now, its value then, its kind: "host", a value
-        # compared by equality; "device", tensors by identity; "structure", parameters)
+        # compared by equality, which could have been a CUDA tensor the kernels read (lr,
+        # betas); "host only", the same for another; "device", tensors by identity;
+        # "structure", parameters)
         self._entries: list[tuple[str, Callable[[], object], object, str]] = []
         self._noted: list[object] = []  # the lists noted (held: ids stay)
 
@@ -109,10 +134,16 @@ class HostReads:
             self._add(
                 f"{name}'s parameters", functools.partial(_group_params_key, group), "structure"
             )
+            params = group["params"]
+            device = params[0].device if params else None
             for key, value in group.items():
-                kind = _kind(value)
-                if key != "params" and kind is not None:
-                    self._add(f"{name}'s {key}", functools.partial(group.get, key), kind)
+                kind = _kind(key, value, device)
+                if key == "params" or kind is None:
+                    continue
+                read = _host_value if kind == "host" else dict.get
+                if kind == "host" and key not in _READ_ON_DEVICE:
+                    kind = "host only"
+                self._add(f"{name}'s {key}", functools.partial(read, group, key), kind)
 
     def note_parameters(self, what: str, params: list[torch.Tensor]) -> None:
         """Note ``params`` (a list that the caller keeps current), which a step reads
@@ -145,10 +176,15 @@ class HostReads:
                     f"{what} was replaced since the step was captured, whose replays read "
                     "the tensor it held: change that tensor in place instead"
                 )
+            remedy = "make a new GraphedStep after changing it"
+            if kind == "host":
+                remedy = (
+                    "give it as a CUDA tensor changed in place (as LR schedulers fill_ a "
+                    f"tensor lr), or {remedy}"
+                )
             return (
                 f"{what} is {now!r}, but the step was captured with {then!r}, which its "
-                "replays keep using: give it as a CUDA tensor changed in place (as LR "
-                "schedulers fill_ a tensor lr), or make a new GraphedStep after changing it"
+                f"replays keep using: {remedy}"
             )
         return None
 

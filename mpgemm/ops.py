@@ -256,8 +256,8 @@ def _or_none(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
 
 
 def _either(value: float, tensor: torch.Tensor | None) -> float | torch.Tensor:
-    """A hyperparameter that may be a tensor (torch's optimizers take a tensor lr and
-    betas): a schema has no "float or Tensor", so the ops take a float and an optional
+    """A hyperparameter that may be a tensor (torch's optimizers take any of theirs as
+    one): a schema has no "float or Tensor", so the ops take a float and an optional
     ``<name>_tensor``, which ``mpgemm.scaling`` passes with 0 for the float."""
     return value if tensor is None else tensor
 
@@ -318,8 +318,11 @@ def sgd_step_(
     lr: float,
     lr_tensor: torch.Tensor | None,
     momentum: float,
+    momentum_tensor: torch.Tensor | None,
     dampening: float,
+    dampening_tensor: torch.Tensor | None,
     weight_decay: float,
+    weight_decay_tensor: torch.Tensor | None,
     nesterov: bool,
     maximize: bool,
     grad_scale: torch.Tensor | None,
@@ -339,9 +342,9 @@ def sgd_step_(
         compute_copies=_or_none(compute_copies),
         steps=_or_none(steps),
         lr=_either(lr, lr_tensor),
-        momentum=momentum,
-        dampening=dampening,
-        weight_decay=weight_decay,
+        momentum=_either(momentum, momentum_tensor),
+        dampening=_either(dampening, dampening_tensor),
+        weight_decay=_either(weight_decay, weight_decay_tensor),
         nesterov=nesterov,
         maximize=maximize,
         grad_scale=grad_scale,
@@ -376,7 +379,9 @@ def adam_step_(
     beta2: float,
     beta2_tensor: torch.Tensor | None,
     eps: float,
+    eps_tensor: torch.Tensor | None,
     weight_decay: float,
+    weight_decay_tensor: torch.Tensor | None,
     decoupled_weight_decay: bool,
     maximize: bool,
     grad_scale: torch.Tensor | None,
@@ -398,8 +403,8 @@ def adam_step_(
         lr=_either(lr, lr_tensor),
         beta1=_either(beta1, beta1_tensor),
         beta2=_either(beta2, beta2_tensor),
-        eps=eps,
-        weight_decay=weight_decay,
+        eps=_either(eps, eps_tensor),
+        weight_decay=_either(weight_decay, weight_decay_tensor),
         decoupled_weight_decay=decoupled_weight_decay,
         maximize=maximize,
         grad_scale=grad_scale,

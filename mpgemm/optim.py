@@ -28,7 +28,13 @@ read it on the device at every step, widened to FP64 as torch's fused kernels wi
 (the same bits as the float of its value), so an LR scheduler that changes it in place
 (torch's schedulers ``fill_`` a tensor ``lr``) reaches a replayed CUDA graph
 (``mpgemm.graphs.GraphedStep``) and a compiled step without a recompile. A CPU tensor
-for GPU parameters is read on the host, as torch's fused optimizers read it.
+for GPU parameters is read on the host, as torch's fused optimizers read it. So are
+tensors for the other hyperparameters torch's optimizers take as tensors (SGD's
+momentum, dampening and weight decay; Adam's eps and weight decay), whatever their
+device, as torch's fused ops take them: as floats (a CUDA one waits for the GPU, and
+is refused in a CUDA graph's capture). Compiled, the op reads weight decay and eps at
+each step (no recompile); momentum and dampening choose the kernel on the host, so
+dynamo cannot trace a tensor of theirs (a graph break; an error with ``fullgraph``).
 """
 
 from __future__ import annotations
@@ -43,7 +49,14 @@ from mpgemm.compute_copy import copies_of, step_failed
 from mpgemm.functional import PLAIN_TYPES
 from mpgemm.graphs import note_host_values
 from mpgemm.native import list_facts, reading_once
-from mpgemm.scaling import KERNEL_DTYPES, ParamGroups, adam_step_, by_device, sgd_step_
+from mpgemm.scaling import (
+    KERNEL_DTYPES,
+    ParamGroups,
+    adam_step_,
+    by_device,
+    host_number,
+    sgd_step_,
+)
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -303,23 +316,28 @@ class SGD(_ScaledStep, torch.optim.SGD):
         )
 
     @staticmethod
-    def _merge_key(group: dict) -> tuple | None:
+    def _flags(group: dict) -> tuple[bool, bool]:
+        """Whether the group's step has momentum, and dampening (tensors read on the
+        host: they choose the kernel)."""
+        momentum = host_number("momentum", group["momentum"]) != 0
+        return momentum, momentum and host_number("dampening", group["dampening"]) != 0
+
+    def _merge_key(self, group: dict) -> tuple | None:
         # The kernel's flags; a tensor lr is read from its own tensor.
         if isinstance(group["lr"], torch.Tensor):
             return None
-        momentum = group["momentum"] != 0
-        return momentum, momentum and group["dampening"] != 0, group["nesterov"], group["maximize"]
+        return *self._flags(group), group["nesterov"], group["maximize"]
 
     def _step_groups(self, parts, grad_scale, found_inf) -> None:
         group, params = _merged(parts)
         buffers: list[torch.Tensor] | None = None
         steps: list[torch.Tensor] | None = None
-        if group["momentum"] != 0:
+        momentum, damped = self._flags(group)
+        if momentum:
             buffers = []
             # With dampening, a step count per parameter on its device (advanced only by
             # a step taken) tells the kernel a buffer's first step, which torch's takes
             # undamped: a skipped step must not count, and the host never reads the flag.
-            damped = group["dampening"] != 0
             states = []
             for p in params:
                 state = self.state[p]

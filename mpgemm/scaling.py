@@ -24,6 +24,7 @@ import torch
 
 from mpgemm import ops, scaling_ref
 from mpgemm.functional import PLAIN_TYPES, backend
+from mpgemm.graphs import capturing
 from mpgemm.native import ListFacts, bump_versions, list_facts, reading_once
 
 if TYPE_CHECKING:
@@ -553,13 +554,16 @@ def update_scale_(
 # The hyperparameters a step takes as a float or a one-element tensor, as torch's
 # optimizers take them (``lr``; Adam's ``beta1``, ``beta2``).
 _TENSOR_HYPERPARAMETERS = ("lr", "beta1", "beta2")
+# The ones torch's optimizers also take as a one-element tensor, but as a number of the
+# host's: torch's fused ops take them as floats, and so do mpgemm's kernels.
+_HOST_HYPERPARAMETERS = ("momentum", "dampening", "weight_decay", "eps")
 
 
 def _as_op_arguments(hyper: dict) -> dict:
     """``hyper`` as ``mpgemm.ops``' steps take it: a tensor hyperparameter as
     ``<name>_tensor``, with 0 for the float (a schema has no "float or Tensor")."""
     arguments = dict(hyper)
-    for name in _TENSOR_HYPERPARAMETERS:
+    for name in (*_TENSOR_HYPERPARAMETERS, *_HOST_HYPERPARAMETERS):
         if name in hyper:
             value = hyper[name]
             tensor = isinstance(value, torch.Tensor)
@@ -567,24 +571,57 @@ def _as_op_arguments(hyper: dict) -> dict:
     return arguments
 
 
-def _hyperparameters_on(hyper: dict, params: Sequence[torch.Tensor]) -> dict:
-    """``hyper`` with each tensor hyperparameter where the step reads it: on the
-    parameters' device as it is; on the CPU for another device, its value (as torch's
-    fused optimizers take it: reading it waits for no GPU); on another device, copied
-    there. ValueError: a tensor with other than one element."""
+def _one_element(name: str, value: torch.Tensor) -> None:
+    if value.numel() != 1:
+        raise ValueError(
+            f"a tensor {name} must have one element, got one of shape {tuple(value.shape)}"
+        )
+
+
+def host_number(name: str, value: float | torch.Tensor) -> float:
+    """A hyperparameter ``name`` (one of ``_HOST_HYPERPARAMETERS``) as the float the
+    kernels take: a one-element tensor read on the host, as torch's fused ops read it (a
+    GPU tensor's read waits for the GPU). ValueError: a tensor of another size;
+    RuntimeError: a CUDA tensor in a CUDA graph's capture, which cannot wait (its
+    replays would keep the value read at the capture)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    _one_element(name, value)
+    if capturing(value.device):
+        raise RuntimeError(
+            f"a CUDA tensor {name} is read on the host at every step, which a CUDA graph's "
+            f"capture cannot do: give {name} as a float or a CPU tensor (only lr and betas "
+            "are read on the device)"
+        )
+    return value.item()
+
+
+def _hyperparameters_on(
+    hyper: dict, params: Sequence[torch.Tensor], groups: ParamGroups | None = None
+) -> tuple[dict, ParamGroups | None]:
+    """``hyper`` and ``groups`` with each tensor hyperparameter where the step reads it:
+    one of ``_TENSOR_HYPERPARAMETERS`` on the parameters' device as it is, on the CPU for
+    another device as its value (as torch's fused optimizers take it: reading it waits
+    for no GPU), on another device copied there; one of ``_HOST_HYPERPARAMETERS`` as its
+    value (``host_number``). ValueError: a tensor with other than one element."""
+    device = params[0].device
     for name in _TENSOR_HYPERPARAMETERS:
         value = hyper.get(name)
         if not isinstance(value, torch.Tensor):
             continue
-        if value.numel() != 1:
-            raise ValueError(
-                f"a tensor {name} must have one element, got one of shape {tuple(value.shape)}"
-            )
-        device = params[0].device
+        _one_element(name, value)
         if value.device != device:
             value = value.item() if value.device.type == "cpu" else value.to(device)
             hyper = {**hyper, name: value}
-    return hyper
+
+    def numbers(row: dict) -> dict:
+        tensors = [n for n in _HOST_HYPERPARAMETERS if isinstance(row.get(n), torch.Tensor)]
+        return {**row, **{n: host_number(n, row[n]) for n in tensors}} if tensors else row
+
+    hyper = numbers(hyper)
+    if groups is not None:
+        groups = groups._replace(rows=tuple(map(numbers, groups.rows)))
+    return hyper, groups
 
 
 def sgd_step_(
@@ -603,14 +640,16 @@ def sgd_step_(
     momentum and ``dampening``, each parameter's count of steps taken before this one
     (FP32, one element, on its device), which tells a buffer's first step; the step
     advances it where it is taken. ``lr`` may be a one-element tensor, read on the
-    device at each step (``_hyperparameters_on``). ``groups``: float hyperparameters
+    device at each step; so may ``momentum``, ``dampening`` and ``weight_decay``, read
+    on the host (``_hyperparameters_on``). ``groups``: float hyperparameters
     per run of parameters (``ParamGroups``: param groups stepped in one launch,
     ``mpgemm.optim``; compiled, a call per run), which must agree with those given on
     whether momentum and dampening are nonzero.
 
     Raises ValueError for momentum with dampening and no ``steps``, or for gradients,
     buffers or copies of other shapes than the parameters'."""
-    if hyper.get("momentum", 0.0) != 0 and hyper.get("dampening", 0.0) != 0 and steps is None:
+    momentum, dampening = (host_number(n, hyper.get(n, 0.0)) for n in ("momentum", "dampening"))
+    if momentum != 0 and dampening != 0 and steps is None:
         raise ValueError(
             "mpgemm.scaling.sgd_step_: momentum with dampening needs the parameters' step "
             "counts (steps=)"
@@ -627,7 +666,7 @@ def sgd_step_(
         )
         return
     if params:
-        hyper = _hyperparameters_on(hyper, params)
+        hyper, groups = _hyperparameters_on(hyper, params, groups)
     copies = params if compute_copies is None else compute_copies
     # The buffers are walked with the parameters; the step counts, read once a program,
     # come last.
@@ -682,7 +721,8 @@ def adam_step_(
     element, on its device), advanced by the step where it is taken.
     ``compute_copies`` as for ``sgd_step_``; ``max_exp_avg_sqs``: AMSGrad's maxima of
     the second moments (None: plain Adam); ``lr``, ``beta1`` and ``beta2`` may be
-    one-element tensors, as ``sgd_step_``'s ``lr``; ``groups`` as ``sgd_step_``'s.
+    one-element tensors, as ``sgd_step_``'s ``lr``, and ``eps`` and ``weight_decay``, as
+    its ``weight_decay``; ``groups`` as ``sgd_step_``'s.
 
     Raises ValueError for gradients, moments or copies of other shapes than the
     parameters'."""
@@ -706,7 +746,7 @@ def adam_step_(
         )
         return
     if params:
-        hyper = _hyperparameters_on(hyper, params)
+        hyper, groups = _hyperparameters_on(hyper, params, groups)
     copies = params if compute_copies is None else compute_copies
     # AMSGrad's maxima are walked with the moments, before the copies and step counts.
     maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]

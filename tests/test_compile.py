@@ -190,20 +190,30 @@ def test_compiled_grad_scaler_step_with_clipping_matches_eager(device):
     _assert_compiled_step_matches_eager(device, lambda compiled: _grad_scaler(compiled, device))
 
 
-def _scheduled_tensor_hyperparameters(compiled, device):
-    """AdamW with a tensor lr and betas, its lr halved in place after each step (outside
-    the compiled function, as torch's LR schedulers ``fill_`` a tensor lr; a scheduler
-    itself wraps ``optimizer.step`` in a function dynamo skips): read on the device, it
-    needs no recompile."""
+def _scheduled_tensor_hyperparameters(compiled, device, name):
+    """AdamW with a tensor lr, betas, eps and weight decay (or SGD with a tensor lr and
+    weight decay), its lr and weight decay halved in place after each step (outside the
+    compiled function, as torch's LR schedulers ``fill_`` a tensor lr; a scheduler
+    itself wraps ``optimizer.step`` in a function dynamo skips): read by the op each
+    step, they need no recompile."""
 
     def make(model):
         def tensor(value):
             return torch.tensor(value, device=device)
 
-        adamw = mpgemm.optim.AdamW(
-            model.parameters(), lr=tensor(1e-2), betas=(tensor(0.8), tensor(0.99))
-        )
-        optimizer = mpgemm.LossScaleOptimizer(adamw, init_scale=2.0**10, growth_interval=2)
+        if name == "adamw":
+            inner = mpgemm.optim.AdamW(
+                model.parameters(),
+                lr=tensor(1e-2),
+                betas=(tensor(0.8), tensor(0.99)),
+                eps=tensor(1e-3),
+                weight_decay=tensor(0.1),
+            )
+        else:
+            inner = mpgemm.optim.SGD(
+                model.parameters(), lr=tensor(0.05), momentum=0.9, weight_decay=tensor(0.1)
+            )
+        optimizer = mpgemm.LossScaleOptimizer(inner, init_scale=2.0**10, growth_interval=2)
         optimizer_step = optimizer.step
         if compiled:
             optimizer_step = torch.compile(optimizer_step, fullgraph=True)
@@ -211,15 +221,17 @@ def _scheduled_tensor_hyperparameters(compiled, device):
         def step():
             optimizer_step()
             optimizer.param_groups[0]["lr"].mul_(0.5)
+            optimizer.param_groups[0]["weight_decay"].mul_(0.5)
 
         return step, lambda: optimizer.loss_scale, optimizer.scale_loss
 
     return make
 
 
-def test_compiled_step_reads_a_scheduled_tensor_lr_without_recompiling(device):
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_compiled_step_reads_scheduled_tensor_hyperparameters_without_recompiling(device, name):
     _assert_compiled_step_matches_eager(
-        device, lambda compiled: _scheduled_tensor_hyperparameters(compiled, device)
+        device, lambda compiled: _scheduled_tensor_hyperparameters(compiled, device, name)
     )
 
 

@@ -195,17 +195,32 @@ def _assert_counted_in(steps, ref_steps, before):
         assert_same_bits(ref, old + 1, f"reference step count {i}")
 
 
-# A step's lists (params, grads, buffers or moments, steps) and hyperparameters.
+# A step's function and reference, its float arguments, and the hyperparameters that
+# torch's optimizers take as floats or one-element tensors, with their values.
 _STEPS = {
     "sgd": (
         scaling.sgd_step_,
         scaling_ref.sgd_step_ref_,
-        dict(momentum=0.9, weight_decay=1e-2, nesterov=True, maximize=False),
+        dict(nesterov=True, maximize=False),
+        dict(lr=0.05, momentum=0.9, weight_decay=1e-2),
+    ),
+    "sgd damped": (
+        scaling.sgd_step_,
+        scaling_ref.sgd_step_ref_,
+        dict(nesterov=False, maximize=True),
+        dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=1e-2),
     ),
     "adam": (
         scaling.adam_step_,
         scaling_ref.adam_step_ref_,
-        dict(eps=1e-8, weight_decay=1e-2, decoupled_weight_decay=True, maximize=False),
+        dict(decoupled_weight_decay=True, maximize=False),
+        dict(lr=0.05, beta1=0.8, beta2=0.99, eps=1e-3, weight_decay=1e-2),
+    ),
+    "adam coupled": (
+        scaling.adam_step_,
+        scaling_ref.adam_step_ref_,
+        dict(decoupled_weight_decay=False, maximize=False),
+        dict(lr=0.05, beta1=0.8, beta2=0.99, eps=1e-3, weight_decay=1e-2),
     ),
 }
 
@@ -213,56 +228,118 @@ _STEPS = {
 @pytest.mark.parametrize("tensor_dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", sorted(_STEPS))
 def test_tensor_hyperparameters_step_as_the_floats_of_their_values(device, name, tensor_dtype):
-    """A tensor lr (and Adam's betas) steps as the float of its value, bit for bit, on
-    the kernels and on the reference; changed in place, the next step reads the new
-    value (a table cached by the tensor's identity would read the old one)."""
-    kernel, reference, hyper = _STEPS[name]
+    """Every hyperparameter torch's optimizers take as a tensor (lr, SGD's momentum,
+    dampening and weight decay, Adam's betas, eps and weight decay) steps as the float
+    of its value, bit for bit, on the kernels and on the reference; changed in place,
+    the next step reads the new value (a table cached by the tensor's identity would
+    read the old one). The kernels took lr and the betas from their tensors and the
+    others as 0 (a tensor weight decay was no weight decay at all)."""
+    kernel, reference, hyper, values = _STEPS[name]
+    adam = name.startswith("adam")
     lists = [_tensors(torch.float32, device), _tensors(torch.float16, device, scale=8.0)]
     lists += [
-        _tensors(torch.float32, device, scale=0.1, positive=True)
-        for _ in range(1 if name == "sgd" else 2)
+        _tensors(torch.float32, device, scale=0.1, positive=True) for _ in range(2 if adam else 1)
     ]
-    values = {"lr": 0.05} if name == "sgd" else {"lr": 0.05, "beta1": 0.8, "beta2": 0.99}
     scaler = dict(
         grad_scale=torch.tensor(8.0, device=device), found_inf=torch.zeros((), device=device)
     )
     for impl in (kernel, reference):
+        run = functools.partial(_three_steps, impl, name, lists, hyper | scaler, device)
         tensors = {k: torch.tensor(v, dtype=tensor_dtype, device=device) for k, v in values.items()}
         first = {k: t.item() for k, t in tensors.items()}  # the tensors' values
-        by_tensor, by_float, stale = _clones(lists), _clones(lists), _clones(lists)
-        steps = [[torch.zeros((), device=device) for _ in SHAPES] for _ in range(3)]
-        for _ in range(3):
-            floats = {k: t.item() for k, t in tensors.items()}
-            for run, hyperparameters, count in zip(
-                (by_tensor, by_float, stale), (tensors, floats, first), steps, strict=True
-            ):
-                extra = [] if name == "sgd" else [count]
-                for t in count:
-                    t.add_(1)
-                impl(*run, *extra, **hyper, **hyperparameters, **scaler)
-            for t in tensors.values():
-                t.mul_(0.5)  # in place, as torch's LR schedulers change a tensor lr
+        by_tensor = run(functools.partial(_halved_in_place, tensors))
+        by_float = run(functools.partial(_halved, first))
         for i, (a, b) in enumerate(zip(by_tensor, by_float, strict=True)):
             for x, y in zip(a, b, strict=True):
                 assert_same_bits(x, y, f"{impl.__name__}, list {i}")
-        assert not all(torch.equal(x, y) for x, y in zip(by_tensor[0], stale[0], strict=True)), (
-            "the changed values made no difference"
-        )
+        # Each value's change makes a difference, so that one read as another (or as
+        # its first value) could not pass.
+        for key in values:
+            kept = run(functools.partial(_halved, first, fixed=(key,)))
+            assert not all(torch.equal(x, y) for x, y in zip(kept[0], by_float[0], strict=True)), (
+                f"{impl.__name__}: a change of {key} made no difference"
+            )
 
 
-def test_a_tensor_hyperparameter_must_have_one_element(device):
+def _three_steps(impl, name, lists, hyper, device, values_of_step):
+    """Three steps of ``impl`` from ``lists``, step i's hyperparameters
+    ``values_of_step(i)`` beside ``hyper``."""
+    adam = name.startswith("adam")
+    out = _clones(lists)
+    count = [torch.zeros((), device=device) for _ in SHAPES]
+    for i in range(3):
+        counted = dict(steps=count) if "damped" in name else {}
+        impl(*out, *([count] if adam else []), **hyper, **values_of_step(i), **counted)
+        if not adam:  # (Adam's step advances its counts)
+            for t in count:
+                t.add_(1)
+    return out
+
+
+def _halved_in_place(tensors, i):
+    if i:
+        for t in tensors.values():
+            t.mul_(0.5)  # in place, as torch's LR schedulers change a tensor lr
+    return tensors
+
+
+def _halved(values, i, fixed=()):
+    """``values`` halved ``i`` times (exact: as the tensors halved in place), but for
+    the keys ``fixed``."""
+    return {k: v if k in fixed else v * 0.5**i for k, v in values.items()}
+
+
+@pytest.mark.parametrize("key", ["lr", "momentum", "weight_decay"])
+def test_a_tensor_hyperparameter_must_have_one_element(device, key):
     params = [torch.zeros(4, device=device)]
-    with pytest.raises(ValueError, match="tensor lr must have one element.*\\(2,\\)"):
-        scaling.sgd_step_(
-            params,
-            [torch.ones(4, device=device)],
-            None,
-            lr=torch.ones(2, device=device),
-            momentum=0.0,
-            weight_decay=0.0,
-            nesterov=False,
-            maximize=False,
-        )
+    hyper = dict(lr=0.1, momentum=0.5, weight_decay=0.1, nesterov=False, maximize=False)
+    hyper[key] = torch.ones(2, device=device)
+    with pytest.raises(ValueError, match=f"tensor {key} must have one element.*\\(2,\\)"):
+        scaling.sgd_step_(params, [torch.ones(4, device=device)], [torch.zeros(4)], **hyper)
+
+
+# Two param groups each, of tensor hyperparameters (those of torch's optimizers' that
+# mpgemm's kernels read as floats), stepped in one launch.
+_TENSOR_GROUPS = {
+    "sgd": (
+        {"momentum": 0.9, "dampening": 0.2, "weight_decay": 0.05},
+        {"momentum": 0.5, "dampening": 0.1, "weight_decay": 0.01},
+    ),
+    "adam": ({"eps": 1e-2, "weight_decay": 0.1}, {"eps": 1e-3, "weight_decay": 0.02}),
+    "adamw": ({"eps": 1e-2, "weight_decay": 0.1}, {"eps": 1e-3, "weight_decay": 0.02}),
+}
+
+
+def _train_decaying(model, optimizer, device):
+    for batch in _batches(6, device):
+        _train(model, optimizer, 1, device, batches=[batch])
+        for group in optimizer.param_groups:
+            group["weight_decay"].mul_(0.5)  # in place, as a schedule would
+
+
+@pytest.mark.parametrize("name", sorted(_TENSOR_GROUPS))
+def test_tensor_hyperparameters_in_param_groups_step_as_torchs(device, name):
+    """torch's optimizers take momentum, dampening, weight decay and eps as tensors too
+    (torch.optim.SGD's signature says so for weight_decay): param groups of them, merged
+    into one launch, changed in place between steps, step as torch's own."""
+    first, second = _TENSOR_GROUPS[name]
+    runs = []
+    for cls in (CLASSES[name], TORCH_CLASSES[name]):
+        model = _mlp(device)
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        groups = [
+            {"params": params, **{k: torch.tensor(v, device=device) for k, v in values.items()}}
+            for params, values in ((weights, first), (biases, second))
+        ]
+        optimizer = cls(groups, lr=0.05)
+        names, _ = launched_kernels(functools.partial(_train_decaying, model, optimizer, device))
+        runs.append([p.detach().clone() for p in model.parameters()])
+        if cls is CLASSES[name]:
+            assert len(names) == 6, f"not a launch a step for both groups: {names}"
+    for p, q, initial in zip(*runs, _mlp(device).parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert (p - initial).abs().max() > 1e-3, "training moved the parameters"
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])

@@ -214,6 +214,33 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
     assert reads.changed() is None
     tensor_lr.param_groups[0]["lr"] = torch.tensor(0.05)  # another tensor: not the replays'
     assert reads.changed().startswith("param group 0's lr was replaced")
+    # A CPU tensor is read on the host (whatever the parameters' device), and a tensor
+    # weight decay (eps, momentum, dampening) whatever its device: a capture bakes its
+    # value in, which is noted and compared.
+    cpu_tensors = stepped(
+        lambda ps: mpgemm.optim.Adam(ps, lr=torch.tensor(0.5), weight_decay=torch.tensor(0.5))
+    )
+    with graphs._recording_host_reads() as reads:
+        cpu_tensors.step()
+    group = cpu_tensors.param_groups[0]
+    group["weight_decay"] = torch.tensor(0.5)  # another tensor of the same value
+    assert reads.changed() is None
+    group["weight_decay"].fill_(0.25)
+    assert reads.changed() == (
+        "param group 0's weight_decay is 0.25, but the step was captured with 0.5, which its "
+        "replays keep using: make a new GraphedStep after changing it"
+    )
+    group["weight_decay"].fill_(0.5)
+    group["lr"].fill_(0.25)  # read on the device: the parameters' own
+    assert reads.changed() is None
+    elsewhere = [{"params": [torch.empty(4, device="meta")], "lr": torch.tensor(0.5)}]
+    with graphs._recording_host_reads() as reads:
+        graphs.note_host_values(elsewhere)
+    elsewhere[0]["lr"].fill_(0.25)  # a CPU tensor for parameters elsewhere: its value
+    assert reads.changed().startswith(
+        "param group 0's lr is 0.25, but the step was captured with 0.5, which its replays "
+        "keep using: give it as a CUDA tensor changed in place"
+    )
 
     # torch's optimizers, stepped by mpgemm's scalers.
     sgd = stepped(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
@@ -222,7 +249,10 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
     with graphs._recording_host_reads() as reads:
         scaler.step(sgd)
     sgd.param_groups[0]["momentum"] = 0.8
-    assert "param group 0's momentum is 0.8" in reads.changed()
+    assert reads.changed() == (
+        "param group 0's momentum is 0.8, but the step was captured with 0.9, which its "
+        "replays keep using: make a new GraphedStep after changing it"
+    )  # (no kernel reads a tensor momentum on the device)
     wrapped = stepped(lambda ps: mpgemm.LossScaleOptimizer(torch.optim.SGD(ps, lr=0.1)))
     wrapped.scale_loss(torch.ones(()))
     with graphs._recording_host_reads() as reads:
@@ -244,6 +274,44 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
         "step was captured"
     )
     assert graphs._host_reads is None
+
+
+def test_a_capture_refuses_a_cuda_tensor_it_would_read_on_the_host(monkeypatch):
+    """A CUDA tensor weight decay, eps, momentum or dampening is read on the host at
+    each step (as torch's fused optimizers read it), which a capture cannot wait for:
+    refused with its name, before anything is read. (``capturing`` stands in for a
+    capture here: only its device is asked.)"""
+    import mpgemm
+    from mpgemm import scaling
+
+    monkeypatch.setattr(scaling, "capturing", lambda device: True)
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    for make, name in [
+        (lambda v: mpgemm.optim.SGD([p], lr=0.1, weight_decay=v), "weight_decay"),
+        (lambda v: mpgemm.optim.SGD([p], lr=0.1, momentum=v), "momentum"),
+        (lambda v: mpgemm.optim.SGD([p], lr=0.1, momentum=0.9, dampening=v), "dampening"),
+        (lambda v: mpgemm.optim.AdamW([p], eps=v), "eps"),
+    ]:
+        optimizer = make(torch.tensor(0.5))
+        with pytest.raises(RuntimeError, match=f"a CUDA tensor {name} is read on the host"):
+            optimizer.step()
+        assert torch.equal(p, torch.ones(4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
+def test_a_cuda_tensor_weight_decay_is_refused_at_the_capture():
+    import mpgemm
+
+    model = mpgemm.convert(build_mlp(784, (128,), 10)).cuda()
+    optimizer = mpgemm.LossScaleOptimizer(
+        mpgemm.optim.AdamW(model.parameters(), weight_decay=torch.tensor(0.1, device="cuda"))
+    )
+    step = GraphedStep(_train_step(model, optimizer))
+    x, y = torch.randn(128, 784, device="cuda"), torch.randint(0, 10, (128,), device="cuda")
+    with pytest.raises(RuntimeError, match="a CUDA tensor weight_decay is read on the host"):
+        for _ in range(5):  # (captured at the 4th)
+            step(x, y)
 
 
 def test_tables_a_capture_used_outlive_the_cache(monkeypatch):

@@ -109,33 +109,44 @@ CASES = {
         3,
         _scalar(0, torch.int64),
     ),
-    # params, grads, buffers, copies, step counts; lr (and its tensor), momentum,
-    # dampening, weight decay, nesterov, maximize, grad_scale, found_inf
+    # params, grads, buffers, copies, step counts; lr, momentum, dampening, weight decay
+    # (each with its tensor), nesterov, maximize, grad_scale, found_inf
     "sgd_step_": lambda: (
         torch.ops.mpgemm.sgd_step_.default,
-        [_randn(8)],
-        [_randn(8)],
-        [_randn(8)],
-        [_randn(8, dtype=f16)],
-        [_scalar(2.0)],
-        *(0.1, None, 0.9, 0.5, 0.01, False, False),
+        *_sgd_lists(),
+        *(0.1, None, 0.9, None, 0.5, None, 0.01, None, False, False),
         *_scaler(),
     ),
-    # params, grads, moments, steps, copies, AMSGrad's maxima; lr, beta1, beta2 (each
-    # with its tensor), eps, weight decay, decoupled, maximize, grad_scale, found_inf
+    "sgd_step_ tensors": lambda: (
+        torch.ops.mpgemm.sgd_step_.default,
+        *_sgd_lists(),
+        *(0.0, _scalar(0.1), 0.0, _scalar(0.9), 0.0, _scalar(0.5), 0.0, _scalar(0.01)),
+        *(False, False, *_scaler()),
+    ),
+    # params, grads, moments, steps, copies, AMSGrad's maxima; lr, beta1, beta2, eps,
+    # weight decay (each with its tensor), decoupled, maximize, grad_scale, found_inf
     "adam_step_": lambda: (
         torch.ops.mpgemm.adam_step_.default,
-        [_randn(8)],
-        [_randn(8)],
-        [_randn(8)],
-        [_randn(8).abs()],
-        [_scalar(1.0)],
-        [_randn(8, dtype=f16)],
-        [_randn(8).abs()],
-        *(0.1, None, 0.9, None, 0.99, None, 1e-8, 0.01, False, False),
+        *_adam_lists(),
+        *(0.1, None, 0.9, None, 0.99, None, 1e-8, None, 0.01, None, False, False),
         *_scaler(),
     ),
+    "adam_step_ tensors": lambda: (
+        torch.ops.mpgemm.adam_step_.default,
+        *_adam_lists(),
+        *(0.0, _scalar(0.1), 0.0, _scalar(0.9), 0.0, _scalar(0.99)),
+        *(0.0, _scalar(1e-8), 0.0, _scalar(0.01), False, False, *_scaler()),
+    ),
 }
+
+
+def _sgd_lists():
+    return [_randn(8)], [_randn(8)], [_randn(8)], [_randn(8, dtype=f16)], [_scalar(2.0)]
+
+
+def _adam_lists():
+    lists = [_randn(8)], [_randn(8)], [_randn(8)], [_randn(8).abs()], [_scalar(1.0)]
+    return *lists, [_randn(8, dtype=f16)], [_randn(8).abs()]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
