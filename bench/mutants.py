@@ -9,7 +9,7 @@ no test holds any more.
     python3 bench/mutants.py --list      # index, file and change of each
 
 The list holds what the suite kills, as of 2026-11-27 (``bench/NOTES.md``, thirteenth
-to fifteenth sessions): mutants the interpreter cannot tell apart (an IEEE division
+to sixteenth sessions): mutants the interpreter cannot tell apart (an IEEE division
 for an approximate one, a NaN-dropping maximum; the compile check,
 ``test_hopper_compile``, and a GPU's test run see those) and mutants that change
 nothing observable are left out. Exit status 1 if any survived. The files are restored

@@ -296,7 +296,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
         lr: float | torch.Tensor = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
-        weight_decay: float = 0.0,
+        weight_decay: float | torch.Tensor = 0.0,
         nesterov: bool = False,
         *,
         maximize: bool = False,
