@@ -33,6 +33,7 @@ carries dZ) times the largest such sum (``_cancelling``).
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import sys
 from collections.abc import Callable
@@ -352,6 +353,14 @@ def _optim_case(seed: int) -> None:
             hyper["amsgrad"] = True
         if random.random() < 0.3:
             hyper["eps"] = random.choice([1e-6, 1e-3])
+    # torch's optimizers take each hyperparameter as a one-element tensor too.
+    for key in [k for k in hyper if k not in ("maximize", "nesterov", "amsgrad")]:
+        if random.random() < 0.25:
+            as_tensor = functools.partial(
+                torch.tensor, dtype=random.choice([torch.float32, torch.float64]), device=_device
+            )
+            value = hyper[key]
+            hyper[key] = tuple(map(as_tensor, value)) if key == "betas" else as_tensor(value)
     groups = len(params) > 1 and random.random() < 0.3
     # A scaler for FP32 parameters (16-bit ones are refused by both); against torch's
     # fused Adam and AdamW, which leave a skipped step's gradients as mpgemm's do
