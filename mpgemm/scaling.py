@@ -579,19 +579,20 @@ def _one_element(name: str, value: torch.Tensor) -> None:
 
 
 def host_number(name: str, value: float | torch.Tensor) -> float:
-    """A hyperparameter ``name`` (one of ``_HOST_HYPERPARAMETERS``) as the float the
-    kernels take: a one-element tensor read on the host, as torch's fused ops read it (a
-    GPU tensor's read waits for the GPU). ValueError: a tensor of another size;
-    RuntimeError: a CUDA tensor in a CUDA graph's capture, which cannot wait (its
-    replays would keep the value read at the capture)."""
+    """A hyperparameter ``name`` (one of ``_HOST_HYPERPARAMETERS``, or a param group
+    run's) as the float the kernels take: a one-element tensor read on the host, as
+    torch's fused ops read it (a GPU tensor's read waits for the GPU). ValueError: a
+    tensor of another size; RuntimeError: a CUDA tensor in a CUDA graph's capture,
+    which cannot wait (its replays would keep the value read at the capture)."""
     if not isinstance(value, torch.Tensor):
         return value
     _one_element(name, value)
     if capturing(value.device):
+        on_device = " (only lr and betas are read on the device)"
         raise RuntimeError(
             f"a CUDA tensor {name} is read on the host at every step, which a CUDA graph's "
-            f"capture cannot do: give {name} as a float or a CPU tensor (only lr and betas "
-            "are read on the device)"
+            f"capture cannot do: give {name} as a float or a CPU tensor"
+            + (on_device if name in _HOST_HYPERPARAMETERS else "")
         )
     return value.item()
 
@@ -603,7 +604,10 @@ def _hyperparameters_on(
     one of ``_TENSOR_HYPERPARAMETERS`` on the parameters' device as it is, on the CPU for
     another device as its value (as torch's fused optimizers take it: reading it waits
     for no GPU), on another device copied there; one of ``_HOST_HYPERPARAMETERS`` as its
-    value (``host_number``). ValueError: a tensor with other than one element."""
+    value (``host_number``); in ``groups``' rows, any tensor as its value. ValueError: a
+    tensor with other than one element, or rows giving their own value of a
+    hyperparameter that ``hyper`` gives as a tensor (which the kernels read for every
+    row)."""
     device = params[0].device
     for name in _TENSOR_HYPERPARAMETERS:
         value = hyper.get(name)
@@ -614,13 +618,19 @@ def _hyperparameters_on(
             value = value.item() if value.device.type == "cpu" else value.to(device)
             hyper = {**hyper, name: value}
 
-    def numbers(row: dict) -> dict:
-        tensors = [n for n in _HOST_HYPERPARAMETERS if isinstance(row.get(n), torch.Tensor)]
+    def numbers(row: dict, names: Iterable[str]) -> dict:
+        tensors = [n for n in names if isinstance(row.get(n), torch.Tensor)]
         return {**row, **{n: host_number(n, row[n]) for n in tensors}} if tensors else row
 
-    hyper = numbers(hyper)
+    hyper = numbers(hyper, _HOST_HYPERPARAMETERS)
     if groups is not None:
-        groups = groups._replace(rows=tuple(map(numbers, groups.rows)))
+        for name in _TENSOR_HYPERPARAMETERS:
+            if isinstance(hyper.get(name), torch.Tensor) and any(name in r for r in groups.rows):
+                raise ValueError(
+                    f"a tensor {name} is read for every run of parameters, so the runs "
+                    f"(groups=) cannot give {name} values of their own"
+                )
+        groups = groups._replace(rows=tuple(numbers(row, row) for row in groups.rows))
     return hyper, groups
 
 

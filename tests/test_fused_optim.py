@@ -298,6 +298,30 @@ def test_a_tensor_hyperparameter_must_have_one_element(device, key):
         scaling.sgd_step_(params, [torch.ones(4, device=device)], [torch.zeros(4)], **hyper)
 
 
+def test_runs_of_param_groups_take_tensors_as_their_values(device):
+    """``groups``' rows (a launch's param groups) may hold tensors, each read as its
+    value; a row's own value of a hyperparameter given as a tensor for all, which the
+    kernels read for every row, is refused."""
+
+    def step(lr, rows):
+        params = [torch.ones(4, device=device), torch.ones(3, device=device)]
+        grads = [torch.ones_like(p) for p in params]
+        hyper = dict(lr=lr, momentum=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+        scaling.sgd_step_(params, grads, None, groups=scaling.ParamGroups(rows, (1, 1)), **hyper)
+        return params
+
+    def tensor(value):
+        return torch.tensor(value, device=device)
+
+    floats = step(0.1, ({"lr": 0.5, "weight_decay": 0.25}, {"lr": 0.25}))
+    assert torch.equal(floats[0], torch.full((4,), 0.375, device=device))  # 1 - 0.5 * 1.25
+    assert torch.equal(floats[1], torch.full((3,), 0.75, device=device))
+    tensors = step(0.1, ({"lr": tensor(0.5), "weight_decay": tensor(0.25)}, {"lr": tensor(0.25)}))
+    assert all(torch.equal(a, b) for a, b in zip(tensors, floats, strict=True))
+    with pytest.raises(ValueError, match="a tensor lr is read for every run of parameters"):
+        step(tensor(0.1), ({"lr": 0.5}, {}))
+
+
 # Two param groups each, of tensor hyperparameters (those of torch's optimizers' that
 # mpgemm's kernels read as floats), stepped in one launch.
 _TENSOR_GROUPS = {
