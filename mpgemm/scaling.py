@@ -658,13 +658,16 @@ def sgd_step_(
 
     Raises ValueError for momentum with dampening and no ``steps``, or for gradients,
     buffers or copies of other shapes than the parameters'."""
+    compiling = torch.compiler.is_compiling()
+    if params and not compiling:
+        hyper, groups = _hyperparameters_on(hyper, params, groups)
     momentum, dampening = (host_number(n, hyper.get(n, 0.0)) for n in ("momentum", "dampening"))
     if momentum != 0 and dampening != 0 and steps is None:
         raise ValueError(
             "mpgemm.scaling.sgd_step_: momentum with dampening needs the parameters' step "
             "counts (steps=)"
         )
-    if torch.compiler.is_compiling():
+    if compiling:
         if groups is not None:  # (the op takes one value of each: a call per run)
             arguments: dict[str, Any] = dict(params=params, grads=grads)
             arguments |= dict(momentum_buffers=momentum_buffers, steps=steps, **hyper)
@@ -675,8 +678,6 @@ def sgd_step_(
             **_as_op_arguments({"dampening": 0.0, **hyper}),  # (the op's schema has no default)
         )
         return
-    if params:
-        hyper, groups = _hyperparameters_on(hyper, params, groups)
     copies = params if compute_copies is None else compute_copies
     # The buffers are walked with the parameters; the step counts, read once a program,
     # come last.
