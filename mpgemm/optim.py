@@ -266,10 +266,11 @@ class _ScaledStep(torch.optim.Optimizer):
 def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each parameter's ``state["step"]`` (``states`` in the order of ``params``, which
     share a device) as the kernels read it: an FP32 tensor on that device. One loaded
-    from a CPU checkpoint, or saved by torch's Adam under a float64 default dtype, is
-    converted once, in its state, as torch's fused Adam converts it when loading. The
-    usual case, every count so already, is told by one pass in C (``list_facts``),
-    which the step's op then reads again for nothing (within ``reading_once``)."""
+    from a CPU checkpoint, saved by torch's Adam under a float64 default dtype, or held
+    as a number, is converted once, in its state, as torch's fused Adam converts it when
+    loading. The usual case, every count so already, is told by one pass in C
+    (``list_facts``), which the step's op then reads again for nothing (within
+    ``reading_once``)."""
     steps = [state["step"] for state in states]
     if not torch.compiler.is_compiling():  # (compiled, the checks below are traced once)
         facts = list_facts(steps, PLAIN_TYPES)
@@ -278,7 +279,11 @@ def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.T
             return steps
     for state, p in zip(states, params, strict=True):
         step = state["step"]
-        if step.device != p.device or step.dtype != torch.float32:
+        if not isinstance(step, torch.Tensor):
+            # A number, as a checkpoint may hold it: torch's Adam makes a tensor of one
+            # when loading; its SGD keeps no count, and so keeps one as it is.
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+        elif step.device != p.device or step.dtype != torch.float32:
             state["step"] = step.to(p.device, torch.float32)
     return [state["step"] for state in states]
 
