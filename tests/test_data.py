@@ -94,10 +94,33 @@ def test_malformed_files_name_the_file_and_fault(tmp_path):
         load_mnist(tmp_path / "absent")
 
 
+def test_float_images_are_taken_as_they_are_and_bad_splits_refused(tmp_path):
+    """Images stored as floats (already in [0, 1]) are not divided by 255 again; a split
+    with no images, or train and test images of different shapes, are refused."""
+    (xtr, ytr), (xte, yte) = _images(10, 2), _images(4, 3)
+    path = tmp_path / "floats.npz"
+    np.savez(path, x_train=xtr / 255.0, y_train=ytr, x_test=xte / 255.0, y_test=yte)
+    data = load_mnist(path)
+    torch.testing.assert_close(data.x_train, torch.tensor(xtr.reshape(10, 20) / 255.0).float())
+    for name, arrays, message in [
+        ("empty_test", dict(x_test=xte[:0], y_test=yte[:0]), "empty train or test split"),
+        ("shapes", dict(x_test=np.zeros((4, 5, 4), np.uint8)), r"train images \(4, 5\) and test"),
+    ]:
+        bad = tmp_path / f"{name}.npz"
+        np.savez(bad, **{"x_train": xtr, "y_train": ytr, "x_test": xte, "y_test": yte, **arrays})
+        with pytest.raises(DataError, match=message):
+            load_mnist(bad)
+
+
 def test_digits_split_is_fixed_and_synthetic_has_its_size():
     a, b = load_digits(), load_digits()
     assert a.x_train.shape == (1437, 64) and a.x_test.shape == (360, 64)
     assert torch.equal(a.y_test, b.y_test) and a.num_classes == 10
+    # Stratified: each class's share of the test split is its share of the whole, to
+    # one sample (random_state=0 unstratified is off by 8.7 samples for one class).
+    counts = [torch.bincount(y, minlength=10) for y in (a.y_train, a.y_test)]
+    whole = counts[0] + counts[1]
+    assert ((counts[1] - whole * 360 / 1797).abs() <= 1).all(), counts[1]
     assert float(a.x_train.max()) == 1.0
     data = synthetic(12, 100, seed=3)
     assert data.x_train.shape == (80, 12) and data.x_test.shape == (20, 12)

@@ -233,13 +233,20 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
     group["weight_decay"].fill_(0.5)
     group["lr"].fill_(0.25)  # read on the device: the parameters' own
     assert reads.changed() is None
+    betas = (torch.tensor(0.5), torch.tensor(0.75))
     elsewhere = [{"params": [torch.empty(4, device="meta")], "lr": torch.tensor(0.5)}]
+    elsewhere[0]["betas"] = betas
     with graphs._recording_host_reads() as reads:
         graphs.note_host_values(elsewhere)
     elsewhere[0]["lr"].fill_(0.25)  # a CPU tensor for parameters elsewhere: its value
     assert reads.changed().startswith(
         "param group 0's lr is 0.25, but the step was captured with 0.5, which its replays "
         "keep using: give it as a CUDA tensor changed in place"
+    )
+    elsewhere[0]["lr"].fill_(0.5)
+    betas[1].fill_(0.875)
+    assert reads.changed().startswith(
+        "param group 0's betas is (0.5, 0.875), but the step was captured with (0.5, 0.75)"
     )
 
     # torch's optimizers, stepped by mpgemm's scalers.
@@ -364,6 +371,12 @@ def test_a_capture_stages_its_host_copies_in_memory_set_aside_before_it(monkeypa
     # CPU-only torch could not make).
     graphs.reserve_host_memory(100 - 48)
     assert graphs._reserve is reserve and graphs._reserved_used == 48
+    # Not enough left, though the block is large enough: a new one (unpinned here).
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    graphs.reserve_host_memory(100 - 47)
+    assert graphs._reserve is not reserve and graphs._reserve.numel() == 53
+    assert graphs._reserved_used == 0
 
 
 def test_a_capture_reserves_twice_what_the_cached_tables_weigh(monkeypatch):

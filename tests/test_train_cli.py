@@ -41,6 +41,34 @@ def test_each_mode_trains_and_writes_json_and_png(tmp_path, mode, capsys):
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_table_and_the_json_report_what_was_measured(tmp_path):
+    """The table's ``x fp32`` is FP32's time per step over the mode's (above 1: faster
+    than FP32), the accuracy in percent, the loss scale and peak memory as measured;
+    the JSON has each split's size. (The README's headline reads these files.)"""
+    from mpgemm.app.report import format_table, write_json
+    from mpgemm.app.train import ModeResult
+
+    def result(mode, ms, accuracy, scale, peak):
+        return ModeResult(mode, accuracy, 0.25, ms, 1000 / ms, peak, 1, scale, 4, [1.0] * 4)
+
+    results = [result("fp32", 3.0, 0.5, None, None), result("mpgemm", 1.5, 0.875, 1024.0, 12.4)]
+    header, fp32, mpgemm_row = (line.split() for line in format_table(results).splitlines())
+    assert header[-2:] == ["x", "fp32"]
+    assert fp32 == ["fp32", "50.00", "0.2500", "3.000", "333", "-", "1", "-", "1.00"]
+    assert mpgemm_row == ["mpgemm", "87.50", "0.2500", "1.500", "667", "12", "1", "1024", "2.00"]
+    data = load_digits()
+    write_json(tmp_path / "results.json", results, TrainConfig(), data)
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["data"] | {"name": None} == {
+        "name": None,
+        "train": 1437,
+        "test": 360,
+        "features": 64,
+        "classes": 10,
+    }
+    assert [r["ms_per_step"] for r in written["results"]] == [3.0, 1.5]
+
+
 @pytest.mark.parametrize("mode", ["autocast", "mpgemm"])
 def test_bfloat16_modes_train_without_loss_scaling(tmp_path, mode, capsys):
     # BF16 has FP32's range: no GradScaler, mpgemm's optimizer unwrapped (torch's and
