@@ -145,3 +145,52 @@ def test_the_targets_read_from_the_same_run():
     assert rows["| guide MLP step, eager"] == "1.50"
     assert rows["| small MLP step, eager"] == "-"  # not in this run
     assert rows["| host synchronisations per mpgemm step (most)"] == "0"
+
+
+def test_every_target_row_reads_its_own_case_and_baseline():
+    """Each row of the targets table from its own implementation, case and baseline,
+    each given a time of its own here (so that a row reading a neighbour's shows)."""
+    report = _report()
+    times = {  # (group, case, impl): median seconds
+        ("step", "guide", "mpgemm"): 2.0,
+        ("step", "guide", "mpgemm_cuda_graph"): 1.0,
+        ("step", "guide", "autocast_fused"): 3.0,
+        ("step", "small", "mpgemm"): 5.0,
+        ("step", "small", "mpgemm_cuda_graph"): 4.0,
+        ("step", "small", "fp32"): 7.0,
+        ("step", "small", "autocast_fused"): 11.0,
+        ("unscale", "200x1M", "mpgemm"): 2.0,
+        ("unscale", "200x1M", "torch"): 3.0,
+        ("unscale", "200x1M", "device_copy"): 1.8,
+    }
+    benchmarks = [
+        _bench(impl, t, case=case, group=group) for (group, case, impl), t in times.items()
+    ]
+    for bench, syncs in zip(benchmarks[:2], (0, 2), strict=True):  # the most of mpgemm's steps
+        bench["extra_info"]["host_syncs"] = syncs
+    report.add_derived_metrics(benchmarks)
+    rows = {
+        line.split(" | ")[0]: line.split(" | ")[1:3]
+        for line in report.targets(benchmarks)
+        if line.startswith("| ")
+    }
+    assert rows["| guide MLP step, eager"] == ["autocast_fused", "1.50"]
+    assert rows["| guide MLP step, CUDA graph"] == ["autocast_fused", "3.00"]
+    assert rows["| small MLP step, eager"] == ["fp32", "1.40"]
+    assert rows["| small MLP step, CUDA graph"] == ["fp32", "1.75"]
+    assert rows["| unscale + inf check, 200x1M"] == ["torch", "1.50"]
+    assert rows["| unscale + inf check, 200x1M: share of a copy's bandwidth"] == [
+        "device_copy",
+        "0.90",
+    ]
+    assert rows["| host synchronisations per mpgemm step (most)"] == ["-", "2"]
+
+
+def test_rates_are_in_tflops_and_gb_per_second():
+    report = _report()
+    gemm = _bench("mpgemm", 2e-3)  # 1e9 FLOP in 2 ms
+    copy = {"group": "unscale", "stats": {"median": 4e-3}}
+    copy["extra_info"] = {"case": "x", "impl": "mpgemm", "bytes": 8e9}  # 8 GB in 4 ms
+    report.add_derived_metrics([gemm, copy])
+    assert gemm["extra_info"]["tflops"] == pytest.approx(0.5)
+    assert copy["extra_info"]["gb_per_s"] == pytest.approx(2000)
