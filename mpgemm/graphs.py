@@ -32,6 +32,7 @@ step, then an eager forward, remakes the copies).
 from __future__ import annotations
 
 import functools
+import numbers
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -41,7 +42,8 @@ import torch
 
 __all__ = ["GraphedStep"]
 
-_HOST_TYPES = (bool, int, float, str, type(None))
+# (numbers.Number: numpy's scalars too, an np.float32 lr, which torch's optimizers take)
+_HOST_TYPES = (numbers.Number, str, type(None))
 # The param group keys whose tensors mpgemm's kernels read on the device at every step
 # (``mpgemm.scaling._TENSOR_HYPERPARAMETERS``), but for a CPU tensor with parameters
 # elsewhere, which is read on the host. A tensor of another key is read on the host (a

@@ -3,6 +3,7 @@ captured once and replayed gives what the eager steps give, bit for bit (GPU), s
 steps and scale updates included; what cannot be replayed is refused with a clear error
 (any machine)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -204,6 +205,12 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
         "captured, whose replays step what they captured: make a new GraphedStep"
     )
     group["params"][0].requires_grad_(True)
+    group["eps"] = np.float32(1e-8)  # a numpy scalar is a host value too
+    with graphs._recording_host_reads() as numpy_reads:
+        adam.step()
+    group["eps"] = np.float32(1e-6)
+    assert numpy_reads.changed().startswith("param group 0's eps is")
+    group["eps"] = 1e-8
     adam.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
     assert reads.changed().startswith("the number of param groups changed")
 
