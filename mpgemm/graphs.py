@@ -53,11 +53,11 @@ _READ_ON_DEVICE = ("lr", "betas")
 
 def _kind(key: str, value: object, params_device: torch.device | None) -> str | None:
     """How a replay uses a param group's value: "host" for a number, flag or string, or
-    a tensor read on the host (or a tuple of them, as Adam's betas), which the capture
-    baked in; "device" for a tensor that the kernels read (or a tuple with one), which
-    each replay reads where it was; None for anything else. ``params_device``: the
-    group's parameters'."""
-    values = value if isinstance(value, tuple) else (value,)
+    a tensor read on the host (or a tuple or list of them, as Adam's betas), which the
+    capture baked in; "device" for a tensor that the kernels read (or a tuple or list
+    with one), which each replay reads where it was; None for anything else.
+    ``params_device``: the group's parameters'."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
     if not all(isinstance(v, (torch.Tensor, *_HOST_TYPES)) for v in values):
         return None
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
@@ -74,9 +74,16 @@ def _kind(key: str, value: object, params_device: torch.device | None) -> str | 
 def _host_value(group: Mapping[str, Any], key: str) -> object:
     """``group[key]`` as a capture baked it in: a CPU tensor as its value (a list)."""
     value = group.get(key)
-    if isinstance(value, tuple):
-        return tuple(v.tolist() if isinstance(v, torch.Tensor) else v for v in value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(v.tolist() if isinstance(v, torch.Tensor) else v for v in value)
     return value.tolist() if isinstance(value, torch.Tensor) else value
+
+
+def _held(group: Mapping[str, Any], key: str) -> object:
+    """``group[key]``, a list as a tuple: which tensors it holds now (the list itself
+    may be changed in place)."""
+    value = group.get(key)
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _same_tensors(now: object, then: object) -> bool:
@@ -142,7 +149,7 @@ class HostReads:
                 kind = _kind(key, value, device)
                 if key == "params" or kind is None:
                     continue
-                read = _host_value if kind == "host" else dict.get
+                read = _host_value if kind == "host" else _held
                 if kind == "host" and key not in _READ_ON_DEVICE:
                     kind = "host only"
                 self._add(f"{name}'s {key}", functools.partial(read, group, key), kind)

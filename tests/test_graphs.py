@@ -255,6 +255,24 @@ def test_steps_note_the_host_values_a_capture_would_bake_in():
     assert reads.changed().startswith(
         "param group 0's betas is (0.5, 0.875), but the step was captured with (0.5, 0.75)"
     )
+    # Lists as tuples (torch's optimizers index betas: a list serves), changed in place.
+    for betas, then in [([0.5, 0.75], "[0.5, 0.75]"), ([torch.tensor(0.5), 0.75], "[0.5, 0.75]")]:
+        group = {"params": [torch.empty(4, device="meta")], "betas": betas}
+        with graphs._recording_host_reads() as reads:
+            graphs.note_host_values([group])
+        betas[1] = 0.875
+        assert reads.changed().startswith(
+            f"param group 0's betas is [0.5, 0.875], but the step was captured with {then}"
+        )
+    meta = torch.empty(4, device="meta")
+    group = {
+        "params": [meta],
+        "betas": [torch.tensor(0.5, device="meta"), torch.tensor(0.75, device="meta")],
+    }
+    with graphs._recording_host_reads() as reads:
+        graphs.note_host_values([group])
+    group["betas"][1] = torch.tensor(0.75, device="meta")  # read on the device: another tensor
+    assert reads.changed().startswith("param group 0's betas was replaced")
 
     # torch's optimizers, stepped by mpgemm's scalers.
     sgd = stepped(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
