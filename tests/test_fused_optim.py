@@ -263,16 +263,14 @@ def test_tensor_hyperparameters_step_as_the_floats_of_their_values(device, name,
 
 def _three_steps(impl, name, lists, hyper, device, values_of_step):
     """Three steps of ``impl`` from ``lists``, step i's hyperparameters
-    ``values_of_step(i)`` beside ``hyper``."""
+    ``values_of_step(i)`` beside ``hyper`` (Adam's and a damped SGD's step counts,
+    which the steps advance, from 0)."""
     adam = name.startswith("adam")
     out = _clones(lists)
     count = [torch.zeros((), device=device) for _ in SHAPES]
     for i in range(3):
         counted = dict(steps=count) if "damped" in name else {}
         impl(*out, *([count] if adam else []), **hyper, **values_of_step(i), **counted)
-        if not adam:  # (Adam's step advances its counts)
-            for t in count:
-                t.add_(1)
     return out
 
 
@@ -295,7 +293,9 @@ def test_a_tensor_hyperparameter_must_have_one_element(device, key):
     hyper = dict(lr=0.1, momentum=0.5, weight_decay=0.1, nesterov=False, maximize=False)
     hyper[key] = torch.ones(2, device=device)
     with pytest.raises(ValueError, match=f"tensor {key} must have one element.*\\(2,\\)"):
-        scaling.sgd_step_(params, [torch.ones(4, device=device)], [torch.zeros(4)], **hyper)
+        scaling.sgd_step_(
+            params, [torch.ones(4, device=device)], [torch.zeros_like(params[0])], **hyper
+        )
 
 
 def test_runs_of_param_groups_take_tensors_as_their_values(device):
