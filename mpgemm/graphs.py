@@ -146,8 +146,8 @@ class HostReads:
             params = group["params"]
             device = params[0].device if params else None
             for key, value in group.items():
-                kind = _kind(key, value, device)
-                if key == "params" or kind is None:
+                kind = None if key == "params" else _kind(key, value, device)
+                if kind is None:
                     continue
                 read = _host_value if kind == "host" else _held
                 if kind == "host" and key not in _READ_ON_DEVICE:
