@@ -172,6 +172,18 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     if half == torch.bfloat16:
         # BF16 changes only the MMA's input type: its step and plain product suffice.
         return
+    if aligned:
+        # Operands a descriptor takes, C's rows 264 elements apart (not a multiple of 16):
+        # the epilogue's layout conversion may then take a whole tile (gemm_tma's
+        # C_ALIGNED; 256x128 in 4 stages took 262,176 bytes so).
+        x6 = _tensor((m, k), half, aligned)
+        w6 = _tensor((264, k), half, aligned)
+        b6 = _tensor((264,), f32, aligned)
+        for activation in ("relu", "gelu"):
+            yield (
+                f"forward {activation}, C's rows unaligned",
+                functools.partial(linear, x6, w6, b6, activation=activation),
+            )
     # Launches of at most 16 columns take the 16-wide tiles: a 10-class head (its
     # forward, unaligned; its weight gradient, C.T = B.T @ A.T, either way), and,
     # unaligned, a 15 -> 16 layer's GEMMs with GELU's epilogue.

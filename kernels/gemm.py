@@ -233,6 +233,8 @@ def _gemm_kernel(
     # COLUMN_SUM_ROWS), N) FP32 (store_column_partial), added by the last tile of each
     # column block to arrive on its counter (finish_column_sums; arrivals.counters)
     C_SUMS: tl.constexpr,
+    # COLUMN_SUM_ROWS: the rows of C a row of P sums
+    SUM_ROWS: tl.constexpr,
     # operands_aligned(): the JIT specialises on alignment anyway; as an argument it
     # lets the autotune key and pruning see it too
     ALIGNED: tl.constexpr,
@@ -386,9 +388,20 @@ def _gemm_kernel(
         RELU_GRAD,
     )
     if C_SUMS:
-        store_column_partial(stored, pid_m * BLOCK_M, offs_n, M, N, p_ptr, BLOCK_M, INTERPRETED)
+        store_column_partial(
+            stored, pid_m * BLOCK_M, offs_n, M, N, p_ptr, BLOCK_M, SUM_ROWS, INTERPRETED
+        )
         finish_column_sums(
-            pid_n * BLOCK_N, N, pid_n, tl.cdiv(M, BLOCK_M), M, p_ptr, r_ptr, counter_ptr, BLOCK_N
+            pid_n * BLOCK_N,
+            N,
+            pid_n,
+            tl.cdiv(M, BLOCK_M),
+            M,
+            p_ptr,
+            r_ptr,
+            counter_ptr,
+            BLOCK_N,
+            SUM_ROWS,
         )
     if K_SUMS == "a":
         if pid_n == 0:
@@ -673,6 +686,7 @@ def _flags(
         STORE_PREACT=store_preact,
         RELU_GRAD=relu_output is not None,
         C_SUMS=colsum_c,
+        SUM_ROWS=COLUMN_SUM_ROWS,
     )
 
 

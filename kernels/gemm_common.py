@@ -219,34 +219,52 @@ def store_epilogue(
 # a divisor of every tile's BLOCK_M, so that the partials are laid out alike whatever
 # tile the autotuner picks, and the host adds them without knowing it.
 COLUMN_SUM_ROWS = 32
-_SUM_ROWS = tl.constexpr(COLUMN_SUM_ROWS)  # (as kernels may read a global)
 
 
 @triton.jit
 def store_column_partial(
-    stored, off_m, offs_n, M, N, p_ptr, BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr
+    stored,
+    off_m,
+    offs_n,
+    M,
+    N,
+    p_ptr,
+    BLOCK_M: tl.constexpr,
+    SUM_ROWS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    """The tile's part of C's column sums' FP32 partials, P (cdiv(M, COLUMN_SUM_ROWS),
-    N): P[i, n] is the sum of C[i * COLUMN_SUM_ROWS + r, n] as stored over the r below
-    COLUMN_SUM_ROWS (``store_epilogue``'s result: zeros outside C)."""
-    groups: tl.constexpr = BLOCK_M // _SUM_ROWS
+    """The tile's part of C's column sums' FP32 partials, P (cdiv(M, SUM_ROWS), N):
+    P[i, n] is the sum of C[i * SUM_ROWS + r, n] as stored over the r below SUM_ROWS
+    (``store_epilogue``'s result: zeros outside C). SUM_ROWS is COLUMN_SUM_ROWS, given
+    by the launch (a global the kernel read would be compiled in for good: triton's JIT
+    refuses to run a binary whose globals have changed since)."""
+    groups: tl.constexpr = BLOCK_M // SUM_ROWS
     width: tl.constexpr = stored.shape[1]
-    values = tl.reshape(widen(stored, INTERPRETED), (groups, _SUM_ROWS, width))
+    values = tl.reshape(widen(stored, INTERPRETED), (groups, SUM_ROWS, width))
     sums = tl.sum(values, axis=1)
-    rows = off_m // _SUM_ROWS + tl.arange(0, groups)
-    mask = (rows < tl.cdiv(M, _SUM_ROWS))[:, None] & (offs_n < N)[None, :]
+    rows = off_m // SUM_ROWS + tl.arange(0, groups)
+    mask = (rows < tl.cdiv(M, SUM_ROWS))[:, None] & (offs_n < N)[None, :]
     tl.store(p_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], sums, mask=mask)
 
 
 @triton.jit
 def finish_column_sums(
-    off_n, N, pid_n, num_pid_m, M, p_ptr, r_ptr, counter_ptr, BLOCK_N: tl.constexpr
+    off_n,
+    N,
+    pid_n,
+    num_pid_m,
+    M,
+    p_ptr,
+    r_ptr,
+    counter_ptr,
+    BLOCK_N: tl.constexpr,
+    SUM_ROWS: tl.constexpr,
 ):
     """After a tile's ``store_column_partial``s: the last of the num_pid_m tiles of column
     block pid_n to arrive adds the partials of its columns, in row order, into
     R[off_n:off_n + BLOCK_N], C's FP32 column sums (the same bits run to run), so that
     no second launch sums them (``arrivals.add_partials``)."""
-    parts = tl.cdiv(M, _SUM_ROWS)
+    parts = tl.cdiv(M, SUM_ROWS)
     add_partials(counter_ptr + pid_n, num_pid_m, p_ptr, parts, r_ptr, off_n, N, BLOCK_N, 8)
 
 

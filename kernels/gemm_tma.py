@@ -47,6 +47,7 @@ from mpgemm.kernels.gemm_common import (
     dot_rounded,
     finish_column_sums,
     grouped_tile,
+    operands_aligned,
     size_bucket,
     store_column_partial,
     store_epilogue,
@@ -110,8 +111,9 @@ def _hopper_configs() -> list[triton.Config]:
 
 
 def _single_config() -> list[triton.Config]:
-    # The tile every launch kind keeps (``fits``), so that none is timed.
-    return [c for c in _hopper_configs() if tile(c) == (64, 128, 64, 4)]
+    # The tile every launch kind keeps (``fits``: an unaligned C's GELU among them), so
+    # that none is timed.
+    return [c for c in _hopper_configs() if tile(c) == (64, 64, 64, 4)]
 
 
 def _interpreter_configs() -> list[triton.Config]:
@@ -163,21 +165,31 @@ def stores_in_parts(config: triton.Config, *, c_bytes: int) -> bool:
     return epilogue_parts(bm, bn, c_bytes) > 1
 
 
-def smem_estimate(config: triton.Config, *, c_bytes: int) -> int:
+def smem_estimate(config: triton.Config, *, c_bytes: int, c_aligned: bool) -> int:
     """An upper bound on the shared memory ``config`` takes: each stage holds a tile of
     A and B (16-bit), and the epilogue converts the accumulator's layout through at most
     BLOCK_M x BLOCK_N elements of C, a part of them where it stores in parts
-    (``epilogue_parts``), and at most CONVERSION_ELEMENTS of them; 1 KB for the
-    barriers. Checked against the compiled binaries by ``python -m mpgemm.kernels.aot``
-    (a binary over SMEM_BYTES is a defect there)."""
+    (``epilogue_parts``), and, where C (and G) are aligned (``C_ALIGNED``), at most
+    CONVERSION_ELEMENTS of them; 1 KB for the barriers. (Unaligned, the conversion may
+    take the whole part: 256x128 of FP16 in 4 stages took 262,176 bytes with C's rows
+    264 elements apart, on an H200 under triton 3.6 and compiled here under 3.9, and
+    229,408 with them 512 apart.) Checked against the compiled binaries by ``python -m
+    mpgemm.kernels.aot`` (a binary over SMEM_BYTES is a defect there)."""
     bm, bn, bk, _ = tile(config)
     stage = (bm + bn) * bk * 2
     part = epilogue_bytes(bm, bn, c_bytes) // epilogue_parts(bm, bn, c_bytes)
-    return config.num_stages * stage + min(part, CONVERSION_ELEMENTS * c_bytes) + 1024
+    conversion = min(part, CONVERSION_ELEMENTS * c_bytes) if c_aligned else part
+    return config.num_stages * stage + conversion + 1024
 
 
 def fits(
-    config: triton.Config, *, c_bytes: int, store_preact: bool, epilogue: bool, narrow: bool
+    config: triton.Config,
+    *,
+    c_bytes: int,
+    c_aligned: bool,
+    store_preact: bool,
+    epilogue: bool,
+    narrow: bool,
 ) -> bool:
     """Whether ``config`` suits such a launch on Hopper and compiles for it within the
     shared memory and without register spills (measured with ``python -m
@@ -191,15 +203,22 @@ def fits(
     gradients, FP32 and without either, take it. (A 16-bit input gradient masked by a
     ReLU's output and summed by column takes every tile: 128x256 took 199 to 246
     registers under 3.6, 254 and 255 under 3.9, 256x128 in 4 stages 254 and 255, no
-    spills; 256x128 in 3 stages spilled 24 bytes under 3.9, and is not a config.)"""
+    spills; 256x128 in 3 stages spilled 24 bytes under 3.9, and is not a config.)
+    An unaligned C (``c_aligned`` false: its stores element by element) halves those
+    budgets: with a bias and a ReLU 128x256 and 64x256 spilled 140 and 32 bytes under
+    3.9, and storing GELU's pre-activation 128x128, 128x64 and 64x128 208 to 568
+    (SiLU's 16 to 72); 64x64 none, nor any tile of a plain product."""
     bm, bn, _, warps = tile(config)
     if bn <= NARROW_N and not narrow:
         return False
-    if store_preact and bm * bn // (32 * warps) >= 128:
+    accumulator = bm * bn // (32 * warps)  # FP32 registers a thread
+    if store_preact and accumulator >= (128 if c_aligned else 64):
+        return False
+    if epilogue and not c_aligned and accumulator >= 128:
         return False
     if epilogue and stores_in_parts(config, c_bytes=c_bytes):
         return False
-    return smem_estimate(config, c_bytes=c_bytes) <= SMEM_BYTES
+    return smem_estimate(config, c_bytes=c_bytes, c_aligned=c_aligned) <= SMEM_BYTES
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -209,6 +228,7 @@ def _prune_configs(configs, named_args, **kwargs):
         if fits(
             config,
             c_bytes=named_args["c_ptr"].element_size(),
+            c_aligned=kwargs["C_ALIGNED"],
             store_preact=kwargs["STORE_PREACT"],
             epilogue=kwargs["HAS_BIAS"] or kwargs["ACTIVATION"] is not None or kwargs["RELU_GRAD"],
             narrow=named_args["N_BUCKET"] <= NARROW_N,
@@ -272,6 +292,12 @@ def _gemm_tma_kernel(
     STORE_PREACT: tl.constexpr,
     RELU_GRAD: tl.constexpr,
     C_SUMS: tl.constexpr,
+    # COLUMN_SUM_ROWS, as in the pointer kernel
+    SUM_ROWS: tl.constexpr,
+    # operands_aligned() of C and G, their pointers and strides: the JIT specialises
+    # on it anyway; as an argument the autotune key and pruning see it too (the
+    # epilogue's shared memory: smem_estimate)
+    C_ALIGNED: tl.constexpr,
     # a_desc describes A.T; b_desc describes B.T
     A_T: tl.constexpr,
     B_T: tl.constexpr,
@@ -386,14 +412,25 @@ def _gemm_tma_kernel(
                 RELU_GRAD,
             )
             if C_SUMS:
-                store_column_partial(stored, off_m, offs_n, M, N, p_ptr, BLOCK_M, INTERPRETED)
+                store_column_partial(
+                    stored, off_m, offs_n, M, N, p_ptr, BLOCK_M, SUM_ROWS, INTERPRETED
+                )
     if C_SUMS:
         # The arrivals after the tile loop: an atomic inside it stopped triton 3.9
         # pipelining the loop (no wgmma in flight, one stage of shared memory).
         for tile_id in range(tl.program_id(0), num_tiles, NUM_SMS):
             pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
             finish_column_sums(
-                pid_n * BLOCK_N, N, pid_n, num_pid_m, M, p_ptr, r_ptr, counter_ptr, BLOCK_N
+                pid_n * BLOCK_N,
+                N,
+                pid_n,
+                num_pid_m,
+                M,
+                p_ptr,
+                r_ptr,
+                counter_ptr,
+                BLOCK_N,
+                SUM_ROWS,
             )
 
 
@@ -407,6 +444,7 @@ _AUTOTUNE_KEY = [
     "STORE_PREACT",
     "RELU_GRAD",
     "C_SUMS",
+    "C_ALIGNED",
     "A_T",
     "B_T",
     "BATCHED",
@@ -535,7 +573,9 @@ def launch_tma_gemm(
     Returns what ``launch`` returns."""
     M, N = a.shape[-2], b.shape[-1]
     a_t, b_t = layout
-    flags = {**flags, "A_T": a_t, "B_T": b_t, "NUM_SMS": sms}
+    stored = [c] if g is None else [c, g]
+    c_aligned = operands_aligned(stored, [s for t in stored for s in t.stride()])
+    flags = {**flags, "C_ALIGNED": c_aligned, "A_T": a_t, "B_T": b_t, "NUM_SMS": sms}
     batch = 1  # outputs whose tiles the grid walks: products, or partial sums
     if c.dim() == 3:
         batch = c.shape[0]

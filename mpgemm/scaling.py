@@ -422,7 +422,11 @@ def _check_shapes(op: str, name: str, tensors: Sequence[torch.Tensor], **lists) 
     left to ``_dispatch``, which says so."""
     facts = None if torch.compiler.is_compiling() else list_facts(tensors, PLAIN_TYPES)
     for other, given in lists.items():
-        if given is None or given is tensors or len(given) != len(tensors):
+        if given is None or len(given) != len(tensors):
+            continue
+        # (torch 2.11's dynamo cannot trace `is` between two lists; traced, the same
+        # list's shapes are compared below as any other's)
+        if facts is not None and given is tensors:
             continue
         if facts is not None and facts.plain:
             known = list_facts(given, PLAIN_TYPES)  # (read once within reading_once)

@@ -622,7 +622,8 @@ def test_an_fp32_input_is_rounded_once_and_saved_in_16_bits(device):
     # x is saved as it is (a LoRA-like step's frozen layers, each input already alive).
     layer.requires_grad_(False)
     x.requires_grad_()
-    saved_x, saved_w = layer(x).grad_fn.saved_tensors
+    y = layer(x)  # (alive: its node, which frees the saved tensors as it dies, with it)
+    saved_x, saved_w = y.grad_fn.saved_tensors
     assert saved_x.dtype == torch.float32 and torch.equal(saved_x, x)
 
 

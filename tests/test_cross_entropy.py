@@ -230,7 +230,9 @@ def test_every_other_call_is_torchs(device):
         ((x, target[:4]), {}),  # a batch mismatch: torch's error
         ((x, target[:, None]), {}),  # a 2-D target: torch's error
         ((x[..., None], target), {}),  # K-dimensional logits, a 1-D target: torch's error
-        ((x[:, :0], target), {}),  # no classes: torch's error
+        # no classes: torch's error on the CPU; on a GPU torch's op asserts on the device
+        # (every target out of bounds), which ends the process's CUDA context
+        *([((x[:, :0], target), {})] if device.type == "cpu" else []),
         ((x.double(), target), {}),  # FP64 logits
         ((x, target), dict(size_average=False)),  # the deprecated arguments
         ((x, target), dict(reduce=False)),

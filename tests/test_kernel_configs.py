@@ -88,15 +88,20 @@ TMA_EPILOGUES = [
 ]
 
 
+@pytest.mark.parametrize("c_aligned", [True, False])
 @pytest.mark.parametrize("n_bucket", [16, 4096])
 @pytest.mark.parametrize("c_bytes", [2, 4])
 @pytest.mark.parametrize("has_bias, activation, store_preact, relu_grad", TMA_EPILOGUES)
 def test_every_tma_launch_keeps_a_config_within_shared_memory(
-    c_bytes, has_bias, activation, store_preact, relu_grad, n_bucket
+    c_bytes, has_bias, activation, store_preact, relu_grad, n_bucket, c_aligned
 ):
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
     flags = dict(
-        HAS_BIAS=has_bias, ACTIVATION=activation, STORE_PREACT=store_preact, RELU_GRAD=relu_grad
+        HAS_BIAS=has_bias,
+        ACTIVATION=activation,
+        STORE_PREACT=store_preact,
+        RELU_GRAD=relu_grad,
+        C_ALIGNED=c_aligned,
     )
     named = {"c_ptr": c, "N_BUCKET": n_bucket}
     kept = gemm_tma._prune_configs(gemm_tma._hopper_configs(), named, **flags)
@@ -105,18 +110,30 @@ def test_every_tma_launch_keeps_a_config_within_shared_memory(
     narrow = [k for k in kept if tile(k)[1] <= gemm_tma.NARROW_N]
     assert bool(narrow) == (n_bucket <= 16) and len(narrow) < len(kept)
     assert kept and all(
-        gemm_tma.smem_estimate(k, c_bytes=c_bytes) <= gemm_tma.SMEM_BYTES for k in kept
+        gemm_tma.smem_estimate(k, c_bytes=c_bytes, c_aligned=c_aligned) <= gemm_tma.SMEM_BYTES
+        for k in kept
     )
+    single = gemm_tma._prune_configs(gemm_tma._single_config(), named, **flags)
+    assert len(single) == 1
+    plain = not has_bias and activation is None and not relu_grad
+    if not c_aligned:
+        # An unaligned C's conversion may take a whole tile: no 4-stage tile of 128x256's
+        # accumulator in 16 bits (256x128 took 262,176 bytes so, on an H200); FP32's
+        # quarters still fit.
+        deep = [k for k in kept if tile(k)[0] * tile(k)[1] == 128 * 256 and k.num_stages == 4]
+        assert bool(deep) == (c_bytes == 4 and plain)
+        # Its element-by-element stores leave an epilogue half the registers: 64 of FP32
+        # accumulator a thread beside a ReLU, 32 beside GELU's pre-activation.
+        widest = max(tile(k)[0] * tile(k)[1] // (32 * tile(k)[3]) for k in kept)
+        assert widest == (128 if plain else 32 if store_preact else 64)
+        return
     # Tiles stored in parts serve plain products only (an FP32 weight gradient's).
     in_parts = [k for k in kept if gemm_tma.stores_in_parts(k, c_bytes=c_bytes)]
-    plain = not has_bias and activation is None and not relu_grad
     assert bool(in_parts) == (c_bytes == 4 and plain)
     # The 256-row tile, cuBLAS's for the input gradients: not beside GELU's
     # pre-activation (the accumulator's registers), nor stored in parts with an epilogue.
     tall = [k for k in kept if tile(k)[0] == 256]
     assert bool(tall) == (not store_preact and (c_bytes == 2 or plain))
-    single = gemm_tma._prune_configs(gemm_tma._single_config(), named, **flags)
-    assert len(single) == 1
 
 
 @pytest.mark.parametrize("c_bytes", [2, 4])
@@ -131,7 +148,11 @@ def test_the_four_stage_wide_tile_serves_16_bit_outputs_and_plain_fp32_ones(
     # 128 accumulator registers a thread.
     c = torch.empty(0, dtype=torch.float16 if c_bytes == 2 else torch.float32)
     flags = dict(
-        HAS_BIAS=has_bias, ACTIVATION=activation, STORE_PREACT=store_preact, RELU_GRAD=relu_grad
+        HAS_BIAS=has_bias,
+        ACTIVATION=activation,
+        STORE_PREACT=store_preact,
+        RELU_GRAD=relu_grad,
+        C_ALIGNED=True,
     )
     kept = gemm_tma._prune_configs(
         gemm_tma._hopper_configs(), {"c_ptr": c, "N_BUCKET": 4096}, **flags
@@ -140,7 +161,7 @@ def test_the_four_stage_wide_tile_serves_16_bit_outputs_and_plain_fp32_ones(
     plain = not has_bias and activation is None and not relu_grad
     assert bool(deep) == (not store_preact if c_bytes == 2 else plain)
     for config in deep:
-        assert gemm_tma.smem_estimate(config, c_bytes=c_bytes) == 230400
+        assert gemm_tma.smem_estimate(config, c_bytes=c_bytes, c_aligned=True) == 230400
     if c_bytes == 4:
         assert gemm_tma.epilogue_parts(128, 256, 4) == 4  # quarters of 32 KB
 
@@ -148,4 +169,5 @@ def test_the_four_stage_wide_tile_serves_16_bit_outputs_and_plain_fp32_ones(
 def test_what_tma_pruning_reads_is_in_its_autotune_key():
     # C's dtype triton adds to the key.
     keys = gemm_tma.tuned_gemm_tma_kernel.keys
-    assert {"STORE_PREACT", "HAS_BIAS", "ACTIVATION", "RELU_GRAD", "N_BUCKET"} <= set(keys)
+    pruning = {"STORE_PREACT", "HAS_BIAS", "ACTIVATION", "RELU_GRAD", "C_ALIGNED", "N_BUCKET"}
+    assert pruning <= set(keys)

@@ -222,7 +222,9 @@ def test_a_recorded_tma_launch_names_its_descriptors_by_dtype(tmp_path):
     # A descriptor's block shape is the config's: the binary depends on its dtype.
     assert record["specialization"]["a_desc"] == ["descriptor", "torch.float16"]
     c = torch.empty(64, 32, dtype=torch.float16)
-    flags = dict(HAS_BIAS=False, ACTIVATION=None, STORE_PREACT=False, RELU_GRAD=False)
+    flags = dict(
+        HAS_BIAS=False, ACTIVATION=None, STORE_PREACT=False, RELU_GRAD=False, C_ALIGNED=True
+    )
     named = {"c_ptr": c, "N_BUCKET": 32}  # (N is 32)
     kept = gemm_tma._prune_configs(gemm_tma.GPU_CONFIGS, named, **flags)
     assert record["configs"] == len(kept)
@@ -273,7 +275,7 @@ def _times(x_ptr, y_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offsets, FACTOR * tl.load(x_ptr + offsets, mask=mask), mask=mask)
 
 
-def test_the_record_of_a_choice_has_every_config_the_autotuner_timed(monkeypatch):
+def test_the_record_of_a_choice_has_every_config_the_autotuner_timed(device, monkeypatch):
     """Where the autotuner times configs for a launch kind, ``chosen_configs`` keeps
     each one's median beside the choice (a failed config's as None); a kind it did not
     time (a constexpr apart, which the autotuner's key leaves out: its own cache
@@ -291,7 +293,7 @@ def test_the_record_of_a_choice_has_every_config_the_autotuner_timed(monkeypatch
 
     configs = [triton.Config({"BLOCK": block}, num_warps=4) for block in (16, 32, 64)]
     kernel = triton.autotune(configs, key=["n"], do_bench=bench)(triton.jit(_times))
-    x = torch.arange(100, dtype=torch.float32)
+    x = torch.arange(100, dtype=torch.float32, device=device)
     y = torch.full_like(x, float("nan"))
     grid = lambda meta: (triton.cdiv(100, meta["BLOCK"]),)  # noqa: E731
     launches.launch(kernel, grid, x, y, 100, FACTOR=2)

@@ -32,9 +32,8 @@ from tests.accuracy import (
 
 pytest.importorskip("triton")
 
-import triton.language as tl  # noqa: E402
 
-from mpgemm.kernels import gemm, gemm_common  # noqa: E402
+from mpgemm.kernels import gemm  # noqa: E402
 
 # M, K, N: ragged against the interpreter's 32x32x32 tiles.
 M, K, N = 72, 112, 48
@@ -57,8 +56,7 @@ def test_the_masked_product_and_its_column_sums_within_the_bar(
     kernel, compute_dtype, summed_rows, device, monkeypatch
 ):
     monkeypatch.setattr(gemm, "multiprocessors", lambda device: 3)  # tiles a program: 4
-    monkeypatch.setattr(gemm, "COLUMN_SUM_ROWS", summed_rows)
-    monkeypatch.setattr(gemm_common, "_SUM_ROWS", tl.constexpr(summed_rows))
+    monkeypatch.setattr(gemm, "COLUMN_SUM_ROWS", summed_rows)  # (the launches' SUM_ROWS)
     if kernel.endswith("quarters"):
         store_in_parts(monkeypatch, 4, compute_dtype.itemsize)
     torch.manual_seed(0)
