@@ -135,7 +135,8 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
 
     def relu_into(fan_out, *, out_dtype=None, rows=m, loss=False):
         # A ReLU layer's output as the next layer's input: that layer's input gradient
-        # takes the ReLU's backward into its epilogue (functional._fusable_relu).
+        # takes the ReLU's backward into its epilogue (functional._fusable_relu; on in
+        # _launches).
         relu = Linear(k, n, activation="relu", compute_dtype=half)
         layer = Linear(n, fan_out, compute_dtype=half, out_dtype=out_dtype)
         x = _tensor((rows, k), half, aligned)
@@ -432,17 +433,25 @@ def _workloads(group: str, dtype: str, spec: str):
 def _launches(run) -> list[tuple]:
     """The launches ``run`` makes, intercepted: (kernel, grid, args, kwargs, configs,
     phase), phase "forward" or "backward"."""
+    from mpgemm import functional
+
     made = []
     phase = "forward"
 
     def keep(kernel, grid, args, kwargs, configs):
         made.append((kernel, grid, args, kwargs, configs(), phase))
 
-    with intercept(keep):
-        out = run()
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            phase = "backward"
-            out.backward(torch.empty_like(out))
+    # The ReLU's backward fused into the next layer's input gradient too, which is off
+    # by default (functional._FUSE_RELU), so that its launches are compiled as well.
+    fuse, functional._FUSE_RELU = functional._FUSE_RELU, True
+    try:
+        with intercept(keep):
+            out = run()
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                phase = "backward"
+                out.backward(torch.empty_like(out))
+    finally:
+        functional._FUSE_RELU = fuse
     return made
 
 

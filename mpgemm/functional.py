@@ -509,8 +509,13 @@ class LinearFunction(_Function):
 
 
 # Whether a ReLU's backward may run in the epilogue of the GEMM that makes its output's
-# gradient (``_fusable_relu``); off, each ReLU's node runs its own kernel (for A/Bs).
-_FUSE_RELU = True
+# gradient (``_fusable_relu``); off, each ReLU's node runs its own kernel. Off: on an
+# H200 (run13, bench/results/h200-2026-11-27) the fused epilogue made the guide MLP's
+# 4096-wide input gradient 566.9 us where the plain GEMM took 370.8 and the ReLU's own
+# kernel 54.8, the head's 149.4 where they took 35.6 and 54.8, and the graphed guide
+# step 1913 us where it took 1740 unfused (bench/ab_graph.py; the small MLP's 56.1 us
+# against 57.6). The fused path stays for A/Bs, its tests and its compile check.
+_FUSE_RELU = False
 
 
 def _fusable_relu(

@@ -799,7 +799,7 @@ def relu_fusion_case(seed: int) -> None:
             params = [*relu.parameters(), *head.parameters()]
             runs.append([x.grad, *(p.grad for p in params), *looks])
     finally:
-        functional._FUSE_RELU = True
+        functional._FUSE_RELU = False
     (fused, unfused), bias_at = runs, 2 if bias else None
     assert len(fused) == len(unfused), what
     for i, (got, want) in enumerate(zip(fused, unfused, strict=True)):

@@ -325,7 +325,7 @@ def test_the_graph_ab_steps_every_variant_to_the_same_bits():
         "as shipped",
         "grads zeroed in place",
         "pdl",
-        "relu backward unfused",
+        "relu backward fused",
         "as shipped, control",
     ]
     timed, summaries = rows[:-4], rows[-4:]
@@ -333,7 +333,7 @@ def test_the_graph_ab_steps_every_variant_to_the_same_bits():
     assert all(r["us"] > 0 and r["pdl"] is False for r in timed)
     assert [s["impl"] for s in summaries] == impls[1:]
     assert all(s["shipped_speedup"] > 0 and s["mode"] == "mpgemm" for s in summaries)
-    assert all(s["same_bits"] for s in summaries if s["impl"] != "relu backward unfused")
+    assert all(s["same_bits"] for s in summaries if s["impl"] != "relu backward fused")
 
 
 def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_path):
