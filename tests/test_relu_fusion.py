@@ -34,6 +34,7 @@ pytest.importorskip("triton")
 
 
 from mpgemm.kernels import gemm  # noqa: E402
+from mpgemm.kernels.launches import intercept, jit_function, named_arguments  # noqa: E402
 
 # M, K, N: ragged against the interpreter's 32x32x32 tiles.
 M, K, N = 72, 112, 48
@@ -69,9 +70,22 @@ def test_the_masked_product_and_its_column_sums_within_the_bar(
         with gemm.use_kernel(kernel.split(",")[0]):
             return gemm.triton_gemm(a, b, colsum_c=True, **kwargs)
 
-    names, (c, g, r) = launched_kernels(product)
-    assert names == ["_gemm_kernel" if kernel == "pointer" else "_gemm_tma_kernel"]
+    launched = []
+
+    def keep(kernel, grid, args, kwargs, configs):
+        launched.append((jit_function(kernel).fn.__name__, named_arguments(kernel, args, kwargs)))
+        kernel[grid](*args, **kwargs)
+
+    with intercept(keep):
+        c, g, r = product()
+    [(name, named)] = launched
+    assert name == ("_gemm_kernel" if kernel == "pointer" else "_gemm_tma_kernel")
     assert g is None and r.shape == (N,) and r.dtype == torch.float32
+    # The partials as the launch laid them out: a row per summed_rows rows of C, each
+    # written (the allocation is poisoned with NaN).
+    partials = named["p_ptr"]
+    assert named["SUM_ROWS"] == summed_rows and partials.shape == (-(-M // summed_rows), N)
+    assert partials.isfinite().all()
     ref_c, _, ref_r = gemm_ref(a, b, colsum_c=True, **kwargs)
     masked = y <= 0
     exact = (a.double() @ b.double()).masked_fill(masked, 0)
