@@ -177,13 +177,15 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
         # Operands a descriptor takes, C's rows 264 elements apart (not a multiple of 16):
         # the epilogue's layout conversion may then take a whole tile (gemm_tma's
         # C_ALIGNED; 256x128 in 4 stages took 262,176 bytes so).
+        # The weights need a gradient, so that GELU's forward stores z beside its output
+        # (STORE_PREACT); the output is detached: the forward's launch alone.
         x6 = _tensor((m, k), half, aligned)
-        w6 = _tensor((264, k), half, aligned)
-        b6 = _tensor((264,), f32, aligned)
+        w6 = _tensor((264, k), half, aligned).requires_grad_()
+        b6 = _tensor((264,), f32, aligned).requires_grad_()
         for activation in ("relu", "gelu"):
             yield (
                 f"forward {activation}, C's rows unaligned",
-                functools.partial(linear, x6, w6, b6, activation=activation),
+                functools.partial(_detached, linear, x6, w6, b6, activation=activation),
             )
     # Launches of at most 16 columns take the 16-wide tiles: a 10-class head (its
     # forward, unaligned; its weight gradient, C.T = B.T @ A.T, either way), and,
@@ -222,6 +224,10 @@ def _gemm_workloads(half: torch.dtype, spec: str) -> Iterator[tuple[str, object]
     # projections: two batch dimensions that do not merge, one launch (OUTER).
     q, kt = (_tensor((2, m, 3, k), half, aligned).transpose(1, 2) for _ in range(2))
     yield "matmul batched, transposed heads", lambda: matmul(q, kt.transpose(-1, -2))
+
+
+def _detached(fn, *args, **kwargs) -> torch.Tensor:
+    return fn(*args, **kwargs).detach()
 
 
 def _scaling_workloads(spec: str) -> Iterator[tuple[str, object]]:
