@@ -10,7 +10,8 @@
 # that does); ab (bench/ab_activation.py against
 # $SCRATCH/old_activation.py, skipped without it; SCRATCH is .scratch unless set); adam
 # (bench/probe_adam.py, then ncu on its Adam step and 4/4 stream, every stall reason); graph
-# (bench/ab_graph.py: the graphed steps as shipped against variants). A
+# (bench/ab_graph.py: the graphed steps, then the eager ones, as shipped against
+# variants). A
 # part starts only with its minimum time left, and every part is cut at the session's
 # end. GPU_CHECK_DRY_RUN=1: the same on a CPU at toy scale (the stages' dry runs, the
 # scripts' --smoke, their kernels interpreted).
@@ -33,7 +34,7 @@ sections="launch,phases,guide mpgemm,guide mpgemm_cuda_graph,guide autocast_fuse
 # Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
 declare -A minimum=(
   [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60
-  [graph]=40
+  [graph]=55
 )
 # ncu on probe_adam.py --ncu's third Adam step and its stream: speed of light, memory,
 # and the warps' stall reasons, each one (the section's table names only the largest);
