@@ -765,7 +765,7 @@ def relu_fusion_case(seed: int) -> None:
     x_grad = random.random() < 0.3
     what = f"relu_fusion seed {seed}: x {(*lead, k)} {x_dtype} -> {n} ({relu_out}) -> {m} "
     what += f"({head_out}), compute {compute}, bias {bias}, frozen {frozen}, seen {seen}"
-    runs = []
+    runs, shipped = [], functional._FUSE_RELU
     try:
         for fuse in (True, False):
             functional._FUSE_RELU = fuse
@@ -799,7 +799,7 @@ def relu_fusion_case(seed: int) -> None:
             params = [*relu.parameters(), *head.parameters()]
             runs.append([x.grad, *(p.grad for p in params), *looks])
     finally:
-        functional._FUSE_RELU = False
+        functional._FUSE_RELU = shipped
     (fused, unfused), bias_at = runs, 2 if bias else None
     assert len(fused) == len(unfused), what
     for i, (got, want) in enumerate(zip(fused, unfused, strict=True)):
