@@ -9,12 +9,12 @@ JIT specialises the arguments exactly as on a GPU (integers and strides divisibl
 16-byte-aligned pointers, unit strides), and only then pipelines the GEMM's main loop.
 Each launch kind is compiled at an aligned shape (as at 4096, 8192 or 784) and at an
 unaligned one (odd sizes, an operand off its 16-byte boundary), for every autotune
-config that pruning keeps. The ptxas inside the triton wheel reports registers and
-spills. No GPU or driver is needed.
+config that pruning keeps. cuobjdump (in the triton wheel) reads each binary's
+registers and stack frame, where spills go. No GPU or driver is needed.
 
     python -m mpgemm.kernels.aot     # one JSON line per binary, exit 1 on a defect
 
-A defect: a GEMM without wgmma, with register spills or with more shared memory than
+A defect: a GEMM without wgmma, with a stack frame (register spills) or with more shared memory than
 an H100 block may have (it would fail to launch); a streaming kernel (loss scaling, an
 activation's backward, the cross-entropy) with spills, approximate FP32 math (torch
 divides and takes square roots exactly and keeps denormals) or, when aligned, no
@@ -511,32 +511,30 @@ def jobs() -> list[Job]:
 # -- compiling and reading the binary ---------------------------------------------------
 
 
-def _ptxas_path() -> str:
-    # The ptxas triton itself assembles sm_90 with (the wheel ships two, by version).
-    from triton.backends.nvidia.compiler import get_ptxas
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and stack frame bytes per thread of the binary the JIT assembled, as
+    ``cuobjdump --dump-resource-usage`` (in the triton wheel) reads them from the cubin.
+    A spilled register lives in the stack frame, and triton's kernels keep no arrays in
+    local memory, so a frame of 0 bytes means no spills (ptxas's log, which gives the
+    spills themselves, is discarded by triton's compile, and a second ptxas run without
+    the JIT's options may assemble a different binary)."""
+    from triton import knobs
 
-    return get_ptxas(HOPPER.arch).path
-
-
-def ptxas_report(ptx: str) -> dict:
-    """Registers and spill bytes per thread, from ``ptxas -v`` for sm_90a. ptxas runs a
-    second time here because triton.compile discards the log of its own run."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        log = subprocess.run(
-            [_ptxas_path(), "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.o")],
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path],
             check=True,
             capture_output=True,
             text=True,
-        ).stderr
-    registers = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {
-        "registers": int(registers.group(1)),
-        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
-    }
+        ).stdout
+    registers = re.search(r"\bREG:(\d+)", usage)
+    stack = re.search(r"\bSTACK:(\d+)", usage)
+    if registers is None or stack is None:
+        raise RuntimeError(f"cuobjdump gave no registers or stack size:\n{usage}")
+    return {"registers": int(registers.group(1)), "stack_bytes": int(stack.group(1))}
 
 
 # FP32 operations that round differently from torch's: approximate division, square
@@ -607,7 +605,7 @@ def compile_job(job: Job) -> dict:
         # Values moved between thread layouts through shared memory, with barriers.
         "layout_conversions": compiled.asm["ttgir"].count("ttg.convert_layout"),
         **ptx_facts(ptx),
-        **ptxas_report(ptx),
+        **resource_usage(compiled.asm["cubin"]),
     }
     if name in _GEMMS:
         report.update(
@@ -616,7 +614,7 @@ def compile_job(job: Job) -> dict:
             flags={k: v for k, v in kwargs.items() if k.isupper()},
         )
         report["ok"] = (
-            report["wgmma"] and report["spill_bytes"] == 0 and report["smem_bytes"] <= SMEM_BYTES
+            report["wgmma"] and report["stack_bytes"] == 0 and report["smem_bytes"] <= SMEM_BYTES
         )
     else:
         # The loss-scaling kernels and the activation's backward walk whole aligned
@@ -627,7 +625,7 @@ def compile_job(job: Job) -> dict:
         # The table kernels are elementwise: every list in one layout (narrow_pointers).
         one_layout = name not in _ELEMENTWISE or report["layout_conversions"] == 0
         report["ok"] = (
-            report["spill_bytes"] == 0 and not report["approx_fp32"] and vectorised and one_layout
+            report["stack_bytes"] == 0 and not report["approx_fp32"] and vectorised and one_layout
         )
     if job.pdl:
         report["ok"] = (
@@ -654,8 +652,8 @@ def main() -> int:
     defects = sum(not report["ok"] for report in reports)
     print(
         f"{len(reports)} kernels compiled for sm_90a, {defects} with a defect (GEMM: no "
-        "wgmma, spills or too much shared memory; streaming: spills, approximate FP32 "
-        "math, scalar loads)"
+        "wgmma, a stack frame (spills) or too much shared memory; streaming: a stack frame, "
+        "approximate FP32 math, scalar loads)"
     )
     return 1 if defects else 0
 

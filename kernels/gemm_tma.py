@@ -189,21 +189,24 @@ def fits(
     c_aligned: bool,
     store_preact: bool,
     epilogue: bool,
+    relu_grad: bool,
     narrow: bool,
 ) -> bool:
     """Whether ``config`` suits such a launch on Hopper and compiles for it within the
-    shared memory and without register spills (measured with ``python -m
-    mpgemm.kernels.aot``): tiles at most NARROW_N wide serve launches of at most that
-    many columns (``narrow``) only;
+    shared memory and without register spills (the binaries of ``python -m
+    mpgemm.kernels.aot``, under Triton 3.6 and 3.9): tiles at most NARROW_N wide serve
+    launches of at most that many columns (``narrow``) only;
     storing GELU's or SiLU's pre-activation beside the output is held to an accumulator
     of fewer than 128 registers per thread (the activation's erf or exp over more made
     128x256 and 64x256 spill 56 to 400 bytes under 3.9), and a tile stored in parts
     leaves no registers for a bias or an activation or a ReLU's mask (``epilogue``:
     128x256 of FP32 logits plus a bias spilled 24 bytes under Triton 3.6); weight
-    gradients, FP32 and without either, take it. (A 16-bit input gradient masked by a
-    ReLU's output and summed by column takes every tile: 128x256 took 199 to 246
-    registers under 3.6, 254 and 255 under 3.9, 256x128 in 4 stages 254 and 255, no
-    spills; 256x128 in 3 stages spilled 24 bytes under 3.9, and is not a config.)
+    gradients, FP32 and without either, take it. An input gradient masked by a ReLU's
+    output and summed by column (``relu_grad``) takes tiles of at most 64x256: 128x256
+    and 256x128 spilled 8 to 56 bytes under 3.9 (254 and 255 registers; 199 to 246, no
+    spills, under 3.6). An epilogue storing an FP32 or unaligned C takes no 8-warp
+    tile: 128x128 spilled 48 bytes with FP32 logits plus a bias, 8 with an unaligned C
+    plus a bias and a ReLU, under 3.9 (255 registers).
     An unaligned C (``c_aligned`` false: its stores element by element) halves those
     budgets: with a bias and a ReLU 128x256 and 64x256 spilled 140 and 32 bytes under
     3.9, and storing GELU's pre-activation 128x128, 128x64 and 64x128 208 to 568
@@ -215,6 +218,10 @@ def fits(
     if store_preact and accumulator >= (128 if c_aligned else 64):
         return False
     if epilogue and not c_aligned and accumulator >= 128:
+        return False
+    if relu_grad and bm * bn > 64 * 256:
+        return False
+    if epilogue and (c_bytes == 4 or not c_aligned) and warps == 8:
         return False
     if epilogue and stores_in_parts(config, c_bytes=c_bytes):
         return False
@@ -231,6 +238,7 @@ def _prune_configs(configs, named_args, **kwargs):
             c_aligned=kwargs["C_ALIGNED"],
             store_preact=kwargs["STORE_PREACT"],
             epilogue=kwargs["HAS_BIAS"] or kwargs["ACTIVATION"] is not None or kwargs["RELU_GRAD"],
+            relu_grad=kwargs["RELU_GRAD"],
             narrow=named_args["N_BUCKET"] <= NARROW_N,
         )
     ]
