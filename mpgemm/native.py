@@ -8,17 +8,22 @@ C: some 14 us per pass over 200 tensors, several passes per list, hundreds of
 microseconds of host time per step of a model with hundreds of parameters. So
 ``list_facts.cpp`` reads a whole list in C++ (about 2 us for 200 tensors), built on first
 use by torch's extension builder (``torch.utils.cpp_extension.load``: a C++ compiler and
-ninja; cached per source, torch and Python in torch's extension directory, so a process
-builds it once per machine, in some 25 s, and later ones load it). Where it cannot be
-built (no compiler, no ninja; or ``MPGEMM_NATIVE=0``), the same facts come from passes
-in Python, with one warning.
+ninja), in some 25 s, into a folder of torch's extension directory named by the
+source's contents, torch's version and Python's (``build_folder``), so that a machine
+builds it once and later processes load it, whichever checkout or install they import
+it from (torch's own folder, by name alone, holds a ninja file with the source's path,
+and rebuilt the helper for each checkout in turn). Where it cannot be built (no
+compiler, no ninja; or ``MPGEMM_NATIVE=0``), the same facts come from passes in Python,
+with one warning.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import operator
 import os
+import sys
 import threading
 import warnings
 from array import array
@@ -137,7 +142,13 @@ def native_module():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="mpgemm_list_facts", sources=[_SOURCE], extra_cflags=["-O2"])
+        folder, source = build_folder(_SOURCE)
+        return load(
+            name="mpgemm_list_facts",
+            sources=[source],
+            build_directory=folder,
+            extra_cflags=["-O2"],
+        )
     except Exception as error:  # no compiler or ninja, or headers it cannot build with
         warnings.warn(
             f"mpgemm: the C++ list helper did not build ({type(error).__name__}: {error}); "
@@ -146,6 +157,29 @@ def native_module():
             stacklevel=2,
         )
         return None
+
+
+def build_folder(path: str) -> tuple[str, str]:
+    """(folder, source): where the helper whose source is the file at ``path`` is built,
+    in torch's extension directory, and the copy of that source it is built from: both
+    named by the source's contents and the torch and Python it is built for, not by
+    ``path`` (the copy is made once)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    with open(path, "rb") as f:
+        text = f.read()
+    build = f"{torch.__version__} {torch.version.cuda} {torch.version.hip} {sys.version}"
+    key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    folder = os.path.join(root, f"mpgemm_list_facts_{key}")
+    source = os.path.join(folder, "list_facts.cpp")
+    if not os.path.exists(source):
+        os.makedirs(folder, exist_ok=True)
+        partial = f"{source}.{os.getpid()}"
+        with open(partial, "wb") as f:
+            f.write(text)
+        os.replace(partial, source)  # whole, for a process that builds it meanwhile
+    return folder, source
 
 
 def native_list_facts():

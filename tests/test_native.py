@@ -172,3 +172,20 @@ def test_an_op_reads_each_of_its_lists_once_and_no_more(device, monkeypatch):
     )  # fmt: skip
     assert len(reads) == len(set(reads)) == 5  # params (as their own copies), grads, moments, steps
     assert native._reading.facts is None  # nothing kept between ops
+
+
+def test_the_helper_is_built_once_per_source_whichever_path_holds_it(tmp_path, monkeypatch):
+    """Two checkouts of the same source share one build; an edited source gets its own.
+    (Torch's folder by name alone holds a ninja file with the source's path: a second
+    checkout rebuilt the helper, and the first rebuilt it again.)"""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    text = open(native._SOURCE, "rb").read()
+    paths = []
+    for checkout in ("one", "two", "edited"):
+        (tmp_path / checkout).mkdir()
+        paths.append(tmp_path / checkout / "list_facts.cpp")
+        paths[-1].write_bytes(text + (b"// edited\n" if checkout == "edited" else b""))
+    (one, one_source), (two, two_source), (edited, _) = map(native.build_folder, map(str, paths))
+    assert one == two != edited
+    assert one_source == two_source and open(one_source, "rb").read() == text
+    assert one.startswith(str(tmp_path / "extensions"))
