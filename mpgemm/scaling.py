@@ -414,6 +414,21 @@ def _check_lists(op: str, src, dst) -> Collection[type]:
     return src_types
 
 
+def _check_sequences(op: str, **lists) -> None:
+    """TypeError where one of ``lists`` (by name; None: not given) holds anything but
+    tensors, as torch's foreach and fused ops refuse one. Plain tensors, the usual case,
+    are answered from the lists' facts, which the op reads anyway."""
+    for name, items in lists.items():
+        if items is None or list_facts(items, PLAIN_TYPES).plain:
+            continue
+        for index, item in enumerate(items):
+            if not isinstance(item, torch.Tensor):
+                raise TypeError(
+                    f"mpgemm.scaling.{op}: {name} must be a sequence of tensors, got "
+                    f"{type(item).__name__} at index {index}"
+                )
+
+
 def _check_shapes(op: str, name: str, tensors: Sequence[torch.Tensor], **lists) -> None:
     """ValueError where one of ``lists`` (by name; None: not given) holds other shapes
     than ``tensors`` (named ``name``), position by position: the kernels walk each
@@ -663,8 +678,6 @@ def sgd_step_(
     Raises ValueError for momentum with dampening and no ``steps``, or for gradients,
     buffers or copies of other shapes than the parameters'."""
     compiling = torch.compiler.is_compiling()
-    if params and not compiling:
-        hyper, groups = _hyperparameters_on(hyper, params, groups)
     momentum, dampening = (host_number(n, hyper.get(n, 0.0)) for n in ("momentum", "dampening"))
     if momentum != 0 and dampening != 0 and steps is None:
         raise ValueError(
@@ -687,15 +700,12 @@ def sgd_step_(
     # come last.
     buffers = [] if momentum_buffers is None else [momentum_buffers]
     counts = [] if steps is None else [steps]
-    with reading_once():  # the check, the split by dtype and the launch table
-        _check_shapes(
-            "sgd_step_",
-            "params",
-            params,
-            grads=grads,
-            momentum_buffers=momentum_buffers,
-            compute_copies=compute_copies,
-        )
+    with reading_once():  # the checks, the split by dtype and the launch table
+        lists = dict(grads=grads, momentum_buffers=momentum_buffers, compute_copies=compute_copies)
+        _check_sequences("sgd_step_", params=params, steps=steps, **lists)
+        if params:
+            hyper, groups = _hyperparameters_on(hyper, params, groups)
+        _check_shapes("sgd_step_", "params", params, **lists)
         if steps is not None:
             _check_counts("sgd_step_", steps)
         _dispatch(
@@ -760,22 +770,17 @@ def adam_step_(
             **_as_op_arguments(hyper),
         )
         return
-    if params:
-        hyper, groups = _hyperparameters_on(hyper, params, groups)
     copies = params if compute_copies is None else compute_copies
     # AMSGrad's maxima are walked with the moments, before the copies and step counts.
     maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]
-    with reading_once():  # the check, the split by dtype and the launch table
-        _check_shapes(
-            "adam_step_",
-            "params",
-            params,
-            grads=grads,
-            exp_avgs=exp_avgs,
-            exp_avg_sqs=exp_avg_sqs,
-            max_exp_avg_sqs=max_exp_avg_sqs,
-            compute_copies=compute_copies,
-        )
+    with reading_once():  # the checks, the split by dtype and the launch table
+        lists: dict[str, Sequence[torch.Tensor] | None] = dict(grads=grads, exp_avgs=exp_avgs)
+        lists |= dict(exp_avg_sqs=exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs)
+        lists["compute_copies"] = compute_copies
+        _check_sequences("adam_step_", params=params, steps=steps, **lists)
+        if params:
+            hyper, groups = _hyperparameters_on(hyper, params, groups)
+        _check_shapes("adam_step_", "params", params, **lists)
         _check_counts("adam_step_", steps)
         _dispatch(
             "adam_step",

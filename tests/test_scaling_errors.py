@@ -196,6 +196,57 @@ def test_an_optimizer_step_refuses_lists_of_other_shapes(device, op, name, posit
     assert not any(p.any() for p in params)
 
 
+@pytest.mark.parametrize(
+    "op, name",
+    [
+        ("sgd_step_", "params"),
+        ("sgd_step_", "grads"),
+        ("sgd_step_", "momentum_buffers"),
+        ("sgd_step_", "compute_copies"),
+        ("sgd_step_", "steps"),
+        ("adam_step_", "params"),
+        ("adam_step_", "grads"),
+        ("adam_step_", "exp_avgs"),
+        ("adam_step_", "exp_avg_sqs"),
+        ("adam_step_", "max_exp_avg_sqs"),
+        ("adam_step_", "compute_copies"),
+        ("adam_step_", "steps"),
+    ],
+)
+@pytest.mark.parametrize("item", [0.0, None], ids=["number", "None"])
+def test_an_optimizer_step_refuses_lists_of_other_than_tensors(path_device, op, name, item):
+    # As torch's foreach and fused ops do (a TypeError), naming the list and the entry,
+    # where a list holding a number once failed with an AttributeError.
+    device = path_device
+    params = [torch.zeros(5, device=device), torch.zeros(3, device=device)]
+    lists = {
+        "params": params,
+        "grads": [torch.ones_like(p) for p in params],
+        "compute_copies": [p.clone() for p in params],
+        "steps": [torch.zeros((), device=device) for _ in params],
+    }
+    if op == "sgd_step_":
+        lists["momentum_buffers"] = [torch.zeros_like(p) for p in params]
+    else:
+        for moments in ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"):
+            lists[moments] = [torch.zeros_like(p) for p in params]
+
+    def step(lists):
+        hyper = dict(lr=0.1, weight_decay=0.0, maximize=False)
+        if op == "sgd_step_":
+            scaling.sgd_step_(**lists, momentum=0.9, dampening=0.5, nesterov=False, **hyper)
+        else:
+            hyper.update(beta1=0.9, beta2=0.999, eps=1e-8, decoupled_weight_decay=False)
+            scaling.adam_step_(**lists, **hyper)
+
+    message = f"{op}: {name} must be a sequence of tensors, got {type(item).__name__} at index 1"
+    with pytest.raises(TypeError, match=message):
+        step({**lists, name: [lists[name][0], item]})
+    assert not any(p.any() for p in params)
+    step(lists)  # the same call with tensors throughout
+    assert all(p.any() for p in params)
+
+
 def test_each_op_names_its_kernel_and_reference_in_one_table():
     # An explicit table, not names built from strings: each op's two implementations
     # take the same parameters, so either serves a call.
