@@ -183,14 +183,17 @@ def _launcher(op: str) -> Callable:
 
 
 def _check_compute_dtype(op: str, compute_dtype: torch.dtype) -> None:
-    if compute_dtype not in COMPUTE_DTYPES:
+    # (isinstance first: ``in`` would compare a tensor given here with each dtype)
+    if not isinstance(compute_dtype, torch.dtype) or compute_dtype not in COMPUTE_DTYPES:
         raise TypeError(
             f"{op}: compute_dtype must be torch.float16 or torch.bfloat16, got {compute_dtype}"
         )
 
 
 def _check_out_dtype(op: str, out_dtype: torch.dtype | None) -> None:
-    if out_dtype is not None and out_dtype not in INPUT_DTYPES:
+    if out_dtype is not None and (
+        not isinstance(out_dtype, torch.dtype) or out_dtype not in INPUT_DTYPES
+    ):
         raise TypeError(
             f"{op}: out_dtype must be None, torch.float32, torch.float16 or torch.bfloat16, "
             f"got {out_dtype}"
@@ -900,7 +903,8 @@ def _linear(
     op = "mpgemm.linear"
     _check_not_jit_traced(op)
     _check_tensors(op, input=input, weight=weight, bias=bias)
-    compute_dtype = compute_dtype or compute_dtype_for(input, weight)
+    if compute_dtype is None:
+        compute_dtype = compute_dtype_for(input, weight)
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)
     _check_activation(op, activation)
@@ -977,7 +981,8 @@ def matmul(
     op = "mpgemm.matmul"
     _check_not_jit_traced(op)
     _check_tensors(op, a=a, b=b, out=out)
-    compute_dtype = compute_dtype or compute_dtype_for(a, b)
+    if compute_dtype is None:
+        compute_dtype = compute_dtype_for(a, b)
     _check_compute_dtype(op, compute_dtype)
     _check_out_dtype(op, out_dtype)
     out_dtype = out_dtype or compute_dtype

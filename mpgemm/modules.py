@@ -344,6 +344,10 @@ def convert(
     ``keep_output_fp32`` may give any); if those places have different parents or
     attribute names, it is called from each and fused with nothing.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"mpgemm.convert: module must be a torch.nn.Module, got {type(module).__name__}"
+        )
     if compute_dtype is not None:
         _check_compute_dtype("mpgemm.convert", compute_dtype)
 

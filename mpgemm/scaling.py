@@ -535,6 +535,14 @@ def update_scale_(
     step in ``skipped_steps`` (a one-element int64 tensor) if given, and with
     ``clear_found_inf`` zero ``found_inf`` once read (so that it can serve as the next
     iteration's flag): on the device, in one launch."""
+    named = [("scale", scale), ("growth_tracker", growth_tracker), ("found_inf", found_inf)]
+    if skipped_steps is not None:
+        named.append(("skipped_steps", skipped_steps))
+    for name, t in named:  # (as torch's op refuses a number: TypeError)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"mpgemm.scaling.update_scale_: {name} must be a tensor, got {type(t).__name__}"
+            )
     if skipped_steps is not None and (
         skipped_steps.dtype != torch.int64
         or skipped_steps.numel() != 1

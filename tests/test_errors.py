@@ -30,19 +30,37 @@ def test_unsupported_input_dtypes_raise_type_error(dtype):
         mpgemm.linear(torch.randn(2, 3), torch.ones(4, 3, dtype=dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
+# Not a dtype at all: a tensor (whose truth value, read as a default's test, raised a
+# RuntimeError), a dtype's name, a number.
+NOT_DTYPES = [torch.ones(2, 2), torch.ones(()), "float16", 16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8, *NOT_DTYPES])
 def test_compute_dtype_must_be_16_bit(dtype):
     with pytest.raises(TypeError, match="compute_dtype"):
         mpgemm.matmul(torch.randn(2, 3), torch.randn(3, 4), compute_dtype=dtype)
+    with pytest.raises(TypeError, match="mpgemm.linear: compute_dtype"):
+        mpgemm.linear(torch.randn(2, 3), torch.randn(4, 3), compute_dtype=dtype)
+    with pytest.raises(TypeError, match="mpgemm.Linear: compute_dtype"):
+        mpgemm.Linear(3, 4, compute_dtype=dtype)
     # convert names itself, also for a model with no nn.Linear to hand the value to.
     for model in (torch.nn.Linear(3, 4), torch.nn.Sequential(torch.nn.ReLU())):
         with pytest.raises(TypeError, match="mpgemm.convert: compute_dtype"):
             mpgemm.convert(model, compute_dtype=dtype)
 
 
-def test_out_dtype_must_be_a_float_type_we_store():
-    with pytest.raises(TypeError, match="out_dtype"):
-        mpgemm.matmul(torch.randn(2, 3), torch.randn(3, 4), out_dtype=torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float64, *NOT_DTYPES])
+def test_out_dtype_must_be_a_float_type_we_store(dtype):
+    with pytest.raises(TypeError, match="mpgemm.matmul: out_dtype"):
+        mpgemm.matmul(torch.randn(2, 3), torch.randn(3, 4), out_dtype=dtype)
+    with pytest.raises(TypeError, match="mpgemm.linear: out_dtype"):
+        mpgemm.linear(torch.randn(2, 3), torch.randn(4, 3), out_dtype=dtype)
+
+
+@pytest.mark.parametrize("model", [None, torch.ones(2, 2), [torch.nn.Linear(2, 2)]])
+def test_convert_takes_a_module(model):
+    with pytest.raises(TypeError, match="mpgemm.convert: module must be a torch.nn.Module"):
+        mpgemm.convert(model)
 
 
 def test_tensors_on_different_devices_name_the_devices():

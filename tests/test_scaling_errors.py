@@ -284,6 +284,22 @@ def test_scale_update_refuses_a_bad_skip_counter(device, counter):
         )
 
 
+@pytest.mark.parametrize("name", ["scale", "growth_tracker", "found_inf", "skipped_steps"])
+@pytest.mark.parametrize("value", [1.0, [1.0]], ids=["number", "list"])
+def test_scale_update_takes_tensors(device, name, value):
+    # torch's op refuses a number for a tensor argument with a TypeError.
+    tensors = dict(
+        scale=torch.ones((), device=device),
+        growth_tracker=torch.zeros((), dtype=torch.int32, device=device),
+        found_inf=torch.zeros((), device=device),
+    )
+    skipped = torch.zeros((), dtype=torch.int64, device=device)
+    arguments = {**tensors, "skipped_steps": skipped, name: value}
+    with pytest.raises(TypeError, match=f"update_scale_: {name} must be a tensor, got"):
+        scaling.update_scale_(**arguments, growth_factor=2.0, backoff_factor=0.5, growth_interval=1)
+    assert tensors["scale"].item() == 1.0 and skipped.item() == 0
+
+
 def test_a_damped_sgd_step_needs_the_step_counts(device):
     # They tell each buffer's first step, which torch takes undamped.
     params = [torch.zeros(5, device=device)]
