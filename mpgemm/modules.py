@@ -169,6 +169,11 @@ class Linear(nn.Linear):
         ``compute_dtype``: what an FP32 weight is rounded to (None: FP16); a weight in FP16
         or BF16 computes in its own dtype (a BF16 layer computing in FP16 would overflow
         where it did not)."""
+        if not isinstance(module, nn.Linear):
+            raise TypeError(
+                "mpgemm.Linear.from_linear: module must be a torch.nn.Linear, got "
+                f"{type(module).__name__}"
+            )
         # Built on the meta device so no throw-away weights are allocated or initialised.
         new = cls(
             module.in_features,

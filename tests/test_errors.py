@@ -61,6 +61,10 @@ def test_out_dtype_must_be_a_float_type_we_store(dtype):
 def test_convert_takes_a_module(model):
     with pytest.raises(TypeError, match="mpgemm.convert: module must be a torch.nn.Module"):
         mpgemm.convert(model)
+    with pytest.raises(TypeError, match="from_linear: module must be a torch.nn.Linear"):
+        mpgemm.Linear.from_linear(model)
+    with pytest.raises(TypeError, match="from_linear: module must be a torch.nn.Linear, got ReLU"):
+        mpgemm.Linear.from_linear(torch.nn.ReLU())
 
 
 def test_tensors_on_different_devices_name_the_devices():
