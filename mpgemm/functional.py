@@ -239,6 +239,11 @@ def _check_tensors(op: str, **tensors: torch.Tensor | None) -> None:
                 f"{op}: {name} is a {t.layout} tensor; only dense (torch.strided) tensors are "
                 "supported (call .to_dense() first)"
             )
+        if t.is_nested:  # (torch.strided too; it has no sizes of its own)
+            raise TypeError(
+                f"{op}: {name} is a nested tensor; only dense tensors are supported (call "
+                ".to_padded_tensor(0.0) first, or multiply its components one by one)"
+            )
         if t.dtype not in INPUT_DTYPES:
             raise TypeError(
                 f"{op}: {name} has dtype {t.dtype}; supported are torch.float32, "

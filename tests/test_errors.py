@@ -92,6 +92,13 @@ def test_missing_and_sparse_operands_raise_type_error_naming_them():
         mpgemm.linear(torch.randn(2, 3), None)
     with pytest.raises(TypeError, match="b is a torch.sparse_coo tensor"):
         mpgemm.matmul(torch.randn(2, 3), w.t().to_sparse())
+    # A nested tensor is strided too, with no sizes of its own to check (which raised
+    # torch's "Internal error: NestedTensorImpl doesn't support sizes").
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    with pytest.raises(TypeError, match="a is a nested tensor"):
+        mpgemm.matmul(nested, w.t())
+    with pytest.raises(TypeError, match="input is a nested tensor"):
+        mpgemm.linear(nested, w)
 
 
 def test_a_gpu_older_than_ampere_takes_the_reference_path(monkeypatch):
