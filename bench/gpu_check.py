@@ -349,16 +349,15 @@ def _environment(dry: bool) -> dict[str, str]:
     return env
 
 
-_VERSIONS = (
+# The versions; then mpgemm.native's C++ list helper, built here once (torch's extension
+# cache keeps it for the stage's processes), and whether it built. One process: each
+# takes some 4 s to import torch and triton.
+_VERSIONS_AND_NATIVE = (
     "import torch, triton, mpgemm; print('torch', torch.__version__, 'triton', "
     "triton.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() "
-    "and torch.cuda.get_device_name())"
-)
-# mpgemm.native's C++ list helper, built here once (torch's extension cache keeps it
-# for the stage's processes), and whether it built.
-_NATIVE = (
-    "from mpgemm import native; print('mpgemm C++ list helper:', 'built' if "
-    "native.native_list_facts() else 'not built: Python passes')"
+    "and torch.cuda.get_device_name()); from mpgemm import native; "
+    "print('mpgemm C++ list helper:', 'built' if native.native_list_facts() else "
+    "'not built: Python passes')"
 )
 
 
@@ -415,8 +414,7 @@ def _set_up(out: Path, dry: bool, env: dict[str, str]) -> bool:
             ),
         ]
     )
-    steps.append(Command([PYTHON, "-c", _VERSIONS], "env.txt"))
-    steps.append(Command([PYTHON, "-c", _NATIVE], "env.txt"))
+    steps.append(Command([PYTHON, "-c", _VERSIONS_AND_NATIVE], "env.txt"))
     deadline = time.monotonic() + STAGE_SECONDS
     for step in steps:
         if _run(step, out, deadline, env) != 0:
