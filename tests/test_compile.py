@@ -7,6 +7,9 @@ fused optimizers are custom ops too (torch.ops.mpgemm.unscale_, ...), so a compi
 LossScaleOptimizer or GradScaler step traces whole, compiles once, and trains as
 eager does."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -330,3 +333,18 @@ def test_reduce_overhead_optimizer_step_matches_eager_bit_for_bit():
         torch.device("cuda"),
         lambda compiled: _loss_scale_optimizer("adamw", compiled, mode="reduce-overhead"),
     )
+
+
+def test_importing_mpgemm_leaves_torch_compile_unimported():
+    # torch._dynamo took 1.4 s to import, as long as torch itself: imported where
+    # mpgemm marked its eager-only functions, it taxed every process that imports
+    # mpgemm. It is imported by the first traced call (or by torch's own optimizers'
+    # first step) instead.
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys, mpgemm; print('torch._dynamo' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "False"
