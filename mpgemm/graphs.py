@@ -311,6 +311,8 @@ class GraphedStep:
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], *, warmup_steps: int = 3) -> None:
+        if not callable(fn):
+            raise TypeError(f"GraphedStep: fn must be callable, got {type(fn).__name__}")
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be at least 1, got {warmup_steps}")
         self.fn, self.warmup_steps = fn, warmup_steps

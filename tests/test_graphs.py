@@ -18,6 +18,8 @@ def test_inputs_must_be_cuda_tensors():
         step(torch.ones(3))
     with pytest.raises(ValueError, match="at least 1"):
         GraphedStep(lambda x: x, warmup_steps=0)
+    with pytest.raises(TypeError, match="fn must be callable, got NoneType"):
+        GraphedStep(None)  # (said at once, not at the first call on a GPU)
 
 
 def test_the_cuda_graph_mode_needs_a_cuda_device(capsys):
