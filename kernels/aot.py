@@ -14,12 +14,13 @@ registers and stack frame, where spills go. No GPU or driver is needed.
 
     python -m mpgemm.kernels.aot     # one JSON line per binary, exit 1 on a defect
 
-A defect: a GEMM without wgmma, with a stack frame (register spills) or with more shared memory than
-an H100 block may have (it would fail to launch); a streaming kernel (loss scaling, an
-activation's backward, the cross-entropy) with spills, approximate FP32 math (torch
-divides and takes square roots exactly and keeps denormals) or, when aligned, no
-16-byte vector loads; an elementwise table kernel (unscale, SGD, Adam) that moves values
-between thread layouts (``layout_conversions``: through shared memory, with barriers).
+A defect: a GEMM without wgmma, with a stack frame (register spills) or with more
+shared memory than an H100 block may have (it would fail to launch); a streaming kernel
+(loss scaling, an activation's backward, the cross-entropy) with a stack frame,
+approximate FP32 math (torch divides and takes square roots exactly and keeps
+denormals) or, when aligned, no 16-byte vector loads; an elementwise table kernel
+(unscale, SGD, Adam) that moves values between thread layouts (``layout_conversions``:
+through shared memory, with barriers).
 The report also says, per binary, how many wgmma groups stay in flight
 (``wgmma_pending``: the largest N of ``wgmma.wait_group N``; 0 means every MMA is waited
 for at once, no overlap), and whether ``cp.async`` or TMA (``cp.async.bulk.tensor``)
