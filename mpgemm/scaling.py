@@ -405,21 +405,18 @@ def _check_lists(op: str, src, dst) -> Collection[type]:
         dst_facts = facts if dst is None else list_facts(dst, PLAIN_TYPES)
         if facts.plain and dst_facts.plain and dst_facts.shapes == facts.shapes:
             return _PLAIN_SET
-    src_types = set(map(type, src))
-    dst_types = set() if dst is None else set(map(type, dst))
-    for name, types in (("src", src_types), ("dst", dst_types)):
-        if not all(issubclass(t, torch.Tensor) for t in types):
-            raise TypeError(f"mpgemm.scaling.{op}: {name} must be a sequence of tensors")
+    _check_sequences(op, src=src, dst=dst)
     _check_shapes(op, "src", src, dst=dst)
-    return src_types
+    return set(map(type, src))
 
 
 def _check_sequences(op: str, **lists) -> None:
     """TypeError where one of ``lists`` (by name; None: not given) holds anything but
     tensors, as torch's foreach and fused ops refuse one. Plain tensors, the usual case,
-    are answered from the lists' facts, which the op reads anyway."""
+    are answered from the lists' facts, which the op reads anyway (not when traced)."""
+    facts = not torch.compiler.is_compiling()
     for name, items in lists.items():
-        if items is None or list_facts(items, PLAIN_TYPES).plain:
+        if items is None or (facts and list_facts(items, PLAIN_TYPES).plain):
             continue
         for index, item in enumerate(items):
             if not isinstance(item, torch.Tensor):
@@ -782,9 +779,13 @@ def adam_step_(
     # AMSGrad's maxima are walked with the moments, before the copies and step counts.
     maxima = [] if max_exp_avg_sqs is None else [max_exp_avg_sqs]
     with reading_once():  # the checks, the split by dtype and the launch table
-        lists: dict[str, Sequence[torch.Tensor] | None] = dict(grads=grads, exp_avgs=exp_avgs)
-        lists |= dict(exp_avg_sqs=exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs)
-        lists["compute_copies"] = compute_copies
+        lists: dict[str, Sequence[torch.Tensor] | None] = dict(
+            grads=grads,
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
+            max_exp_avg_sqs=max_exp_avg_sqs,
+            compute_copies=compute_copies,
+        )
         _check_sequences("adam_step_", params=params, steps=steps, **lists)
         if params:
             hyper, groups = _hyperparameters_on(hyper, params, groups)
