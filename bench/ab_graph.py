@@ -11,7 +11,10 @@ steps, each recipe built (graphed: captured) once per variant and once more as s
 - ``relu backward fused``: each ReLU's mask and bias sums in the next layer's
   input-gradient GEMM (``functional._FUSE_RELU``), as shipped until run13 (H200: the
   guide 1.10x the unfused step's time, the small MLP 0.97x). Its bias gradients are
-  summed in another order, so its weights need not match the shipped recipe's bits.
+  summed in another order, so its weights need not match the shipped recipe's bits;
+- ``native launch``: the GEMMs' replays launched by their C++ plans
+  (``mpgemm.kernels.native_launch``, off as shipped until a GPU has timed it): its
+  eager rows are the host time it saves, and its weights must be the shipped bits.
 
 The recipes start from the same weights and take the same steps on the same batch, so
 they end with the same bits unless something races (the kernels add in fixed orders):
@@ -36,20 +39,21 @@ from harness import DEVICE, ON_GPU, median, synchronize, write_rows
 
 from mpgemm import functional
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
-from mpgemm.kernels import dependent_launch
+from mpgemm.kernels import dependent_launch, native_launch
 
 # batch, hidden widths, steps a round
 CASES = {"guide": (8192, (4096, 4096), 50), "small": (128, (128,), 200)}
 SMOKE_CASES = {"small": (16, (32,), 1)}
 SHIPPED, CONTROL = "as shipped", "as shipped, control"
 # name: (PDL on at the capture, gradients zeroed in place, ReLU's backward fused, the
-# same bits as shipped expected)
+# same bits as shipped expected, replays by C++ plans)
 IMPLS = {
-    SHIPPED: (False, False, False, True),
-    "grads zeroed in place": (False, True, False, True),
-    "pdl": (True, False, False, True),
-    "relu backward fused": (False, False, True, False),
-    CONTROL: (False, False, False, True),
+    SHIPPED: (False, False, False, True, False),
+    "grads zeroed in place": (False, True, False, True, False),
+    "pdl": (True, False, False, True, False),
+    "relu backward fused": (False, False, True, False, False),
+    "native launch": (False, False, False, True, True),
+    CONTROL: (False, False, False, True, False),
 }
 ROUNDS, SMOKE_ROUNDS = 5, 2
 # GraphedStep's 3 eager warm-up steps, its capture, and a replay: all under the
@@ -65,9 +69,10 @@ def _zeroed_in_place(optimizer) -> None:
 
 
 def _recipe(batch: int, hidden: tuple[int, ...], impl: str, mode: str):
-    pdl, in_place, fused, _ = IMPLS[impl]
+    pdl, in_place, fused, _, native = IMPLS[impl]
     dependent_launch.enable(pdl)
     functional._FUSE_RELU = fused  # read by every backward: set again before each step
+    native_launch._ENABLED = native  # read by every replay: the same
     torch.manual_seed(0)
     config = TrainConfig(hidden=hidden, batch_size=batch, device=DEVICE.type)
     recipe = Recipe(mode, build_mlp(784, hidden, 10).to(DEVICE), config)
@@ -102,7 +107,7 @@ def main(argv: list[str]) -> int:
     cases = SMOKE_CASES if smoke else CASES
     rounds = SMOKE_ROUNDS if smoke else ROUNDS
     rows: list[dict] = []
-    raced, shipped_fusion = False, functional._FUSE_RELU
+    raced, shipped_fusion, shipped_native = False, functional._FUSE_RELU, native_launch._ENABLED
     try:
         for mode, (case, (batch, hidden, steps)) in itertools.product(modes, cases.items()):
             built = {impl: _recipe(batch, hidden, impl, mode) for impl in IMPLS}
@@ -111,6 +116,7 @@ def main(argv: list[str]) -> int:
             for round_ in range(rounds):
                 for impl, (recipe, x, y, pdl) in built.items():
                     functional._FUSE_RELU = IMPLS[impl][2]
+                    native_launch._ENABLED = IMPLS[impl][4]
                     synchronize()
                     start = time.perf_counter()
                     for _ in range(steps):
@@ -141,6 +147,7 @@ def main(argv: list[str]) -> int:
     finally:
         dependent_launch.enable(False)
         functional._FUSE_RELU = shipped_fusion
+        native_launch._ENABLED = shipped_native
     write_rows(rows, out, rounds=rounds, warmup_steps={m: WARMUP_STEPS[m] for m in modes})
     return 1 if raced else 0
 

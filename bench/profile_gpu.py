@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 import mpgemm
 from mpgemm import loss_scale_optimizer
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
-from mpgemm.kernels import activation, gemm, gemm_tma
+from mpgemm.kernels import activation, gemm, gemm_tma, native_launch
 from mpgemm.kernels.activation import triton_activation_backward
 from mpgemm.kernels.cross_entropy import padded_rows
 from mpgemm.kernels.gemm import triton_gemm, use_kernel
@@ -157,6 +157,16 @@ def launch_costs(out: Path) -> None:
         with use_kernel("pointer"):
             mpgemm.matmul(a, b)
 
+    def by_plans(fn):  # the replays by C++ plans (native_launch), off as shipped
+        def run():
+            shipped, native_launch._ENABLED = native_launch._ENABLED, True
+            try:
+                fn()
+            finally:
+                native_launch._ENABLED = shipped
+
+        return run
+
     def not_replayed():  # triton_gemm decides and keys the launch anew
         with replays_off():
             mpgemm.matmul(a, b)
@@ -178,6 +188,8 @@ def launch_costs(out: Path) -> None:
         "torch.matmul fp16 512": lambda: torch.matmul(a, b),
         "mpgemm.matmul 512 (tma)": lambda: mpgemm.matmul(a, b),
         "mpgemm.matmul 512 (pointer)": pointer,
+        "mpgemm.matmul 512 (tma), replays by C++ plans": by_plans(lambda: mpgemm.matmul(a, b)),
+        "mpgemm.matmul 512 (pointer), replays by C++ plans": by_plans(pointer),
         "mpgemm.matmul 512 (tma), not replayed": not_replayed,
         "  triton_gemm (no autograd, no checks)": lambda: triton_gemm(
             a, b, compute_dtype=torch.float16, out_dtype=torch.float16

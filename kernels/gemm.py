@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpgemm.kernels import gemm_tma
+from mpgemm.kernels import gemm_tma, native_launch
 from mpgemm.kernels.arrivals import counters
 from mpgemm.kernels.dependent_launch import wait_for_prior_grid
 from mpgemm.kernels.gemm_common import (
@@ -76,7 +76,15 @@ from mpgemm.kernels.gemm_common import (
     tile,
     tile_configs,
 )
-from mpgemm.kernels.launches import Launched, current, intercepting, launch, relaunch
+from mpgemm.kernels.launches import (
+    Launched,
+    current,
+    hooks_set,
+    intercepting,
+    launch,
+    native_relaunch,
+    relaunch,
+)
 from mpgemm.kernels.rounding import cast_rne, widen
 
 
@@ -804,11 +812,13 @@ class _Replay(NamedTuple):
     kernel's integer arguments, for a batch of products, the batch's size and A's,
     B's and C's stride over it (the merged batch dimensions of ``_launch_batched``'s one
     launch), and the tiles of the TMA kernel's config (``gemm_tma.tile_shapes``), which
-    its replays' descriptors are made with. Every decision ``triton_gemm`` makes for a
-    launch (kernel, layout, split, config) and every integer argument is a function of
-    the signature, and an eager training step repeats its signatures step after step:
-    the decisions and ``launch``'s key took about 40% of ``mpgemm.matmul``'s host time
-    (``bench/host_time.py --replays``)."""
+    its replays' descriptors are made with; and, once a replay has run with
+    ``native_launch.enabled()``, each launch's C++ plan (``native_launch.plan``), which
+    later replays launch by (() where a launch could not be planned). Every decision
+    ``triton_gemm`` makes for a launch (kernel, layout, split, config) and every integer
+    argument is a function of the signature, and an eager training step repeats its
+    signatures step after step: the decisions and ``launch``'s key took about 40% of
+    ``mpgemm.matmul``'s host time (``bench/host_time.py --replays``)."""
 
     launches: tuple[Launched, ...]
     layout: tuple[bool, bool] | None
@@ -816,6 +826,7 @@ class _Replay(NamedTuple):
     integers: tuple[int, ...]
     batch: tuple[int, tuple[int, ...]] | None
     tiles: tuple[list[int], list[int]] | None
+    native: tuple | None = None
 
 
 def _replayed(signature: tuple, a, b, c, bias, g, r, column) -> bool:
@@ -824,7 +835,9 @@ def _replayed(signature: tuple, a, b, c, bias, g, r, column) -> bool:
     replay = _replays.get(signature)
     if replay is None or not all(map(current, replay.launches)):
         return False
-    _relaunch(replay, a, b, c, bias, g, r, column)
+    plans = _relaunch(replay, a, b, c, bias, g, r, column)
+    if plans is not None:
+        _replays[signature] = replay._replace(native=plans)
     return True
 
 
@@ -834,27 +847,69 @@ def _remember(signature: tuple, replay: _Replay) -> None:
     _replays[signature] = replay
 
 
-def _relaunch(replay: _Replay, a, b, c, bias, g, r, column) -> None:
-    """``triton_gemm``'s launches as ``replay`` made them, on these tensors."""
+def _relaunch(replay: _Replay, a, b, c, bias, g, r, column) -> tuple | None:
+    """``triton_gemm``'s launches as ``replay`` made them, on these tensors: by its C++
+    plans where it has them and ``native_launch.enabled()`` (and Triton's launch hooks
+    are not set); else by the launch layer, returning, where enabled and not tried
+    before, the plans of these launches for the replay to keep (``_launched_again``)."""
     if replay.batch is not None:
         count, strides = replay.batch
         a, b, c = _batch_views((a, b, c), count, strides)
+    enabled = native_launch.enabled() and not hooks_set()
+    plans = replay.native if enabled else None
     first, *reduction = replay.launches
     if replay.layout is not None:
         if r is not None and column is None:  # A's row sums, not C's column sums
             _row_sums(a, r)
-        descriptors = gemm_tma.tma_tensors(
-            a, b, c, bias, g, column, replay.layout, tiles=replay.tiles
-        )
-        relaunch(first, (*descriptors, *replay.integers))
-        return
+        pointers = gemm_tma.tma_pointers(c, bias, g, column)
+        if plans:
+            gemm_tma.bind_context(a)
+            native_relaunch(first, plans[0], (a, b, *pointers))
+            return None
+        descriptors = gemm_tma.tma_descriptors(a, b, replay.layout, tiles=replay.tiles)
+        args = (*descriptors, *pointers, *replay.integers)
+        return _launched_again([(first, args, (a, b))], plan=enabled and plans is None)
     a, b, c = _operands(a, b, c, replay.swapped)
     result, sums = c, r
     if reduction:  # split-K: into partials, then their sum (the grid's second axis)
         c, r = _partials(a, b, r, first.grid[1])
-    relaunch(first, (*_pointer_tensors(a, b, c, bias, g, r, column), *replay.integers))
+    tensors = _pointer_tensors(a, b, c, bias, g, r, column)
+    if plans:
+        native_relaunch(first, plans[0], tensors)
+        if reduction:
+            native_relaunch(reduction[0], plans[1], _reduction_tensors(c, result, r, sums))
+        return None
+    launches = [(first, (*tensors, *replay.integers), ())]
     if reduction:
-        relaunch(reduction[0], _reduction_arguments(c, result, r, sums))
+        launches.append((reduction[0], _reduction_arguments(c, result, r, sums), ()))
+    return _launched_again(launches, plan=enabled and plans is None)
+
+
+def _tensors_of(args: tuple) -> tuple[torch.Tensor, ...]:
+    # A launch's tensor arguments, the sources of its plan's addresses.
+    return tuple(arg for arg in args if isinstance(arg, torch.Tensor))
+
+
+def _launched_again(launches: list[tuple[Launched, tuple, tuple]], *, plan: bool) -> tuple | None:
+    """Relaunch each (launched, args, described) by the launch layer; with ``plan``,
+    return their plans (``native_launch.plan``), or () if any cannot be planned (so
+    that no later replay tries again); else None. ``described``: the tensors that
+    ``args``' leading descriptors describe (the sources of the plan's tensor maps),
+    then ``args``' tensors are the rest of its sources."""
+    for launched, args, _ in launches:
+        relaunch(launched, args)
+    if not plan:
+        return None
+    plans = []
+    for launched, args, described in launches:
+        values = (*args, *launched.binary.tail)
+        planned = native_launch.plan(
+            launched.binary, launched.grid, values, (*described, *_tensors_of(args))
+        )
+        if planned is None:
+            return ()
+        plans.append(planned)
+    return tuple(plans)
 
 
 def _operands(a, b, c, swapped: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1208,17 +1263,19 @@ def _partials(a, b, r, splits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _reduction_arguments(partials, result, partial_sums, sums) -> tuple:
     """``_split_k_reduce_kernel``'s arguments: it adds ``partials`` into ``result`` and
-    ``partial_sums`` into ``sums`` (the partials where there are no sums)."""
+    ``partial_sums`` into ``sums`` (``_reduction_tensors``), then sizes and strides."""
     M, N = result.shape
+    tensors = _reduction_tensors(partials, result, partial_sums, sums)
+    return (*tensors, M, N, result.stride(0), result.stride(1))
+
+
+def _reduction_tensors(partials, result, partial_sums, sums) -> tuple[torch.Tensor, ...]:
+    # The partials where there are no sums: no null pointer is formed.
     return (
         partials,
         result,
         partial_sums if partial_sums is not None else partials,
         sums if sums is not None else partials,
-        M,
-        N,
-        result.stride(0),
-        result.stride(1),
     )
 
 

@@ -75,7 +75,7 @@ def _block_shape(rank: int, tile: list[int]) -> list[int]:
 def _set_block_shapes(nargs: dict) -> None:
     """Give the descriptors the config's tile shapes (triton runs this before each
     launch of a config, timed or not; a replay makes its descriptors with them:
-    ``tma_tensors``'s ``tiles``)."""
+    ``tma_descriptors``' ``tiles``)."""
     a_desc, b_desc = nargs["a_desc"], nargs["b_desc"]
     a_tile, b_tile = tile_shapes(nargs)
     a_desc.block_shape = _block_shape(len(a_desc.shape), a_tile)
@@ -515,16 +515,17 @@ def tma_layout(
 _bound = threading.local()
 
 
-def _bind_context(device: torch.device) -> None:
-    """Bind the device's primary CUDA context to this thread, once per thread. Triton
-    encodes the descriptors with the driver before its launcher binds a context: on an
+def bind_context(t: torch.Tensor) -> None:
+    """Bind the primary CUDA context of ``t``'s device to this thread, once per thread
+    (nothing for a tensor not on a GPU). Triton encodes the descriptors with the
+    driver before its launcher binds a context: on an
     H100, a first backward whose first GEMM was this kernel's failed in autograd's
     device thread with "Failed to create tensor map descriptor: invalid device context"
     (bench/results/h100-2026-11-22; not reproduced in a fresh process since). Torch's
     inductor calls set_device before its Triton launches for the same reason."""
-    if getattr(_bound, "device", None) != device:
-        torch.cuda.set_device(device)
-        _bound.device = device
+    if t.is_cuda and getattr(_bound, "device", None) != t.device:
+        torch.cuda.set_device(t.device)
+        _bound.device = t.device
 
 
 def _batched(t: torch.Tensor) -> bool:
@@ -620,23 +621,34 @@ def tma_tensors(
     *,
     tiles: tuple[list[int], list[int]] | None = None,
 ) -> tuple:
-    """The TMA kernel's leading arguments: A's and B's descriptors (``layout``: whether
-    each is described as its transpose), then C, the bias, G, and C's column sums, their
-    partials and counters (``column``; C where absent, so that no null pointer is
-    formed). Binds the device's context to this thread first, which
-    the descriptors' encoding at launch needs (``_bind_context``). ``tiles``: a replay's
-    (the tensors match a signature whose descriptors were checked before: ``_Vouched``),
-    the tiles of its config (``tile_shapes``), with which the descriptors are made, so
-    that no pre-hook need set them: a replayed 512^2 ``mpgemm.matmul`` took 24.0 us of
-    host time with it, 22.9 without (``bench/host_time.py``'s stubs)."""
-    if a.is_cuda:
-        _bind_context(a.device)
+    """The TMA kernel's leading arguments: A's and B's descriptors (``tma_descriptors``),
+    then C, the bias, G, and C's column sums, their partials and counters
+    (``tma_pointers``)."""
+    return (*tma_descriptors(a, b, layout, tiles=tiles), *tma_pointers(c, bias, g, column))
+
+
+def tma_descriptors(
+    a, b, layout: tuple[bool, bool], *, tiles: tuple[list[int], list[int]] | None = None
+) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """A's and B's descriptors (``layout``: whether each is described as its transpose).
+    Binds the device's context to this thread first, which the descriptors' encoding at
+    launch needs (``bind_context``). ``tiles``: a replay's (the tensors match a signature
+    whose descriptors were checked before: ``_Vouched``), the tiles of its config
+    (``tile_shapes``), with which the descriptors are made, so that no pre-hook need set
+    them: a replayed 512^2 ``mpgemm.matmul`` took 24.0 us of host time with it, 22.9
+    without (``bench/host_time.py``'s stubs)."""
+    bind_context(a)
     a_t, b_t = layout
     kind = TensorDescriptor if tiles is None else _Vouched
     a_tile, b_tile = (None, None) if tiles is None else tiles
+    return _descriptor(a, a_t, kind, a_tile), _descriptor(b, b_t, kind, b_tile)
+
+
+def tma_pointers(c, bias, g, column) -> tuple[torch.Tensor, ...]:
+    """The TMA kernel's tensor arguments after the descriptors: C, the bias, G, and C's
+    column sums, their partials and counters (``column``); C where absent, so that no
+    null pointer is formed."""
     return (
-        _descriptor(a, a_t, kind, a_tile),
-        _descriptor(b, b_t, kind, b_tile),
         c,
         bias if bias is not None else c,
         g if g is not None else c,

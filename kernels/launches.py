@@ -44,7 +44,7 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mpgemm.kernels import dependent_launch
+from mpgemm.kernels import dependent_launch, native_launch
 
 # interceptor(kernel, grid, args, kwargs, configs): what launch does instead of running.
 # ``configs()`` gives an autotuned kernel's configs that survive pruning on a GPU (a
@@ -151,6 +151,21 @@ def current(launched: Launched) -> bool:
         _interceptor is None
         and launched.binaries is _binaries
         and driver.active.get_current_device() == launched.device
+    )
+
+
+def native_relaunch(launched: Launched, planned: object, sources: tuple) -> None:
+    """``relaunch`` of ``launched`` by its C++ plan (``native_launch.plan``), with
+    ``sources`` in its tensors' places, on the current stream: no Python of the launch
+    layer's or Triton's. The caller vouches for what ``relaunch``'s does, and that
+    Triton's launch hooks are not set (``hooks_set``), which this does not call."""
+    native_launch.launch(planned, driver.active.get_current_stream(launched.device), *sources)
+
+
+def hooks_set() -> bool:
+    """Whether Triton's launch hooks (a profiler's) are set, which a launch must call."""
+    return not (
+        _no_hooks(knobs.runtime.launch_enter_hook) and _no_hooks(knobs.runtime.launch_exit_hook)
     )
 
 

@@ -159,11 +159,11 @@ def native_module():
         return None
 
 
-def build_folder(path: str) -> tuple[str, str]:
-    """(folder, source): where the helper whose source is the file at ``path`` is built,
-    in torch's extension directory, and the copy of that source it is built from: both
-    named by the source's contents and the torch and Python it is built for, not by
-    ``path`` (the copy is made once)."""
+def build_folder(path: str, name: str = "mpgemm_list_facts") -> tuple[str, str]:
+    """(folder, source): where the extension ``name`` whose source is the file at
+    ``path`` is built, in torch's extension directory, and the copy of that source it is
+    built from: both named by the source's contents and the torch and Python it is built
+    for, not by ``path`` (the copy is made once)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     with open(path, "rb") as f:
@@ -171,8 +171,8 @@ def build_folder(path: str) -> tuple[str, str]:
     build = f"{torch.__version__} {torch.version.cuda} {torch.version.hip} {sys.version}"
     key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    folder = os.path.join(root, f"mpgemm_list_facts_{key}")
-    source = os.path.join(folder, "list_facts.cpp")
+    folder = os.path.join(root, f"{name}_{key}")
+    source = os.path.join(folder, os.path.basename(path))
     if not os.path.exists(source):
         os.makedirs(folder, exist_ok=True)
         partial = f"{source}.{os.getpid()}"

@@ -1,0 +1,104 @@
+"""Host time of replayed launches by Triton's launcher and by the C++ plans
+(``mpgemm.kernels.native_launch``), on a machine without a GPU: under the stand-in CUDA
+driver of the tests (``tests/fake_driver.py``), the kernels compile for an H100 and every
+launch goes through Triton's real launchers, or the plans, into a driver that runs
+nothing. So what is timed is everything of the host's but the driver's own work (on the
+H200's host, cuLaunchKernelEx took 6 to 14 us a call: profile_gpu.py's ``idle``).
+
+    python3 bench/native_launch_time.py [--rounds 5]
+
+Prints microseconds per call (the best of each mode's rounds; the two modes take turns
+in one process) for a replayed 512^2 ``mpgemm.matmul`` (the TMA kernel), an unaligned
+one (the pointer kernel), an ``mpgemm.Linear(512, 512, activation="relu")`` forward and
+backward at batch 256, and the tiny (8-8-10, batch 4) and small (784-128-10, batch 128)
+MLPs' training steps, whose other launches (the cross-entropy, the optimizer's) use
+Triton's launcher either way. Needs gcc (the stand-in is built first)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def best_us(fn: Callable[[], object], calls: int) -> float:
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def measure(rounds: int) -> None:
+    sys.path.insert(0, str(REPO))
+    from tests import fake_driver
+
+    fake_driver.activate()
+    import torch
+
+    import mpgemm
+    from mpgemm.app.train import Recipe, TrainConfig, build_mlp
+    from mpgemm.kernels import native_launch
+
+    f16 = torch.float16
+    torch.manual_seed(0)
+    a, b = torch.randn(512, 512, dtype=f16), torch.randn(512, 512, dtype=f16)
+    odd_a, odd_b = torch.randn(500, 509, dtype=f16), torch.randn(509, 500, dtype=f16)
+    layer = mpgemm.Linear(512, 512, activation="relu")
+    x = torch.randn(256, 512)
+    tiny = Recipe("mpgemm", build_mlp(8, (8,), 10), TrainConfig(hidden=(8,), batch_size=4))
+    tiny_batch = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    small = Recipe("mpgemm", build_mlp(784, (128,), 10), TrainConfig(hidden=(128,)))
+    small_batch = torch.randn(128, 784), torch.randint(0, 10, (128,))
+    cases = {
+        "matmul 512^2 fp16 (TMA)": (lambda: mpgemm.matmul(a, b), 2000),
+        "matmul 500x509x500 fp16 (pointer)": (lambda: mpgemm.matmul(odd_a, odd_b), 2000),
+        "Linear relu forward+backward": (lambda: layer(x).sum().backward(), 300),
+        "tiny MLP step": (lambda: tiny.step(*tiny_batch), 300),
+        "small MLP step": (lambda: small.step(*small_batch), 100),
+    }
+    for fn, _ in cases.values():  # compiled, replayed, planned
+        for _ in range(5):
+            fn()
+    times: dict[str, dict[bool, list[float]]] = {name: {False: [], True: []} for name in cases}
+    for _ in range(rounds):
+        for native in (False, True):
+            native_launch._ENABLED = native
+            for name, (fn, calls) in cases.items():
+                times[name][native].append(best_us(fn, calls))
+    print("| host us, stand-in driver | Triton's launcher | C++ plans | ratio |")
+    print("| --- | --- | --- | --- |")
+    for name, measured in times.items():
+        off, on = min(measured[False]), min(measured[True])
+        print(f"| {name} | {off:.1f} | {on:.1f} | {on / off:.2f}x |", flush=True)
+
+
+def main() -> None:
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
+    if "--measure" in sys.argv:
+        measure(rounds)
+        return
+    sys.path.insert(0, str(REPO))
+    from tests import fake_driver
+
+    with tempfile.TemporaryDirectory() as folder:
+        fake_driver.build(Path(folder))
+        env = fake_driver.environment(
+            Path(folder),
+            MPGEMM_SINGLE_CONFIG="1",
+            MPGEMM_NATIVE_LAUNCH="1",
+            TRITON_DEFAULT_FP_FUSION="1",
+        )
+        command = [sys.executable, __file__, "--measure", "--rounds", str(rounds)]
+        subprocess.run(command, env=env, check=True)
+
+
+if __name__ == "__main__":
+    main()

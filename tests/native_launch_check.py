@@ -1,0 +1,206 @@
+"""Run by tests/test_native_launch.py in a process of its own, under the stand-in driver
+(``fake_driver``: its ``environment``, then ``activate``): each case's GEMM launches
+are compiled for an H100 and made until ``triton_gemm`` replays them by C++ plans
+(``native_launch``); then, in one more call, each replay is made twice on the same
+tensors, by Triton's own launcher and by its plans, and what the driver was handed each
+time is compared, byte for byte. Prints one JSON line per case.
+
+CPU tensors stand for the GPU's (the stand-in reads no memory). Allocations come from a
+bump allocator (``Pool``), so that the partials split-K allocates within a replay are
+the same memory both times."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import re
+import sys
+
+import fake_driver
+import torch
+
+import mpgemm
+from mpgemm.kernels import dependent_launch, gemm, launches, native_launch
+
+PDL = "matmul with programmatic dependent launch, TMA"
+fake: ctypes.CDLL  # the stand-in (fake_driver.activate)
+
+
+class Pool:
+    """``torch.empty`` and ``torch.empty_like`` from one buffer, 256-byte aligned, from its
+    start again after each ``reset``."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = torch.empty(nbytes + 256, dtype=torch.uint8)
+        self.storage = self.buffer.untyped_storage()
+        self.start = (-self.buffer.data_ptr()) % 256
+        self.offset = self.start
+        self.empty, self.empty_like = torch.empty, torch.empty_like
+
+    def reset(self) -> None:
+        self.offset = self.start
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        dtype = dtype or torch.get_default_dtype()
+        strides = self.empty(shape, device="meta").stride()
+        # A tensor of its own over the buffer's storage (a view would share the
+        # buffer's version counter with every other, which autograd checks).
+        tensor = self.empty(0, dtype=dtype)
+        tensor.set_(self.storage, self.offset // dtype.itemsize, shape, strides)
+        self.offset += (math.prod(shape) * dtype.itemsize + 255) // 256 * 256
+        return tensor
+
+    def install(self) -> None:
+        def empty(*shape, dtype=None, device=None, **kwargs):
+            # torch.empty((M, N)) or torch.empty(M, N)
+            sizes = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+            return self.take(tuple(sizes), dtype)
+
+        def empty_like(t, *, dtype=None, **kwargs):
+            return self.take(tuple(t.shape), dtype or t.dtype)
+
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def param_sizes(ptx: str) -> list[int]:
+    """The byte size of each parameter of the PTX's kernel, in order."""
+    entry = ptx[ptx.index(".entry") :]
+    declared = entry[entry.index("(") + 1 : entry.index(")")]
+    sizes = []
+    for line in declared.split(","):
+        kind = re.search(r"\.(u|s|b|f)(8|16|32|64)\b", line)
+        count = re.search(r"\[(\d+)\]", line)
+        sizes.append(int(kind.group(2)) // 8 * (int(count.group(1)) if count else 1))
+    return sizes
+
+
+def describe_binaries() -> None:
+    # Each binary's parameter sizes, for the stand-in to record its launches by.
+    for binary in launches._binaries.values():
+        sizes = param_sizes(binary.compiled.asm["ptx"])
+        array = (ctypes.c_uint64 * len(sizes))(*sizes)
+        fake.fake_set_param_sizes(ctypes.c_void_p(binary.function), len(sizes), array)
+
+
+def compare(name: str, call, pool: Pool) -> dict:
+    """``call`` until its replays have plans; then, in one more call, each replay that
+    has them made twice on the same tensors, once by Triton's launcher and once by the
+    plans: the driver's records of the two, launch by launch."""
+    for _ in range(4):
+        pool.reset()
+        call()
+    describe_binaries()
+    pairs = []
+    relaunch = gemm._relaunch
+
+    def twice(replay, *tensors):
+        if replay.native is None:
+            return relaunch(replay, *tensors)
+        start = pool.offset  # (split-K's partials: the same memory both times)
+        fake.fake_clear()
+        native_launch._ENABLED = False
+        relaunch(replay._replace(native=None), *tensors)
+        by_triton = fake_driver.recorded(fake)
+        pool.offset = start
+        fake.fake_clear()
+        native_launch._ENABLED = True
+        relaunch(replay, *tensors)
+        pairs.append((by_triton, fake_driver.recorded(fake)))
+        return None
+
+    gemm._relaunch = twice
+    try:
+        pool.reset()
+        call()
+    finally:
+        gemm._relaunch = relaunch
+    return {
+        "case": name,
+        "replays": len(pairs),
+        "launches": sum(len(a) for a, _ in pairs),
+        "same": all(a == b and a for a, b in pairs),
+        "params_bytes": sum(len(r["params"]) // 2 for a, _ in pairs for r in a),
+        "attributes": sum(r["config"][9] for a, _ in pairs for r in a),
+        "differences": [[a, b] for a, b in pairs if a != b],
+    }
+
+
+def cases() -> dict:
+    f16 = torch.float16
+    torch.manual_seed(0)
+    a, b = torch.randn(256, 512, dtype=f16), torch.randn(512, 384, dtype=f16)
+    odd_a, odd_b = torch.randn(250, 509, dtype=f16), torch.randn(509, 381, dtype=f16)
+    q, k = torch.randn(2, 4, 128, 64, dtype=f16), torch.randn(2, 4, 128, 64, dtype=f16)
+    layer = mpgemm.Linear(512, 256, activation="relu")
+    odd_layer = mpgemm.Linear(509, 250, activation="gelu")
+    head = mpgemm.Linear(4096, 10)
+    x = torch.randn(128, 512)
+    odd_x = torch.randn(100, 509)
+    head_x = torch.randn(4096, 4096, dtype=f16, requires_grad=True)
+
+    def backward(module, inputs):
+        # No gradient kept from the last call: the pool hands its memory out again.
+        for t in (*module.parameters(), inputs):
+            t.grad = None
+        module(inputs).float().sum().backward()
+
+    return {
+        "matmul, TMA": lambda: mpgemm.matmul(a, b),
+        "matmul, A transposed, TMA": lambda: mpgemm.matmul(b.t(), a.t()),
+        "matmul, unaligned (pointer kernel)": lambda: mpgemm.matmul(odd_a, odd_b),
+        "batched matmul, TMA": lambda: mpgemm.matmul(q, k.transpose(-1, -2)),
+        "Linear relu forward and backward, TMA": lambda: backward(layer, x),
+        "Linear gelu forward and backward, pointer kernel": lambda: backward(odd_layer, odd_x),
+        "10-class head's backward, split-K": lambda: backward(head, head_x),
+        # Last: from here on every launch is a programmatic dependent launch.
+        PDL: lambda: mpgemm.matmul(a, b),
+    }
+
+
+UNPLANNED = "a launch that cannot be planned"
+
+
+def unplanned() -> dict:
+    """A replay whose plan cannot be made (``plan`` answering None): the calls of
+    ``plan`` over 5 calls of a product of its own, the launches the driver got, and
+    what the replay keeps."""
+    asked = 0
+    planner = native_launch.plan
+
+    def refused(*args):
+        nonlocal asked
+        asked += 1
+        return None
+
+    native_launch.plan = refused
+    try:
+        a, b = torch.randn(64, 96, dtype=torch.float16), torch.randn(96, 80, dtype=torch.float16)
+        fake.fake_clear()
+        for _ in range(5):
+            mpgemm.matmul(a, b)
+    finally:
+        native_launch.plan = planner
+    (kept,) = [r.native for r in gemm._replays.values() if r.integers[:3] == (64, 80, 96)]
+    return {"case": UNPLANNED, "plan_calls": asked, "launches": fake.fake_launches(), "kept": kept}
+
+
+def main() -> None:
+    global fake
+    fake = fake_driver.activate()
+    pool = Pool(1 << 28)
+    prepared = cases()  # made before the pool stands in for torch.empty
+    pool.install()
+    names = sys.argv[1:] or [UNPLANNED, *prepared]
+    for name in names:
+        if name == UNPLANNED:
+            print(json.dumps(unplanned()), flush=True)
+            continue
+        if name == PDL:
+            dependent_launch._requested = dependent_launch._active = True  # (no GPU to ask)
+            launches.forget_binaries()
+        print(json.dumps(compare(name, prepared[name], pool)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
