@@ -84,6 +84,7 @@ from mpgemm.kernels.launches import (
     launch,
     native_relaunch,
     relaunch,
+    sources_of,
 )
 from mpgemm.kernels.rounding import cast_rne, widen
 
@@ -885,11 +886,6 @@ def _relaunch(replay: _Replay, a, b, c, bias, g, r, column) -> tuple | None:
     return _launched_again(launches, plan=enabled and plans is None)
 
 
-def _tensors_of(args: tuple) -> tuple[torch.Tensor, ...]:
-    # A launch's tensor arguments, the sources of its plan's addresses.
-    return tuple(arg for arg in args if isinstance(arg, torch.Tensor))
-
-
 def _launched_again(launches: list[tuple[Launched, tuple, tuple]], *, plan: bool) -> tuple | None:
     """Relaunch each (launched, args, described) by the launch layer; with ``plan``,
     return their plans (``native_launch.plan``), or () if any cannot be planned (so
@@ -904,7 +900,7 @@ def _launched_again(launches: list[tuple[Launched, tuple, tuple]], *, plan: bool
     for launched, args, described in launches:
         values = (*args, *launched.binary.tail)
         planned = native_launch.plan(
-            launched.binary, launched.grid, values, (*described, *_tensors_of(args))
+            launched.binary, launched.grid, values, (*described, *sources_of(args))
         )
         if planned is None:
             return ()

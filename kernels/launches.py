@@ -85,7 +85,9 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> Launc
     training step makes some 14 launches. The launcher is given what the JIT gives it
     (``tests/test_launches.py`` compares the two). Triton's global knobs (debug,
     instrumentation) are those of the binary's first launch; a JIT function with
-    pre-run hooks, and the interpreter's kernels, always go through the JIT.
+    pre-run hooks, and the interpreter's kernels, always go through the JIT. With
+    ``native_launch.enabled()``, a cached binary's later launches on the grid of its
+    first are made from C++ by its plan (``_launch_binary``).
 
     A callable ``grid`` is called with the launch's arguments by name (the JIT
     function's parameters, the config's included), as triton calls it. With
@@ -108,7 +110,7 @@ def launch(kernel, grid, *args, gpu_configs: Configs = tuple, **kwargs) -> Launc
         key = _binary_key(kernel, device, args, kwargs, _constexpr_positions(jit))
         binary = _binaries.get(key)
         if binary is not None:
-            return Launched(binary, binary.launch(active, device, grid, args), device, _binaries)
+            return _launch_binary(binary, active, device, grid, args)
     config, options = None, kwargs
     if tuned:
         chosen = _chosen.get(kind := _kind(kernel, args, kwargs))
@@ -152,6 +154,39 @@ def current(launched: Launched) -> bool:
         and launched.binaries is _binaries
         and driver.active.get_current_device() == launched.device
     )
+
+
+def _launch_binary(binary: _Binary, active, device: int, grid, args: tuple) -> Launched:
+    """A launch of a cached binary: by its plan (``native_launch``) where it has one for
+    this grid, native launches are enabled and Triton's launch hooks are not set; else by
+    its launcher, planning it the first time where enabled."""
+    planned = binary.plan
+    if planned and grid == binary.planned_grid and native_launch.enabled() and not hooks_set():
+        native_launch.launch(planned, active.get_current_stream(device), *sources_of(args))
+        return Launched(binary, grid, device, _binaries)
+    launched = Launched(binary, binary.launch(active, device, grid, args), device, _binaries)
+    if planned is None and native_launch.enabled():
+        binary.plan, binary.planned_grid = _plan(binary, grid, args), grid
+    return launched
+
+
+def sources_of(args: tuple) -> tuple:
+    """A launch's tensor and float arguments, in order: what its plan reads at each
+    launch (``native_launch.plan``)."""
+    return tuple(arg for arg in args if isinstance(arg, (torch.Tensor, float)))
+
+
+def _plan(binary: _Binary, grid, args: tuple) -> object:
+    """``binary``'s plan for launches of its key on ``grid`` (``native_launch.plan``), or
+    () where it has none: a grid computed from the arguments (which ``launch`` would
+    have to compute again to compare), a config's pre-hook (which a plan does not run),
+    or a descriptor (whose shape and strides its key does not hold)."""
+    if callable(grid) or binary.pre_hook is not None:
+        return ()
+    if any(isinstance(arg, TensorDescriptor) for arg in args):
+        return ()
+    values = (*args, *binary.tail)
+    return native_launch.plan(binary, grid, values, sources_of(args)) or ()
 
 
 def native_relaunch(launched: Launched, planned: object, sources: tuple) -> None:
@@ -312,6 +347,11 @@ class _Binary:
         bound.apply_defaults()
         self.tail = [bound.arguments[name] for name in jit.arg_names[len(args) :]]
         self.positions = {name: index for index, name in enumerate(jit.arg_names)}
+        # The launches of this key by C++ (native_launch), where enabled: None until
+        # ``launch`` has made one by the launcher, then the plan (or (): none) and the
+        # grid it holds, which a launch must have to take it.
+        self.plan: object = None
+        self.planned_grid: tuple | None = None
 
     def launch(self, active, device: int, grid, args: tuple, *, hooked: bool = True) -> tuple:
         """Launch on ``device``'s current stream, after the config's pre-hook unless not

@@ -72,12 +72,15 @@ void set_driver_error(const char* what, CUresult result) {
                text, (int)result);
 }
 
-// What a launch writes into a parameter: a tensor's address, or a tensor map encoded at
-// it, from the source (the launch's tensor arguments, in order) of this index.
+// What a launch writes into a parameter, from the source (the launch's tensor and float
+// arguments, in order) of this index: a tensor's address, a tensor map encoded at it,
+// or a float rounded to FP32 (as Triton's launcher packs an fp32 parameter).
+enum class Fill { address, map, float32 };
+
 struct Slot {
   int source;
   std::size_t offset;  // into the parameter image
-  bool map;            // a tensor map (below), else an 8-byte address
+  Fill fill;
   // The tensor map's fixed fields, innermost dimension first, as Triton's
   // fillTMADescriptor gives them to cuTensorMapEncodeTiled.
   CUtensorMapDataType dtype;
@@ -86,7 +89,7 @@ struct Slot {
   cuuint64_t strides[5];  // bytes, rank - 1 of them
   cuuint32_t box[5];
   CUtensorMapSwizzle swizzle;
-  CUtensorMapFloatOOBfill fill;
+  CUtensorMapFloatOOBfill oob_fill;
 };
 
 struct Plan {
@@ -130,9 +133,10 @@ bool read_u64s(PyObject* sequence, cuuint64_t* out, Py_ssize_t count, const char
 // plan(function, grid, threads, shared, pdl, cooperative, params) -> capsule.
 // params: one tuple per kernel parameter, in order:
 //   ("bytes", b): a constant, b its bytes in native order (an integer, a null pointer);
-//   ("address", source): the address (data_ptr) of tensor argument `source`;
+//   ("address", source): the address (data_ptr) of source `source`, a tensor;
 //   ("map", source, dtype, dims, strides, box, swizzle, fill): a 128-byte tensor map of
-//   tensor argument `source`'s address, dims/box innermost first, strides in bytes.
+//   source `source`'s address, dims/box innermost first, strides in bytes;
+//   ("float32", source): source `source`, a float, rounded to FP32.
 PyObject* plan(PyObject*, PyObject* args) {
   unsigned long long function;
   unsigned int gx, gy, gz, threads, shared;
@@ -185,12 +189,17 @@ PyObject* plan(PyObject*, PyObject* args) {
     Slot slot{};
     slot.source = (int)PyLong_AsLong(PyTuple_GET_ITEM(param, 1));
     if (std::strcmp(kind, "address") == 0) {
-      slot.map = false;
+      slot.fill = Fill::address;
       size = aligned(size, 8);
       slot.offset = size;
       size += 8;
+    } else if (std::strcmp(kind, "float32") == 0) {
+      slot.fill = Fill::float32;
+      size = aligned(size, 4);
+      slot.offset = size;
+      size += 4;
     } else if (std::strcmp(kind, "map") == 0 && PyTuple_GET_SIZE(param) == 8) {
-      slot.map = true;
+      slot.fill = Fill::map;
       slot.dtype = (CUtensorMapDataType)PyLong_AsLong(PyTuple_GET_ITEM(param, 2));
       PyObject* dims = PyTuple_GET_ITEM(param, 3);
       slot.rank = PyTuple_Check(dims) ? (cuuint32_t)PyTuple_GET_SIZE(dims) : 0;
@@ -208,7 +217,7 @@ PyObject* plan(PyObject*, PyObject* args) {
         slot.box[d] = (cuuint32_t)box[d];
       }
       slot.swizzle = (CUtensorMapSwizzle)PyLong_AsLong(PyTuple_GET_ITEM(param, 6));
-      slot.fill = (CUtensorMapFloatOOBfill)PyLong_AsLong(PyTuple_GET_ITEM(param, 7));
+      slot.oob_fill = (CUtensorMapFloatOOBfill)PyLong_AsLong(PyTuple_GET_ITEM(param, 7));
       size = aligned(size, 64);
       slot.offset = size;
       size += sizeof(CUtensorMap);
@@ -250,11 +259,11 @@ bool address_of(PyObject* tensor, std::uint64_t& address) {
   return !PyErr_Occurred();
 }
 
-// launch(plan, stream, *tensors): the plan's kernel on `stream` (a CUstream as an
-// integer), its address and tensor-map parameters read from `tensors`.
+// launch(plan, stream, *sources): the plan's kernel on `stream` (a CUstream as an
+// integer), its address, tensor-map and float parameters read from `sources`.
 PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t count) {
   if (count < 2) {
-    PyErr_SetString(PyExc_TypeError, "mpgemm native launch: launch(plan, stream, *tensors)");
+    PyErr_SetString(PyExc_TypeError, "mpgemm native launch: launch(plan, stream, *sources)");
     return nullptr;
   }
   auto plan = static_cast<Plan*>(PyCapsule_GetPointer(args[0], kCapsule));
@@ -262,7 +271,7 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t count) {
     return nullptr;
   }
   if (count - 2 != plan->sources) {
-    PyErr_Format(PyExc_TypeError, "mpgemm native launch: the plan takes %d tensors, not %zd",
+    PyErr_Format(PyExc_TypeError, "mpgemm native launch: the plan takes %d sources, not %zd",
                  plan->sources, count - 2);
     return nullptr;
   }
@@ -280,11 +289,20 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t count) {
   }
   std::memcpy(image, plan->image.data(), plan->image.size());
   for (const Slot& slot : plan->slots) {
+    PyObject* source = args[2 + slot.source];
+    if (slot.fill == Fill::float32) {
+      float value = (float)PyFloat_AsDouble(source);
+      if (PyErr_Occurred()) {
+        return nullptr;
+      }
+      std::memcpy(image + slot.offset, &value, 4);
+      continue;
+    }
     std::uint64_t address;
-    if (!address_of(args[2 + slot.source], address)) {
+    if (!address_of(source, address)) {
       return nullptr;
     }
-    if (!slot.map) {
+    if (slot.fill == Fill::address) {
       std::memcpy(image + slot.offset, &address, 8);
       continue;
     }
@@ -292,7 +310,8 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t count) {
     CUresult result = encode_tiled(
         reinterpret_cast<CUtensorMap*>(image + slot.offset), slot.dtype, slot.rank,
         reinterpret_cast<void*>(address), slot.dims, slot.strides, slot.box, unit,
-        CU_TENSOR_MAP_INTERLEAVE_NONE, slot.swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, slot.fill);
+        CU_TENSOR_MAP_INTERLEAVE_NONE, slot.swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        slot.oob_fill);
     if (result != CUDA_SUCCESS) {
       set_driver_error("cuTensorMapEncodeTiled", result);
       return nullptr;
@@ -330,7 +349,12 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t count) {
   config.hStream = stream;
   config.attrs = attributes;
   config.numAttrs = attribute_count;
-  CUresult result = launch_kernel_ex(&config, plan->function, params, nullptr);
+  // Without the GIL, as Triton's launcher: the call blocks while the launch queue is
+  // full, and other threads (autograd's device threads among them) go on meanwhile.
+  CUresult result;
+  Py_BEGIN_ALLOW_THREADS;
+  result = launch_kernel_ex(&config, plan->function, params, nullptr);
+  Py_END_ALLOW_THREADS;
   if (result != CUDA_SUCCESS) {
     set_driver_error("cuLaunchKernelEx", result);
     return nullptr;
@@ -341,7 +365,7 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t count) {
 PyMethodDef methods[] = {
     {"plan", plan, METH_VARARGS, "A kernel's launch plan (see native_launch.cpp)."},
     {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(launch)),
-     METH_FASTCALL, "launch(plan, stream, *tensors): the planned launch."},
+     METH_FASTCALL, "launch(plan, stream, *sources): the planned launch."},
     {nullptr, nullptr, 0, nullptr},
 };
 

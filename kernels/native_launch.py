@@ -1,26 +1,29 @@
-"""Replays of a compiled kernel's launch from C++ (``native_launch.cpp``), for the launch
-sites that repeat a launch with new tensors of the same layout: ``triton_gemm``'s
-replays.
+"""Launches of a compiled kernel from C++ (``native_launch.cpp``), for launches that
+repeat an earlier one with new tensors of the same layout: ``triton_gemm``'s replays,
+and the launch layer's later launches of a cached binary on the grid of its first
+(``launches._launch_binary``).
 
-A replay of the same signature changes only its tensors' addresses: its integers, its
-grid, its binary and its descriptors' shapes, strides and tiles are the same each time.
+Such a launch changes only its tensors' addresses and its float arguments: its
+integers, its grid, its binary and its descriptors' shapes, strides and tiles are the
+same each time (a replay's signature holds them; a binary's key holds every integer).
 ``plan`` lays out, once, every kernel parameter the binary takes, in the order and
 widths Triton's launcher passes them (the signature without its constexprs; a tensor
 descriptor as its 128-byte tensor map, then its shape as int32s and its strides as
-int64s; then the global and profile scratch pointers), with the addresses left to
-fill; ``launch`` fills them from the tensors given and calls ``cuLaunchKernelEx``. The
-launch layer's and Triton's Python (the argument list, the launcher's scratch
-allocation and descriptor expansion, the TensorDescriptor objects themselves) is not
-run: on the H200's host it took some 35 of a replayed ``mpgemm.matmul``'s 57 us.
+int64s; then the global and profile scratch pointers), with the addresses and floats
+left to fill; ``launch`` fills them from the sources given and calls
+``cuLaunchKernelEx``. The launch layer's and Triton's Python (the argument list, the
+launcher's scratch allocation and descriptor expansion, the TensorDescriptor objects
+themselves) is not run: on the H200's host it took some 35 of a replayed
+``mpgemm.matmul``'s 57 us.
 
 Off unless ``MPGEMM_NATIVE_LAUNCH=1`` (``enabled``), until a GPU has timed it and run
 the suite with it: ``tests/test_native_launch.py`` checks on the CPU, under a stand-in
-driver (``tests/fake_libcuda.c``), that a replay passes the driver the same bytes as
-Triton's launcher, for both triton versions this project meets.
+driver (``tests/fake_libcuda.c``), that every planned launch hands the driver the same
+bytes as Triton's launcher, for both triton versions this project meets.
 
-Kernels that ``plan`` cannot lay out (a float or tuple parameter, a descriptor without
-Triton's metadata, scratch memory, clusters) keep Triton's launcher, as do launches
-while Triton's launch hooks are set.
+Launches that ``plan`` cannot lay out (a bool, FP64 or tuple parameter, a descriptor
+without Triton's metadata, scratch memory, clusters) keep Triton's launcher, as do
+launches while Triton's launch hooks are set.
 """
 
 from __future__ import annotations
@@ -114,12 +117,13 @@ def _tensor_map(descriptor: TensorDescriptor, meta: dict, source: int) -> tuple 
     )
 
 
-def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence[torch.Tensor]):
+def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence):
     """The plan of a launch of ``binary`` (the launch layer's ``_Binary``) on ``grid``
     with ``values`` (every positional argument of the kernel, as its launcher gets
-    them), to be repeated by ``launch`` with ``sources``: the tensors of ``values``, in
-    order, a descriptor's the tensor it describes, each at the address the value has
-    now. None where this launch is not one ``launch`` can repeat."""
+    them), to be repeated by ``launch`` with ``sources``: the tensors and floats of
+    ``values``, in order (a descriptor's: the tensor it describes), each with the
+    address or value it has now; every other value is the plan's for good. None where
+    this launch is not one ``launch`` can repeat."""
     compiled = binary.compiled
     metadata = compiled.metadata
     if (
@@ -164,9 +168,14 @@ def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence[torch.
             source += 1
             params += [_integer(s, 4) for s in value.shape]
             params += [_integer(s, 8) for s in value.strides]
-        elif kind in _WIDTHS and isinstance(value, int):
+        elif kind in _WIDTHS and type(value) is int:
             params.append(_integer(value, _WIDTHS[kind]))
-        else:  # a float, whose value a replay may change
+        elif kind == "fp32" and type(value) is float:
+            if sources[source] != value:
+                return None
+            params.append(("float32", source))
+            source += 1
+        else:  # a bool (not in the launch layer's key), a float of another width
             return None
     if source != len(sources):
         return None
@@ -182,7 +191,7 @@ def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence[torch.
     )
 
 
-def launch(planned, stream: int, *sources: torch.Tensor) -> None:
-    """Launch ``planned`` (``plan``) on ``stream`` with ``sources`` in its tensors'
-    places."""
+def launch(planned, stream: int, *sources) -> None:
+    """Launch ``planned`` (``plan``) on ``stream`` with ``sources`` in its tensors' and
+    floats' places."""
     module().launch(planned, stream, *sources)

@@ -12,6 +12,7 @@ the same memory both times."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import math
 import re
@@ -21,6 +22,7 @@ import fake_driver
 import torch
 
 import mpgemm
+from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import dependent_launch, gemm, launches, native_launch
 
 PDL = "matmul with programmatic dependent launch, TMA"
@@ -84,9 +86,9 @@ def describe_binaries() -> None:
 
 
 def compare(name: str, call, pool: Pool) -> dict:
-    """``call`` until its replays have plans; then, in one more call, each replay that
-    has them made twice on the same tensors, once by Triton's launcher and once by the
-    plans: the driver's records of the two, launch by launch."""
+    """``call`` until its replays and launches have plans; then, in one more call, each
+    replay and launch that has them made twice on the same tensors, once by Triton's
+    launcher and once by the plans: the driver's records of the two, launch by launch."""
     for _ in range(4):
         pool.reset()
         call()
@@ -109,15 +111,30 @@ def compare(name: str, call, pool: Pool) -> dict:
         pairs.append((by_triton, fake_driver.recorded(fake)))
         return None
 
-    gemm._relaunch = twice
+    launch_binary = launches._launch_binary
+
+    def binary_twice(binary, active, device, grid, args):
+        if not (binary.plan and grid == binary.planned_grid):
+            return launch_binary(binary, active, device, grid, args)
+        fake.fake_clear()
+        native_launch._ENABLED = False
+        launch_binary(binary, active, device, grid, args)
+        by_triton = fake_driver.recorded(fake)
+        fake.fake_clear()
+        native_launch._ENABLED = True
+        launched = launch_binary(binary, active, device, grid, args)
+        pairs.append((by_triton, fake_driver.recorded(fake)))
+        return launched
+
+    gemm._relaunch, launches._launch_binary = twice, binary_twice
     try:
         pool.reset()
         call()
     finally:
-        gemm._relaunch = relaunch
+        gemm._relaunch, launches._launch_binary = relaunch, launch_binary
     return {
         "case": name,
-        "replays": len(pairs),
+        "planned": len(pairs),
         "launches": sum(len(a) for a, _ in pairs),
         "same": all(a == b and a for a, b in pairs),
         "params_bytes": sum(len(r["params"]) // 2 for a, _ in pairs for r in a),
@@ -139,6 +156,15 @@ def cases() -> dict:
     odd_x = torch.randn(100, 509)
     head_x = torch.randn(4096, 4096, dtype=f16, requires_grad=True)
 
+    def recipe(optimizer: str) -> Recipe:
+        config = TrainConfig(hidden=(8,), batch_size=4, optimizer=optimizer)
+        return Recipe("mpgemm", build_mlp(8, (8,), 10), config)
+
+    adam, sgd = recipe("adam"), recipe("sgd")
+    batch = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    logits, target = torch.randn(64, 10), torch.randint(0, 10, (64,))
+    smoothing = itertools.count(1)  # a float argument, new at every call
+
     def backward(module, inputs):
         # No gradient kept from the last call: the pool hands its memory out again.
         for t in (*module.parameters(), inputs):
@@ -153,6 +179,13 @@ def cases() -> dict:
         "Linear relu forward and backward, TMA": lambda: backward(layer, x),
         "Linear gelu forward and backward, pointer kernel": lambda: backward(odd_layer, odd_x),
         "10-class head's backward, split-K": lambda: backward(head, head_x),
+        # Every other kernel: the cross-entropy, the ReLU's backward, the unscale, the
+        # optimizers' steps, the scale's update (launches of a cached binary).
+        "training step, Adam": lambda: adam.step(*batch),
+        "training step, SGD with momentum": lambda: sgd.step(*batch),
+        "cross-entropy, its label smoothing new each call": lambda: mpgemm.cross_entropy(
+            logits, target, label_smoothing=next(smoothing) / 64
+        ),
         # Last: from here on every launch is a programmatic dependent launch.
         PDL: lambda: mpgemm.matmul(a, b),
     }

@@ -1,12 +1,14 @@
-"""The C++ replays of ``triton_gemm``'s launches (``mpgemm.kernels.native_launch``).
+"""The launches made from C++ (``mpgemm.kernels.native_launch``).
 
 Without a GPU: under a stand-in CUDA driver (``fake_driver``) that records what each
 launch hands it, every replay the GEMMs make (TMA and pointer kernels, a batch, a
-layer's forward and backward, split-K and its reduction, PDL) is made by Triton's own
-launcher and by the plan on the same tensors, and the two records must be the same
-bytes (``native_launch_check.py``: the grid, block, shared memory, stream, function,
-launch attributes and every parameter, the tensor maps' encoding arguments included).
-What ``plan`` refuses, and what ``launch`` checks. On a GPU: the plans' results, bit for
+layer's forward and backward, split-K and its reduction, PDL) and every other launch
+of a training step (the cross-entropy, the ReLU's backward, the unscale, Adam's and
+SGD's steps, the scale's update) is made by Triton's own launcher and by its plan on
+the same arguments, and the two records must be the same bytes
+(``native_launch_check.py``: the grid, block, shared memory, stream, function, launch
+attributes and every parameter, the tensor maps' encoding arguments included). What
+``plan`` refuses, and what ``launch`` checks. On a GPU: the plans' results, bit for
 bit against Triton's launcher's.
 """
 
@@ -26,7 +28,7 @@ import torch
 from tests import fake_driver
 
 HERE = Path(__file__).resolve().parent
-CASES = 8
+CASES = 11
 
 needs_compiler = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
@@ -41,7 +43,7 @@ def fake_cuda(tmp_path_factory) -> Path:
     torch.cuda.is_available(),
     reason="a GPU's torch would load the stand-in as its driver; the GPU test below runs",
 )
-def test_every_replay_hands_the_driver_what_tritons_launcher_does(fake_cuda):
+def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_cuda):
     run = subprocess.run(
         [sys.executable, str(HERE / "native_launch_check.py")],
         env=fake_driver.environment(
@@ -67,14 +69,18 @@ def test_every_replay_hands_the_driver_what_tritons_launcher_does(fake_cuda):
         "kept": [],
     }
     for result in results:
-        assert result["replays"] >= 1, result
+        assert result["planned"] >= 1, result
         assert result["same"], result
     by_case = {r["case"]: r for r in results}
-    # The layer's backward made its weight gradient by the plan too; split-K's two
-    # launches (the partials, their reduction) each by theirs; PDL's attribute passed.
-    assert by_case["Linear relu forward and backward, TMA"]["replays"] == 2
+    # The layer's forward and weight gradient by their replays' plans, its ReLU's
+    # backward by its binary's; split-K's two launches (the partials, their reduction)
+    # each by its own; every launch of a training step (its 5 GEMMs, the cross-entropy's
+    # 2, the ReLU's backward, the unscale, the optimizer step, the scale's update).
+    assert by_case["Linear relu forward and backward, TMA"]["planned"] == 3
     split = by_case["10-class head's backward, split-K"]
-    assert split["launches"] > split["replays"]
+    assert split["launches"] > split["planned"]
+    assert by_case["training step, Adam"]["planned"] == 11
+    assert by_case["training step, SGD with momentum"]["planned"] == 11
     pdl = by_case["matmul with programmatic dependent launch, TMA"]
     assert pdl["attributes"] == pdl["launches"]
     assert all(r["attributes"] == 0 for r in results if r is not pdl)
@@ -112,6 +118,7 @@ def _binary(**metadata) -> types.SimpleNamespace:
         ({}, None, (1, 1, 1, 1)),
         ({}, ("x", 16, 64), (4,)),  # a pointer that is no tensor
         ({}, ("t", 1.5, 64), (4,)),  # a float where an integer goes
+        ({}, ("t", True, 64), (4,)),  # a bool: not in the launch layer's key
         ({}, ("t", 16), (4,)),  # fewer values than parameters
     ],
 )
@@ -169,7 +176,7 @@ def test_a_plan_is_made_and_its_launch_checks_what_it_is_given():
     x = torch.empty(16, dtype=torch.float16)
     planned = native_launch.plan(_binary(), (4,), (x, 16, 64), (x,))
     assert planned is not None
-    with pytest.raises(TypeError, match="takes 1 tensors, not 2"):
+    with pytest.raises(TypeError, match="takes 1 sources, not 2"):
         native_launch.launch(planned, 0, x, x)
     with pytest.raises(ValueError, match="PyCapsule"):
         native_launch.launch("not a plan", 0, x)
