@@ -24,6 +24,7 @@ import torch
 import mpgemm
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import dependent_launch, gemm, launches, native_launch
+from mpgemm.scaling import unscale_
 
 PDL = "matmul with programmatic dependent launch, TMA"
 fake: ctypes.CDLL  # the stand-in (fake_driver.activate)
@@ -218,16 +219,42 @@ def unplanned() -> dict:
     return {"case": UNPLANNED, "plan_calls": asked, "launches": fake.fake_launches(), "kept": kept}
 
 
+REGRIDDED = "a cached binary launched on another grid"
+
+
+def regridded(pool: Pool) -> dict:
+    """An unscale planned on one grid (three tensors of 1000 elements), then launched
+    with tensors of 6000 (the same binary key: its grid, one program a block, is not
+    an argument), by Triton's launcher and with native launches enabled: the driver's
+    records of the two."""
+    found, inv_scale = torch.zeros(1), torch.ones(1)
+    small = [torch.randn(1000) for _ in range(3)]
+    large = [torch.randn(6000) for _ in range(3)]
+    for _ in range(3):
+        pool.reset()
+        unscale_(small, found, inv_scale)
+    records = []
+    for native in (False, True):
+        native_launch._ENABLED = native
+        pool.reset()
+        fake.fake_clear()
+        unscale_(large, found, inv_scale)
+        records.append(fake_driver.recorded(fake))
+    native_launch._ENABLED = True
+    grids = [r["config"][:3] for r in records[0]]
+    return {"case": REGRIDDED, "same": records[0] == records[1], "grids": grids}
+
+
 def main() -> None:
     global fake
     fake = fake_driver.activate()
     pool = Pool(1 << 28)
     prepared = cases()  # made before the pool stands in for torch.empty
     pool.install()
-    names = sys.argv[1:] or [UNPLANNED, *prepared]
+    names = sys.argv[1:] or [UNPLANNED, REGRIDDED, *prepared]
     for name in names:
-        if name == UNPLANNED:
-            print(json.dumps(unplanned()), flush=True)
+        if name in (UNPLANNED, REGRIDDED):
+            print(json.dumps(unplanned() if name == UNPLANNED else regridded(pool)), flush=True)
             continue
         if name == PDL:
             dependent_launch._requested = dependent_launch._active = True  # (no GPU to ask)

@@ -58,15 +58,21 @@ def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_c
     )
     assert run.returncode == 0, run.stderr[-4000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == CASES + 1, run.stdout
+    assert len(results) == CASES + 2, run.stdout
     # A replay that cannot be planned launches by Triton's launcher every time, and is
     # asked for its plan once.
-    unplanned = results.pop(0)
+    unplanned, regridded, *results = results
     assert unplanned == {
         "case": "a launch that cannot be planned",
         "plan_calls": 1,
         "launches": 5,
         "kept": [],
+    }
+    # A binary planned on one grid and launched on another takes the other.
+    assert regridded == {
+        "case": "a cached binary launched on another grid",
+        "same": True,
+        "grids": [[6, 1, 1]],
     }
     for result in results:
         assert result["planned"] >= 1, result
