@@ -357,7 +357,9 @@ _VERSIONS_AND_NATIVE = (
     "triton.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() "
     "and torch.cuda.get_device_name()); from mpgemm import native; "
     "print('mpgemm C++ list helper:', 'built' if native.native_list_facts() else "
-    "'not built: Python passes')"
+    "'not built: Python passes'); from mpgemm.kernels import native_launch; "
+    "print('mpgemm launches from C++ (MPGEMM_NATIVE_LAUNCH):', "
+    "'on' if native_launch.enabled() else 'off')"
 )
 
 

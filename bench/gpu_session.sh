@@ -3,8 +3,10 @@
 # $OUT as soon as it ends (a .tgz a part: the device returns at most 8 files), all
 # within SESSION_SECONDS (default 560, under the device's 600 s a call).
 #   OUT=DIR bash bench/gpu_session.sh [PART ...]
-#   (default: tests targets graph profile sweep adam train; also bench, ab)
-# Parts: a gpu_check stage (tests, targets, bench, train: bench/gpu_check.py); profile
+#   (default: tests targets native graph profile train sweep adam; also bench, ab)
+# Parts: a gpu_check stage (tests, targets, bench, train: bench/gpu_check.py); native
+# (the targets stage again with MPGEMM_NATIVE_LAUNCH=1: the launches that repeat an
+# earlier one made from C++, mpgemm.kernels.native_launch, off as shipped); profile
 # (bench/profile_gpu.py, the runbook's sections); sweep (bench/sweep_optim.py, against
 # $SCRATCH/old_fused_optim.py where it exists, with $SCRATCH/old_tensor_table.py where
 # that does); ab (bench/ab_activation.py against
@@ -34,7 +36,7 @@ sections="launch,phases,guide mpgemm,guide mpgemm_cuda_graph,guide autocast_fuse
 # Seconds a part needs to be worth starting (the H200's times: tests 179, targets 42).
 declare -A minimum=(
   [tests]=200 [targets]=60 [bench]=200 [train]=100 [profile]=60 [sweep]=40 [ab]=20 [adam]=60
-  [graph]=55
+  [graph]=55 [native]=60
 )
 # ncu on probe_adam.py --ncu's third Adam step and its stream: speed of light, memory,
 # and the warps' stall reasons, each one (the section's table names only the largest);
@@ -61,6 +63,8 @@ run() {  # run PART: its command, cut at the session's end, its output in $work/
   case $part in
     tests|targets|bench|train)
       OUT=$work/$part timeout -s INT "$left" bash bench/gpu_check.sh "$part" ;;
+    native)
+      OUT=$work/$part MPGEMM_NATIVE_LAUNCH=1 timeout -s INT "$left" bash bench/gpu_check.sh targets ;;
     profile)
       install && timeout -s INT "$left" "$python" bench/profile_gpu.py "$work/$part" "$sections" ;;
     sweep)
@@ -86,10 +90,10 @@ run() {  # run PART: its command, cut at the session's end, its output in $work/
 }
 
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests targets graph profile sweep adam train)
+[ ${#parts[@]} -gt 0 ] || parts=(tests targets native graph profile train sweep adam)
 for part in "${parts[@]}"; do  # all names checked before anything runs
   if [ -z "${minimum[$part]:-}" ]; then
-    echo "gpu_session: no part $part (parts: tests targets bench train profile sweep ab adam graph)"
+    echo "gpu_session: no part $part (parts: tests targets native bench train profile sweep ab adam graph)"
     exit 2
   fi
 done

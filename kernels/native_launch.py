@@ -125,9 +125,11 @@ def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence):
     address or value it has now; every other value is the plan's for good. None where
     this launch is not one ``launch`` can repeat."""
     compiled = binary.compiled
-    metadata = compiled.metadata
+    metadata = getattr(compiled, "metadata", None)
     if (
-        getattr(metadata, "num_ctas", 1) != 1
+        metadata is None  # a stand-in binary (bench/host_time.py's), nothing to launch
+        or not compiled.function
+        or getattr(metadata, "num_ctas", 1) != 1
         or metadata.global_scratch_size
         or metadata.profile_scratch_size
         or not 1 <= len(grid) <= 3

@@ -318,17 +318,19 @@ def test_the_graph_ab_steps_every_variant_to_the_same_bits():
     a small eager step through the interpreter (where PDL stays off, as the rows say):
     two alternating rounds of the shipped recipe, the variants and the control, then
     each one's median against the shipped recipe's, its weights the shipped recipe's
-    bit for bit (gradients zeroed in place or set to None step alike), but for the
-    ReLU's backward unfused, whose bias gradients are summed in another order."""
+    bit for bit (gradients zeroed in place or set to None step alike; the launches from
+    C++, which the interpreter does not make, alike), but for the ReLU's backward
+    unfused, whose bias gradients are summed in another order."""
     rows = _interpreted_rows("ab_graph.py", "--smoke")
     impls = [
         "as shipped",
         "grads zeroed in place",
         "pdl",
         "relu backward fused",
+        "native launch",
         "as shipped, control",
     ]
-    timed, summaries = rows[:-4], rows[-4:]
+    timed, summaries = rows[:-5], rows[-5:]
     assert [(r["round"], r["impl"]) for r in timed] == [(i, n) for i in range(2) for n in impls]
     assert all(r["us"] > 0 and r["pdl"] is False and r["mode"] == "mpgemm" for r in timed)
     assert [s["impl"] for s in summaries] == impls[1:]
@@ -340,9 +342,9 @@ def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_pat
     """bench/gpu_session.sh, a device call's parts in order, as a dry run on the CPU: the
     profile (every section fails here: no GPU) is archived with its log; the activation
     A/B is skipped without an earlier kernel file; the Adam probe runs interpreted (its
-    ncu not: no GPU) and is archived with its rows, as the graphed steps' A/B is; a
-    part that needs more time than is left is skipped; an unknown part stops the call
-    before anything runs."""
+    ncu not: no GPU) and is archived with its rows, as the graphed steps' A/B is, and
+    the targets stage with the launches from C++ on; a part that needs more time than
+    is left is skipped; an unknown part stops the call before anything runs."""
 
     def session(*parts, seconds=300):
         env = {
@@ -361,14 +363,19 @@ def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_pat
             timeout=300,
         )
 
-    run = session("profile", "ab", "adam", "graph")
+    run = session("profile", "ab", "adam", "graph", "native")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "gpu_session: profile rc=1" in run.stdout
     assert "ab skipped: no " in run.stdout
     assert "gpu_session: adam rc=0" in run.stdout
     assert "gpu_session: graph rc=0" in run.stdout
+    assert "gpu_session: native rc=0" in run.stdout
     archives = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert archives == ["adam.tgz", "graph.tgz", "profile.tgz"]
+    assert archives == ["adam.tgz", "graph.tgz", "native.tgz", "profile.tgz"]
+    # The targets stage again, its set-up saying the launches from C++ were on.
+    with tarfile.open(tmp_path / "out" / "native.tgz") as archive:
+        env = archive.extractfile("native/env.txt").read().decode()
+    assert "mpgemm launches from C++ (MPGEMM_NATIVE_LAUNCH): on" in env
     for part, rows in (("adam", "probe.json"), ("graph", "ab_graph.json")):
         with tarfile.open(tmp_path / "out" / f"{part}.tgz") as archive:
             assert f"{part}/{rows}" in archive.getnames()
