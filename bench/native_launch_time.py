@@ -6,6 +6,7 @@ nothing. So what is timed is everything of the host's but the driver's own work 
 H200's host, cuLaunchKernelEx took 6 to 14 us a call: profile_gpu.py's ``idle``).
 
     python3 bench/native_launch_time.py [--rounds 5]
+    python3 bench/native_launch_time.py --smoke   # one round of few calls (the test's)
 
 Prints microseconds per call (the best of each mode's rounds; the two modes take turns
 in one process) for a replayed 512^2 ``mpgemm.matmul`` (the TMA kernel), an unaligned
@@ -26,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def best_us(fn: Callable[[], object], calls: int) -> float:
+def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
     best = float("inf")
-    for _ in range(5):
+    for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -36,7 +37,7 @@ def best_us(fn: Callable[[], object], calls: int) -> float:
     return best
 
 
-def measure(rounds: int) -> None:
+def measure(rounds: int, smoke: bool) -> None:
     sys.path.insert(0, str(REPO))
     from tests import fake_driver
 
@@ -67,12 +68,13 @@ def measure(rounds: int) -> None:
     for fn, _ in cases.values():  # compiled, replayed, planned
         for _ in range(5):
             fn()
+    repeats = 1 if smoke else 5
     times: dict[str, dict[bool, list[float]]] = {name: {False: [], True: []} for name in cases}
     for _ in range(rounds):
         for native in (False, True):
             native_launch._ENABLED = native
             for name, (fn, calls) in cases.items():
-                times[name][native].append(best_us(fn, calls))
+                times[name][native].append(best_us(fn, 2 if smoke else calls, repeats))
     print("| host us, stand-in driver | Triton's launcher | C++ plans | ratio |")
     print("| --- | --- | --- | --- |")
     for name, measured in times.items():
@@ -81,9 +83,11 @@ def measure(rounds: int) -> None:
 
 
 def main() -> None:
+    smoke = "--smoke" in sys.argv
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
+    rounds = 1 if smoke else rounds
     if "--measure" in sys.argv:
-        measure(rounds)
+        measure(rounds, smoke)
         return
     sys.path.insert(0, str(REPO))
     from tests import fake_driver
@@ -97,6 +101,7 @@ def main() -> None:
             TRITON_DEFAULT_FP_FUSION="1",
         )
         command = [sys.executable, __file__, "--measure", "--rounds", str(rounds)]
+        command += ["--smoke"] if smoke else []
         subprocess.run(command, env=env, check=True)
 
 

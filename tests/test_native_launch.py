@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,53 @@ def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_c
     pdl = by_case["matmul with programmatic dependent launch, TMA"]
     assert pdl["attributes"] == pdl["launches"]
     assert all(r["attributes"] == 0 for r in results if r is not pdl)
+
+
+def test_a_launcher_that_does_not_build_is_warned_of_and_left_out(monkeypatch):
+    """Where the helper cannot be built (no compiler, no ninja), native launches are off
+    even when asked for, with one warning: every launch keeps Triton's launcher."""
+    from torch.utils import cpp_extension
+
+    from mpgemm.kernels import native_launch
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(native_launch, "_ENABLED", True)
+    native_launch.module.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="launcher did not build.*Ninja is required"):
+            assert not native_launch.enabled()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once: the answer is kept
+            assert not native_launch.enabled()
+    finally:
+        native_launch.module.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in driver is for no GPU")
+def test_the_host_time_benchmark_times_both_launchers():
+    """bench/native_launch_time.py at its smoke scale: a row per case, each time with
+    Triton's launcher and with the plans."""
+    run = subprocess.run(
+        [sys.executable, str(HERE.parent / "bench" / "native_launch_time.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| ")]
+    cases = [row[0].lstrip("| ") for row in rows[2:]]
+    assert cases == [
+        "matmul 512^2 fp16 (TMA)",
+        "matmul 500x509x500 fp16 (pointer)",
+        "Linear relu forward+backward",
+        "tiny MLP step",
+        "small MLP step",
+    ]
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows[2:])
 
 
 def _binary(**metadata) -> types.SimpleNamespace:
