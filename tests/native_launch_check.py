@@ -166,11 +166,35 @@ def cases() -> dict:
     logits, target = torch.randn(64, 10), torch.randint(0, 10, (64,))
     smoothing = itertools.count(1)  # a float argument, new at every call
 
+    bf16_layer = mpgemm.Linear(256, 128, activation="silu", compute_dtype=torch.bfloat16)
+    bf16_x = torch.randn(64, 256, requires_grad=True)
+    # A batch of products whose second operand is broadcast: its gradient is summed
+    # over the batch (the TMA kernel's SUM_BATCH).
+    q_grad = torch.randn(2, 4, 128, 64, dtype=f16, requires_grad=True)
+    k_shared = torch.randn(1, 4, 64, 128, dtype=f16, requires_grad=True)
+    decayed = mpgemm.Linear(64, 64)
+    adamw = mpgemm.LossScaleOptimizer(
+        mpgemm.optim.AdamW(
+            [{"params": [decayed.weight], "weight_decay": 0.1}, {"params": [decayed.bias]}],
+            weight_decay=0.0,
+        )
+    )
+    decayed_x = torch.randn(32, 64)
+
     def backward(module, inputs):
         # No gradient kept from the last call: the pool hands its memory out again.
         for t in (*module.parameters(), inputs):
             t.grad = None
         module(inputs).float().sum().backward()
+
+    def batched_backward():
+        q_grad.grad = k_shared.grad = None
+        mpgemm.matmul(q_grad, k_shared).float().sum().backward()
+
+    def adamw_step():
+        adamw.zero_grad(set_to_none=True)
+        adamw.backward(decayed(decayed_x).float().sum())
+        adamw.step()
 
     return {
         "matmul, TMA": lambda: mpgemm.matmul(a, b),
@@ -187,6 +211,9 @@ def cases() -> dict:
         "cross-entropy, its label smoothing new each call": lambda: mpgemm.cross_entropy(
             logits, target, label_smoothing=next(smoothing) / 64
         ),
+        "Linear silu BF16 forward and backward": lambda: backward(bf16_layer, bf16_x),
+        "batched matmul backward, an operand broadcast": batched_backward,
+        "AdamW step, two param groups, loss scaled": adamw_step,
         # Last: from here on every launch is a programmatic dependent launch.
         PDL: lambda: mpgemm.matmul(a, b),
     }

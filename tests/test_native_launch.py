@@ -29,7 +29,7 @@ import torch
 from tests import fake_driver
 
 HERE = Path(__file__).resolve().parent
-CASES = 11
+CASES = 14
 
 needs_compiler = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
