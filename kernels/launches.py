@@ -192,8 +192,8 @@ def _plan(binary: _Binary, grid, args: tuple) -> object:
 def native_relaunch(launched: Launched, planned: object, sources: tuple) -> None:
     """``relaunch`` of ``launched`` by its C++ plan (``native_launch.plan``), with
     ``sources`` in its tensors' places, on the current stream: no Python of the launch
-    layer's or Triton's. The caller vouches for what ``relaunch``'s does, and that
-    Triton's launch hooks are not set (``hooks_set``), which this does not call."""
+    layer's or Triton's. The caller vouches for what ``relaunch``'s caller does, and
+    that Triton's launch hooks are not set (``hooks_set``), which this does not call."""
     native_launch.launch(planned, driver.active.get_current_stream(launched.device), *sources)
 
 

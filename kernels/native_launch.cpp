@@ -106,6 +106,7 @@ struct Plan {
 };
 
 const char* kCapsule = "mpgemm.native_launch.Plan";
+const std::size_t kMaxParameters = 256;
 
 void free_plan(PyObject* capsule) {
   delete static_cast<Plan*>(PyCapsule_GetPointer(capsule, kCapsule));
@@ -234,6 +235,11 @@ PyObject* plan(PyObject*, PyObject* args) {
     p.sources = slot.source + 1 > p.sources ? slot.source + 1 : p.sources;
     p.slots.push_back(slot);
   }
+  if (p.offsets.size() > kMaxParameters) {
+    delete result;
+    PyErr_SetString(PyExc_ValueError, "mpgemm native launch: more than 256 parameters");
+    return nullptr;
+  }
   p.image.assign(size, 0);
   for (auto& constant : constants) {
     std::memcpy(p.image.data() + constant.second, PyBytes_AS_STRING(constant.first),
@@ -317,12 +323,8 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t count) {
       return nullptr;
     }
   }
-  void* params[256];
+  void* params[kMaxParameters];
   std::size_t parameters = plan->offsets.size();
-  if (parameters > 256) {
-    PyErr_SetString(PyExc_ValueError, "mpgemm native launch: more than 256 parameters");
-    return nullptr;
-  }
   for (std::size_t i = 0; i < parameters; ++i) {
     params[i] = image + plan->offsets[i];
   }
