@@ -34,10 +34,18 @@ typedef CUresult (*TensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuui
                                          CUtensorMapInterleave, CUtensorMapSwizzle,
                                          CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 typedef CUresult (*GetErrorString)(CUresult, const char**);
+typedef CUresult (*CtxGetCurrent)(CUcontext*);
+typedef CUresult (*CtxSetCurrent)(CUcontext);
+typedef CUresult (*DeviceGet)(CUdevice*, int);
+typedef CUresult (*PrimaryCtxRetain)(CUcontext*, CUdevice);
 
 LaunchKernelEx launch_kernel_ex = nullptr;
 TensorMapEncodeTiled encode_tiled = nullptr;
 GetErrorString error_string = nullptr;
+CtxGetCurrent ctx_get_current = nullptr;
+CtxSetCurrent ctx_set_current = nullptr;
+DeviceGet device_get = nullptr;
+PrimaryCtxRetain primary_ctx_retain = nullptr;
 
 // The driver's entry points, from the libcuda.so.1 the process loads (the one torch and
 // Triton use); false, with a Python error set, where it cannot be opened.
@@ -52,11 +60,17 @@ bool driver_loaded() {
   }
   encode_tiled = (TensorMapEncodeTiled)dlsym(library, "cuTensorMapEncodeTiled");
   error_string = (GetErrorString)dlsym(library, "cuGetErrorString");
+  // (cuda.h maps none of these names to a versioned symbol.)
+  ctx_get_current = (CtxGetCurrent)dlsym(library, "cuCtxGetCurrent");
+  ctx_set_current = (CtxSetCurrent)dlsym(library, "cuCtxSetCurrent");
+  device_get = (DeviceGet)dlsym(library, "cuDeviceGet");
+  primary_ctx_retain = (PrimaryCtxRetain)dlsym(library, "cuDevicePrimaryCtxRetain");
   LaunchKernelEx launch = (LaunchKernelEx)dlsym(library, "cuLaunchKernelEx");
-  if (encode_tiled == nullptr || error_string == nullptr || launch == nullptr) {
+  if (encode_tiled == nullptr || error_string == nullptr || ctx_get_current == nullptr ||
+      ctx_set_current == nullptr || device_get == nullptr || primary_ctx_retain == nullptr ||
+      launch == nullptr) {
     PyErr_SetString(PyExc_RuntimeError,
-                    "mpgemm native launch: libcuda.so.1 lacks cuLaunchKernelEx, "
-                    "cuTensorMapEncodeTiled or cuGetErrorString");
+                    "mpgemm native launch: libcuda.so.1 lacks a driver function it needs");
     return false;
   }
   launch_kernel_ex = launch;
@@ -70,6 +84,28 @@ void set_driver_error(const char* what, CUresult result) {
   }
   PyErr_Format(PyExc_RuntimeError, "mpgemm native launch: %s failed: %s (CUresult %d)", what,
                text, (int)result);
+}
+
+// A current context on this thread, as Triton's launcher makes sure of before it
+// launches (its ensureCudaContext): where none is, device 0's primary context.
+bool context_current() {
+  CUcontext context = nullptr;
+  CUresult result = ctx_get_current(&context);
+  if (result == CUDA_SUCCESS && context == nullptr) {
+    CUdevice device;
+    result = device_get(&device, 0);
+    if (result == CUDA_SUCCESS) {
+      result = primary_ctx_retain(&context, device);
+    }
+    if (result == CUDA_SUCCESS) {
+      result = ctx_set_current(context);
+    }
+  }
+  if (result != CUDA_SUCCESS) {
+    set_driver_error("making a context current", result);
+    return false;
+  }
+  return true;
 }
 
 // What a launch writes into a parameter, from the source (the launch's tensor and float
@@ -282,7 +318,7 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t count) {
     return nullptr;
   }
   CUstream stream = reinterpret_cast<CUstream>(PyLong_AsUnsignedLongLong(args[1]));
-  if (PyErr_Occurred() || !driver_loaded()) {
+  if (PyErr_Occurred() || !driver_loaded() || !context_current()) {
     return nullptr;
   }
   // The image, with tensor maps at 64-byte boundaries: the buffer's start is one.

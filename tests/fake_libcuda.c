@@ -70,8 +70,13 @@ EXPORT uint64_t fake_launch(int i, unsigned char *params, uint64_t *config,
   return l->params_size;
 }
 
+/* The context current on each thread: none until one is set, as the driver's. */
+static __thread CUcontext current;
+
 CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                           void **extra) {
+  if (current == NULL)
+    return CUDA_ERROR_INVALID_CONTEXT; /* as the driver answers a thread without one */
   if (config->numAttrs > 8 || extra != NULL)
     return CUDA_ERROR_INVALID_VALUE;
   if (launches >= LOGGED) {
@@ -173,10 +178,13 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
   return CUDA_SUCCESS;
 }
 CUresult cuCtxGetCurrent(CUcontext *pctx) {
-  *pctx = (CUcontext)&context;
+  *pctx = current;
   return CUDA_SUCCESS;
 }
-CUresult cuCtxSetCurrent(CUcontext ctx) { return CUDA_SUCCESS; }
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+  current = ctx;
+  return CUDA_SUCCESS;
+}
 CUresult cuCtxGetDevice(CUdevice *device) {
   *device = 0;
   return CUDA_SUCCESS;

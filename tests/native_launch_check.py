@@ -17,6 +17,7 @@ import json
 import math
 import re
 import sys
+import threading
 
 import fake_driver
 import torch
@@ -272,16 +273,46 @@ def regridded(pool: Pool) -> dict:
     return {"case": REGRIDDED, "same": records[0] == records[1], "grids": grids}
 
 
+THREADED = "a planned launch from a thread with no current context"
+
+
+def threaded() -> dict:
+    """A product planned on this thread, then made on new threads, which have no current
+    context until a launcher makes one (as Triton's does): by Triton's launcher, then by
+    the plan. What each made: its launches, or the error it raised."""
+    a, b = torch.randn(128, 64, dtype=torch.float16), torch.randn(64, 96, dtype=torch.float16)
+    for _ in range(4):
+        mpgemm.matmul(a, b)
+    made = {}
+
+    def run(native: bool) -> None:
+        native_launch._ENABLED = native
+        fake.fake_clear()
+        try:
+            mpgemm.matmul(a, b)
+            made[native] = fake.fake_launches()
+        except RuntimeError as error:
+            made[native] = str(error)
+
+    for native in (False, True):
+        thread = threading.Thread(target=run, args=(native,))
+        thread.start()
+        thread.join()
+    native_launch._ENABLED = True
+    return {"case": THREADED, "by_triton": made[False], "by_plan": made[True]}
+
+
 def main() -> None:
     global fake
     fake = fake_driver.activate()
     pool = Pool(1 << 28)
     prepared = cases()  # made before the pool stands in for torch.empty
     pool.install()
-    names = sys.argv[1:] or [UNPLANNED, REGRIDDED, *prepared]
+    special = {UNPLANNED: unplanned, REGRIDDED: lambda: regridded(pool), THREADED: threaded}
+    names = sys.argv[1:] or [*special, *prepared]
     for name in names:
-        if name in (UNPLANNED, REGRIDDED):
-            print(json.dumps(unplanned() if name == UNPLANNED else regridded(pool)), flush=True)
+        if name in special:
+            print(json.dumps(special[name]()), flush=True)
             continue
         if name == PDL:
             dependent_launch._requested = dependent_launch._active = True  # (no GPU to ask)

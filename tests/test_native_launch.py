@@ -59,10 +59,10 @@ def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_c
     )
     assert run.returncode == 0, run.stderr[-4000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == CASES + 2, run.stdout
+    assert len(results) == CASES + 3, run.stdout
     # A replay that cannot be planned launches by Triton's launcher every time, and is
     # asked for its plan once.
-    unplanned, regridded, *results = results
+    unplanned, regridded, threaded, *results = results
     assert unplanned == {
         "case": "a launch that cannot be planned",
         "plan_calls": 1,
@@ -74,6 +74,13 @@ def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_c
         "case": "a cached binary launched on another grid",
         "same": True,
         "grids": [[6, 1, 1]],
+    }
+    # A thread with no current context gets one from the plan's launch, as from
+    # Triton's launcher (device 0's primary context).
+    assert threaded == {
+        "case": "a planned launch from a thread with no current context",
+        "by_triton": 1,
+        "by_plan": 1,
     }
     for result in results:
         assert result["planned"] >= 1, result
