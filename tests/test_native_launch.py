@@ -175,6 +175,7 @@ def _binary(**metadata) -> types.SimpleNamespace:
         ({"num_ctas": 2}, None, (4,)),  # a cluster
         ({"global_scratch_size": 64}, None, (4,)),  # scratch memory to allocate
         ({"profile_scratch_size": 64}, None, (4,)),
+        ({"shared": 228 * 1024 + 1}, None, (4,)),  # triton 3.9 adds an attribute
         ({}, None, (0,)),  # an empty grid, which Triton's launcher skips
         ({}, None, (1, 1, 1, 1)),
         ({}, ("x", 16, 64), (4,)),  # a pointer that is no tensor
