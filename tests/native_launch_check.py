@@ -91,11 +91,14 @@ def compare(name: str, call, pool: Pool) -> dict:
     """``call`` until its replays and launches have plans; then, in one more call, each
     replay and launch that has them made twice on the same tensors, once by Triton's
     launcher and once by the plans: the driver's records of the two, launch by launch."""
-    for _ in range(4):
+    # The first call compiles, the second launches the cached binary, the third replays
+    # by the launch layer and plans; the next ones launch by the plans.
+    for _ in range(5):
         pool.reset()
         call()
     describe_binaries()
     pairs = []
+    encodes = []  # the tensor maps encoded by each launcher, replay by replay
     relaunch = gemm._relaunch
 
     def twice(replay, *tensors):
@@ -105,12 +108,13 @@ def compare(name: str, call, pool: Pool) -> dict:
         fake.fake_clear()
         native_launch._ENABLED = False
         relaunch(replay._replace(native=None), *tensors)
-        by_triton = fake_driver.recorded(fake)
+        by_triton, encoded = fake_driver.recorded(fake), fake.fake_encodes()
         pool.offset = start
         fake.fake_clear()
         native_launch._ENABLED = True
         relaunch(replay, *tensors)
         pairs.append((by_triton, fake_driver.recorded(fake)))
+        encodes.append((encoded, fake.fake_encodes()))
         return None
 
     launch_binary = launches._launch_binary
@@ -141,6 +145,7 @@ def compare(name: str, call, pool: Pool) -> dict:
         "same": all(a == b and a for a, b in pairs),
         "params_bytes": sum(len(r["params"]) // 2 for a, _ in pairs for r in a),
         "attributes": sum(r["config"][9] for a, _ in pairs for r in a),
+        "encodes": [sum(e[0] for e in encodes), sum(e[1] for e in encodes)],
         "differences": [[a, b] for a, b in pairs if a != b],
     }
 
@@ -165,6 +170,11 @@ def cases() -> dict:
     adam, sgd = recipe("adam"), recipe("sgd")
     batch = torch.randn(4, 8), torch.randint(0, 10, (4,))
     logits, target = torch.randn(64, 10), torch.randint(0, 10, (64,))
+    # The compared call's operands are the second pair, the call before's the first: a
+    # tensor map kept from the last launch is of other addresses.
+    alternating = [(torch.randn(128, 256, dtype=f16), torch.randn(256, 192, dtype=f16))]
+    alternating.append((alternating[0][0].clone(), alternating[0][1].clone()))
+    turns = itertools.count()
     smoothing = itertools.count(1)  # a float argument, new at every call
 
     bf16_layer = mpgemm.Linear(256, 128, activation="silu", compute_dtype=torch.bfloat16)
@@ -199,6 +209,9 @@ def cases() -> dict:
 
     return {
         "matmul, TMA": lambda: mpgemm.matmul(a, b),
+        "matmul, TMA, operands alternating between two pairs": lambda: mpgemm.matmul(
+            *alternating[next(turns) % 2]
+        ),
         "matmul, A transposed, TMA": lambda: mpgemm.matmul(b.t(), a.t()),
         "matmul, unaligned (pointer kernel)": lambda: mpgemm.matmul(odd_a, odd_b),
         "batched matmul, TMA": lambda: mpgemm.matmul(q, k.transpose(-1, -2)),

@@ -29,7 +29,7 @@ import torch
 from tests import fake_driver
 
 HERE = Path(__file__).resolve().parent
-CASES = 14
+CASES = 15
 
 needs_compiler = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
@@ -93,6 +93,10 @@ def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_c
     assert by_case["Linear relu forward and backward, TMA"]["planned"] == 3
     split = by_case["10-class head's backward, split-K"]
     assert split["launches"] > split["planned"]
+    # A tensor map encoded at an address is kept for the plan's next launch at that
+    # address, and encoded anew at another: the same bytes either way.
+    assert by_case["matmul, TMA"]["encodes"] == [2, 0]
+    assert by_case["matmul, TMA, operands alternating between two pairs"]["encodes"] == [2, 2]
     assert by_case["training step, Adam"]["planned"] == 11
     assert by_case["training step, SGD with momentum"]["planned"] == 11
     pdl = by_case["matmul with programmatic dependent launch, TMA"]
