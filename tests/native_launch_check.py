@@ -7,7 +7,11 @@ time is compared, byte for byte. Prints one JSON line per case.
 
 CPU tensors stand for the GPU's (the stand-in reads no memory). Allocations come from a
 bump allocator (``Pool``), so that the partials split-K allocates within a replay are
-the same memory both times."""
+the same memory both times.
+
+    python3 tests/native_launch_check.py [CASE ...]     # the cases (default: all)
+    python3 tests/native_launch_check.py --random SEED COUNT   # drawn layers instead
+"""
 
 from __future__ import annotations
 
@@ -315,10 +319,68 @@ def threaded() -> dict:
     return {"case": THREADED, "by_triton": made[False], "by_plan": made[True]}
 
 
+def drawn(seed: int, count: int) -> dict:
+    """``count`` layers drawn from ``seed``, forward and backward (``--random SEED
+    COUNT``): sizes from 1 to 300 (aligned or not, so that both kernels run), FP32, FP16
+    or BF16 inputs and weights, either compute dtype, the weight as itself or a
+    transposed view, a bias or none, any activation, an FP32 output or the compute
+    dtype's, and gradients for the input, the weight, both or neither (a no-grad
+    product)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=generator))]
+
+    made = {}
+    for index in range(count):
+        m, k, n = (pick([1, 8, 16, 64, 100, 128, 250, 256, 300]) for _ in range(3))
+        compute = pick([torch.float16, torch.bfloat16])
+        x_dtype, w_dtype = pick([torch.float32, compute]), pick([torch.float32, compute])
+        weight = torch.randn(n, k, dtype=w_dtype)
+        if pick([False, True]):  # W as the transpose of a (K, N) tensor
+            weight = torch.randn(k, n, dtype=w_dtype).t()
+        bias = pick([None, torch.randn(n, dtype=pick([torch.float32, compute]))])
+        activation = pick([None, "relu", "gelu", "gelu_tanh", "silu"])
+        out_dtype = pick([None, torch.float32])
+        grads = pick([(), ("x",), ("w",), ("x", "w")])
+        x = torch.randn(m, k, dtype=x_dtype)
+        x.requires_grad_("x" in grads)
+        weight.requires_grad_("w" in grads)
+        if bias is not None:
+            bias.requires_grad_("w" in grads)
+
+        def layer(x=x, weight=weight, bias=bias, activation=activation, out_dtype=out_dtype,
+                  compute=compute):  # fmt: skip
+            for t in (x, weight, bias):
+                if t is not None:
+                    t.grad = None
+            y = mpgemm.linear(
+                x, weight, bias, activation=activation, compute_dtype=compute,
+                out_dtype=out_dtype,
+            )  # fmt: skip
+            if y.requires_grad:
+                y.float().sum().backward()
+
+        name = (
+            f"drawn {index}: {m}x{k}x{n}, x {x_dtype}, W {w_dtype}"
+            f"{' (a transpose)' if weight.stride(0) == 1 and k > 1 else ''}, compute "
+            f"{compute}, bias {None if bias is None else bias.dtype}, {activation}, out "
+            f"{out_dtype}, gradients {grads}"
+        )
+        made[name] = layer
+    return made
+
+
 def main() -> None:
     global fake
     fake = fake_driver.activate()
     pool = Pool(1 << 28)
+    if sys.argv[1:2] == ["--random"]:
+        drawn_cases = drawn(int(sys.argv[2]), int(sys.argv[3]))
+        pool.install()
+        for name, call in drawn_cases.items():
+            print(json.dumps(compare(name, call, pool)), flush=True)
+        return
     prepared = cases()  # made before the pool stands in for torch.empty
     pool.install()
     special = {UNPLANNED: unplanned, REGRIDDED: lambda: regridded(pool), THREADED: threaded}
