@@ -15,7 +15,7 @@
 /* Each function's parameter sizes, which the caller (the test) reads from the kernel's
  * PTX: the driver finds them in the binary, which this stand-in never reads. A launch
  * of a function with no sizes given records no parameters. */
-#define FUNCTIONS 64
+#define FUNCTIONS 4096
 #define LOGGED 16
 static int functions[FUNCTIONS], function_count;
 static uint64_t param_sizes[FUNCTIONS][256];
@@ -200,8 +200,11 @@ CUresult cuModuleLoadData(CUmodule *mod, const void *image) {
 }
 CUresult cuModuleUnload(CUmodule mod) { return CUDA_SUCCESS; }
 CUresult cuModuleGetFunction(CUfunction *f, CUmodule mod, const char *name) {
-  /* A handle of its own for each function loaded, so that a launch names which. */
-  *f = (CUfunction)&functions[function_count++ % FUNCTIONS];
+  /* A handle of its own for each function loaded, so that a launch names which (and
+   * its parameter sizes are its own). */
+  if (function_count == FUNCTIONS)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  *f = (CUfunction)&functions[function_count++];
   return CUDA_SUCCESS;
 }
 CUresult cuFuncGetAttribute(int *value, CUfunction_attribute attribute, CUfunction f) {
