@@ -48,13 +48,14 @@ _WIDTHS.update({"i64": 8, "u64": 8})
 _HOST_DTYPES = {8: 10, 9: 8, 10: 9}
 
 
-# Read once: ``enabled`` is asked at every replay.
+# Read once: ``enabled`` is asked at every launch.
 _ENABLED = os.environ.get("MPGEMM_NATIVE_LAUNCH") == "1"
 
 
 def enabled() -> bool:
-    """Whether replays launch from C++: ``MPGEMM_NATIVE_LAUNCH=1`` in the environment
-    when this module was imported, and the helper built (``module``)."""
+    """Whether the launches that repeat an earlier one are made from C++:
+    ``MPGEMM_NATIVE_LAUNCH=1`` in the environment when this module was imported, and
+    the helper built (``module``)."""
     return _ENABLED and module() is not None
 
 
@@ -88,8 +89,9 @@ def module():
         return None
 
 
-def _integer(value: int, width: int) -> tuple[str, bytes]:
-    return ("bytes", int(value).to_bytes(width, "little", signed=value < 0))
+def _integer(value: int, width: int, signed: bool = True) -> tuple[str, bytes]:
+    # OverflowError for a value its type cannot hold (plan: none).
+    return ("bytes", int(value).to_bytes(width, "little", signed=signed))
 
 
 def _tensor_map(descriptor: TensorDescriptor, meta: dict, source: int) -> tuple | None:
@@ -142,6 +144,26 @@ def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence):
     signature = list(compiled.src.signature.values())
     if len(signature) != len(values):
         return None
+    try:
+        params = _parameters(signature, values, sources, metadata)
+    except (IndexError, OverflowError):  # fewer sources; an integer wider than its type
+        return None
+    if params is None:
+        return None
+    return module().plan(
+        compiled.function,
+        (*grid, *(1,) * (3 - len(grid))),
+        32 * metadata.num_warps,
+        metadata.shared,
+        bool(metadata.launch_pdl),
+        bool(metadata.launch_cooperative_grid),
+        tuple(params),
+    )
+
+
+def _parameters(signature: list, values: Sequence, sources: Sequence, metadata) -> list | None:
+    """``plan``'s parameters: one per kernel parameter, in order, with the global and
+    profile scratch pointers last; None for a value it cannot lay out."""
     descriptors = iter(getattr(metadata, "tensordesc_meta", None) or ())
     params: list[tuple] = []
     source = 0
@@ -174,7 +196,7 @@ def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence):
             params += [_integer(s, 4) for s in value.shape]
             params += [_integer(s, 8) for s in value.strides]
         elif kind in _WIDTHS and type(value) is int:
-            params.append(_integer(value, _WIDTHS[kind]))
+            params.append(_integer(value, _WIDTHS[kind], signed=kind.startswith("i")))
         elif kind == "fp32" and type(value) is float:
             if sources[source] != value:
                 return None
@@ -184,16 +206,7 @@ def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence):
             return None
     if source != len(sources):
         return None
-    params += [_integer(0, 8), _integer(0, 8)]  # the global and profile scratch: none
-    return module().plan(
-        compiled.function,
-        (*grid, *(1,) * (3 - len(grid))),
-        32 * metadata.num_warps,
-        metadata.shared,
-        bool(metadata.launch_pdl),
-        bool(metadata.launch_cooperative_grid),
-        tuple(params),
-    )
+    return [*params, _integer(0, 8), _integer(0, 8)]  # the global and profile scratch: none
 
 
 def launch(planned, stream: int, *sources) -> None:

@@ -186,6 +186,7 @@ def _binary(**metadata) -> types.SimpleNamespace:
         ({}, ("t", 1.5, 64), (4,)),  # a float where an integer goes
         ({}, ("t", True, 64), (4,)),  # a bool: not in the launch layer's key
         ({}, ("t", 16), (4,)),  # fewer values than parameters
+        ({}, ("t", 2**31, 64), (4,)),  # an integer wider than its i32
     ],
 )
 def test_a_launch_the_plan_cannot_repeat_keeps_tritons_launcher(metadata, values, grid):
@@ -233,6 +234,8 @@ def test_a_plan_whose_sources_are_not_the_launchs_tensors_is_refused():
 
     x, y = torch.empty(16, dtype=torch.float16), torch.empty(16, dtype=torch.float16)
     assert native_launch.plan(_binary(), (4,), (x, 16, 64), (y,)) is None
+    assert native_launch.plan(_binary(), (4,), (x, 16, 64), ()) is None  # too few
+    assert native_launch.plan(_binary(), (4,), (x, 16, 64), (x, y)) is None  # too many
 
 
 @needs_compiler
