@@ -39,14 +39,11 @@ def fake_cuda(tmp_path_factory) -> Path:
     return fake_driver.build(tmp_path_factory.mktemp("fake_cuda"))
 
 
-@needs_compiler
-@pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="a GPU's torch would load the stand-in as its driver; the GPU test below runs",
-)
-def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_cuda):
+def _checked(fake_cuda: Path, *args: str) -> list[dict]:
+    """The JSON lines of ``native_launch_check.py`` run with ``args`` under the stand-in
+    driver in ``fake_cuda``."""
     run = subprocess.run(
-        [sys.executable, str(HERE / "native_launch_check.py")],
+        [sys.executable, str(HERE / "native_launch_check.py"), *args],
         env=fake_driver.environment(
             fake_cuda,
             MPGEMM_SINGLE_CONFIG="1",
@@ -58,8 +55,17 @@ def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_c
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == CASES + 3, run.stdout
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a GPU's torch would load the stand-in as its driver; the GPU test below runs",
+)
+def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_cuda):
+    results = _checked(fake_cuda)
+    assert len(results) == CASES + 3, results
     # A replay that cannot be planned launches by Triton's launcher every time, and is
     # asked for its plan once.
     unplanned, regridded, threaded, *results = results
@@ -149,6 +155,17 @@ def test_the_host_time_benchmark_times_both_launchers():
         "small MLP step",
     ]
     assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows[2:])
+
+
+@needs_compiler
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in driver is for no GPU")
+def test_drawn_layers_hand_the_driver_what_tritons_launcher_does(fake_cuda):
+    """Eight layers drawn (``native_launch_check.py --random``: sizes, dtypes, a
+    transposed weight, bias, activation, output dtype, gradients), forward and backward:
+    every planned launch the same bytes as Triton's launcher's."""
+    results = _checked(fake_cuda, "--random", "7", "8")
+    assert len(results) == 8, results
+    assert all(r["same"] and r["planned"] >= 1 for r in results), results
 
 
 def _binary(**metadata) -> types.SimpleNamespace:
