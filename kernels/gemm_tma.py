@@ -517,12 +517,12 @@ _bound = threading.local()
 
 def bind_context(t: torch.Tensor) -> None:
     """Bind the primary CUDA context of ``t``'s device to this thread, once per thread
-    (nothing for a tensor not on a GPU). Triton encodes the descriptors with the
-    driver before its launcher binds a context: on an
-    H100, a first backward whose first GEMM was this kernel's failed in autograd's
-    device thread with "Failed to create tensor map descriptor: invalid device context"
-    (bench/results/h100-2026-11-22; not reproduced in a fresh process since). Torch's
-    inductor calls set_device before its Triton launches for the same reason."""
+    (nothing for a tensor not on a GPU). Triton encodes the descriptors with the driver
+    before its launcher binds a context: on an H100, a first backward whose first GEMM
+    was this kernel's failed in autograd's device thread with "Failed to create tensor
+    map descriptor: invalid device context" (bench/results/h100-2026-11-22; not
+    reproduced in a fresh process since). Torch's inductor calls set_device before its
+    Triton launches for the same reason."""
     if t.is_cuda and getattr(_bound, "device", None) != t.device:
         torch.cuda.set_device(t.device)
         _bound.device = t.device
