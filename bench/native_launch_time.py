@@ -20,21 +20,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
 
 def measure(rounds: int, smoke: bool) -> None:
@@ -43,6 +31,7 @@ def measure(rounds: int, smoke: bool) -> None:
 
     fake_driver.activate()
     import torch
+    from host_time import best_us
 
     import mpgemm
     from mpgemm.app.train import Recipe, TrainConfig, build_mlp
@@ -74,7 +63,7 @@ def measure(rounds: int, smoke: bool) -> None:
         for native in (False, True):
             native_launch._ENABLED = native
             for name, (fn, calls) in cases.items():
-                times[name][native].append(best_us(fn, 2 if smoke else calls, repeats))
+                times[name][native].append(best_us(fn, 2 if smoke else calls, rounds=repeats))
     print("| host us, stand-in driver | Triton's launcher | C++ plans | ratio |")
     print("| --- | --- | --- | --- |")
     for name, measured in times.items():

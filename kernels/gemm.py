@@ -898,9 +898,8 @@ def _launched_again(launches: list[tuple[Launched, tuple, tuple]], *, plan: bool
         return None
     plans = []
     for launched, args, described in launches:
-        values = (*args, *launched.binary.tail)
         planned = native_launch.plan(
-            launched.binary, launched.grid, values, (*described, *sources_of(args))
+            launched.binary, launched.grid, args, (*described, *sources_of(args))
         )
         if planned is None:
             return ()

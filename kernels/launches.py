@@ -162,8 +162,9 @@ def _launch_binary(binary: _Binary, active, device: int, grid, args: tuple) -> L
     its launcher, planning it the first time where enabled."""
     planned = binary.plan
     if planned and grid == binary.planned_grid and native_launch.enabled() and not hooks_set():
-        native_launch.launch(planned, active.get_current_stream(device), *sources_of(args))
-        return Launched(binary, grid, device, _binaries)
+        launched = Launched(binary, grid, device, _binaries)
+        native_relaunch(launched, planned, sources_of(args))
+        return launched
     launched = Launched(binary, binary.launch(active, device, grid, args), device, _binaries)
     if planned is None and native_launch.enabled():
         binary.plan, binary.planned_grid = _plan(binary, grid, args), grid
@@ -185,8 +186,7 @@ def _plan(binary: _Binary, grid, args: tuple) -> object:
         return ()
     if any(isinstance(arg, TensorDescriptor) for arg in args):
         return ()
-    values = (*args, *binary.tail)
-    return native_launch.plan(binary, grid, values, sources_of(args)) or ()
+    return native_launch.plan(binary, grid, args, sources_of(args)) or ()
 
 
 def native_relaunch(launched: Launched, planned: object, sources: tuple) -> None:

@@ -119,11 +119,11 @@ def _tensor_map(descriptor: TensorDescriptor, meta: dict, source: int) -> tuple 
     )
 
 
-def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence):
+def plan(binary, grid: Sequence[int], args: Sequence, sources: Sequence):
     """The plan of a launch of ``binary`` (the launch layer's ``_Binary``) on ``grid``
-    with ``values`` (every positional argument of the kernel, as its launcher gets
-    them), to be repeated by ``launch`` with ``sources``: the tensors and floats of
-    ``values``, in order (a descriptor's: the tensor it describes), each with the
+    with ``args`` (the positional arguments its launcher is given, before the binary's
+    ``tail``), to be repeated by ``launch`` with ``sources``: the tensors and floats of
+    the arguments, in order (a descriptor's: the tensor it describes), each with the
     address or value it has now; every other value is the plan's for good. None where
     this launch is not one ``launch`` can repeat."""
     compiled = binary.compiled
@@ -142,6 +142,7 @@ def plan(binary, grid: Sequence[int], values: Sequence, sources: Sequence):
     ):
         return None
     signature = list(compiled.src.signature.values())
+    values = (*args, *binary.tail)
     if len(signature) != len(values):
         return None
     try:

@@ -186,7 +186,8 @@ def _binary(**metadata) -> types.SimpleNamespace:
             metadata=types.SimpleNamespace(**fields),
             src=types.SimpleNamespace(signature=signature),
             function=1,
-        )
+        ),
+        tail=[],  # every value given positionally
     )
 
 
