@@ -9,8 +9,10 @@ H200's host, cuLaunchKernelEx took 6 to 14 us a call: profile_gpu.py's ``idle``)
     python3 bench/native_launch_time.py --smoke   # one round of few calls (the test's)
 
 Prints microseconds per call (the best of each mode's rounds; the two modes take turns
-in one process) for a replayed 512^2 ``mpgemm.matmul`` (the TMA kernel), an unaligned
-one (the pointer kernel), an ``mpgemm.Linear(512, 512, activation="relu")`` forward and
+in one process) for a replayed 512^2 ``mpgemm.matmul`` (the TMA kernel) and an
+unaligned one (the pointer kernel), each also along its full path (without its replay
+from the entry, ``functional._replay_key``: its checks and layers down to
+``triton_gemm``'s replay), an ``mpgemm.Linear(512, 512, activation="relu")`` forward and
 backward at batch 256, and the tiny (8-8-10, batch 4) and small (784-128-10, batch 128)
 MLPs' training steps, whose other launches (the cross-entropy, the optimizer's) use
 Triton's launcher either way. Needs gcc (the stand-in is built first)."""
@@ -34,6 +36,7 @@ def measure(rounds: int, smoke: bool) -> None:
     from host_time import best_us
 
     import mpgemm
+    from mpgemm import functional
     from mpgemm.app.train import Recipe, TrainConfig, build_mlp
     from mpgemm.kernels import native_launch
 
@@ -47,9 +50,28 @@ def measure(rounds: int, smoke: bool) -> None:
     tiny_batch = torch.randn(4, 8), torch.randint(0, 10, (4,))
     small = Recipe("mpgemm", build_mlp(784, (128,), 10), TrainConfig(hidden=(128,)))
     small_batch = torch.randn(128, 784), torch.randint(0, 10, (128,))
+    replay_key = functional._replay_key
+
+    def full_path(fn):
+        # matmul without its replays from the entry (functional._replay_key): every
+        # call through its checks and layers to triton_gemm's replay, as before them.
+        def call():
+            functional._replay_key = lambda *args: None
+            try:
+                fn()
+            finally:
+                functional._replay_key = replay_key
+
+        return call
+
     cases = {
         "matmul 512^2 fp16 (TMA)": (lambda: mpgemm.matmul(a, b), 2000),
+        "matmul 512^2 fp16 (TMA), full path": (full_path(lambda: mpgemm.matmul(a, b)), 2000),
         "matmul 500x509x500 fp16 (pointer)": (lambda: mpgemm.matmul(odd_a, odd_b), 2000),
+        "matmul 500x509x500 fp16 (pointer), full path": (
+            full_path(lambda: mpgemm.matmul(odd_a, odd_b)),
+            2000,
+        ),
         "Linear relu forward+backward": (lambda: layer(x).sum().backward(), 300),
         "tiny MLP step": (lambda: tiny.step(*tiny_batch), 300),
         "small MLP step": (lambda: small.step(*small_batch), 100),

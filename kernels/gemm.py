@@ -800,6 +800,19 @@ def triton_gemm(
     return c, g, r
 
 
+def replayed_product(
+    a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """``triton_gemm(a, b, compute_dtype=..., out_dtype=...)``'s C, where the launches
+    of its signature are kept (``_replays``) and repeated on these tensors; else None,
+    with nothing launched. a: (M, K), b: (K, N), 16-bit (an FP32 operand's rounding
+    comes first in ``triton_gemm``), checked by the caller: ``mpgemm.matmul`` for a
+    product it has made before (``functional._replayed_matmul``)."""
+    c = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=out_dtype)
+    signature = _signature(a, b, c, None, compute_dtype, None, False, False, None, False)
+    return c if _replayed(signature, a, b, c, None, None, None, None) else None
+
+
 def _row_sums(a: torch.Tensor, r: torch.Tensor) -> None:
     # R for the TMA kernel, which fuses no sums: one pass over A beforehand.
     torch.sum(a, dim=1, dtype=torch.float32, out=r)

@@ -985,6 +985,11 @@ def matmul(
         )
     op = "mpgemm.matmul"
     _check_not_jit_traced(op)
+    key = None if out is not None else _replay_key(a, b, compute_dtype, out_dtype)
+    if key is not None:
+        replayed = _replayed_matmul(a, b, key)
+        if replayed is not None:
+            return replayed
     _check_tensors(op, a=a, b=b, out=out)
     if compute_dtype is None:
         compute_dtype = compute_dtype_for(a, b)
@@ -1002,6 +1007,8 @@ def matmul(
     if b.dim() <= 2:
         weight = b.unsqueeze(1).t() if b.dim() == 1 else b.t()
         out, _ = _linear_function(a, weight, None, None, compute_dtype, out_dtype)
+        if key is not None:
+            _remember_matmul(key, compute_dtype, out_dtype)
         return out.squeeze(-1) if b.dim() == 1 else out
     rows = a.unsqueeze(0) if a.dim() == 1 else a
     try:
@@ -1016,6 +1023,86 @@ def matmul(
     else:
         out = BatchedMatmulFunction.apply(rows, b, compute_dtype, out_dtype)
     return out.squeeze(-2) if a.dim() == 1 else out
+
+
+# ``matmul(a, b)``'s decisions for a product of two matrices that ``triton_gemm``
+# computed without recording autograd, by ``_replay_key``: its launcher's replay, and
+# the compute and output dtypes. A later call of the same key takes the replay of its
+# launches directly (``_replayed_matmul``), without the checks and layers between:
+# these took some two thirds of a replayed 512^2 product's host time on the CPU (18.5
+# us a call under the stand-in driver, of which ``triton_gemm`` 7.2), and a GEMM from an
+# idle GPU waits for all of it (``bench/NOTES.md``). At most so many keys.
+_MAX_MATMUL_REPLAYS = 4096
+_matmul_replays: dict[tuple, tuple[Callable, torch.dtype, torch.dtype]] = {}
+
+
+def _replay_key(a, b, compute_dtype, out_dtype) -> tuple | None:
+    """The key of ``matmul(a, b, compute_dtype=..., out_dtype=...)`` in
+    ``_matmul_replays``, where a replay may answer it: a product of two plain
+    (``is_plain``) 16-bit matrices (an FP32 operand is rounded first, in
+    ``triton_gemm``) of which autograd records nothing (``_autograd_idle``: not
+    compiled, no gradient, no forward-AD level, no functorch transform), the dtypes
+    given dtypes or None; else None, at the cost of a few reads for any other call.
+    The caller has handled ``__torch_function__`` and ``torch.jit.trace``. The key:
+    each operand's shape, strides, dtype, layout and device, and the dtypes as given:
+    what ``matmul``'s checks and decisions read of the call, but for that state."""
+    if not (
+        type(a) in PLAIN_TYPES
+        and type(b) in PLAIN_TYPES
+        and a.dim() == b.dim() == 2
+        and a.dtype in COMPUTE_DTYPES
+        and b.dtype in COMPUTE_DTYPES
+        and (compute_dtype is None or type(compute_dtype) is torch.dtype)
+        and (out_dtype is None or type(out_dtype) is torch.dtype)
+        and _autograd_idle(a, b)
+        and not (_wrapped(a) or _wrapped(b))
+    ):
+        return None
+    try:
+        return (
+            (a.shape, a.stride(), a.dtype, a.layout, a.device),
+            (b.shape, b.stride(), b.dtype, b.layout, b.device),
+            compute_dtype,
+            out_dtype,
+        )
+    except RuntimeError:  # no strides (a sparse tensor) or sizes (a nested one)
+        return None
+
+
+def _replayed_matmul(a: torch.Tensor, b: torch.Tensor, key: tuple) -> torch.Tensor | None:
+    """``matmul``'s result by the replay kept for ``key`` (``_remember_matmul``), or None
+    where none is kept or it does not apply now: a CPU tensor's backend (the
+    interpreter, launches intercepted) is read again; the replay itself returns None
+    where ``triton_gemm`` keeps no launches to repeat (``gemm.replayed_product``)."""
+    kept = _matmul_replays.get(key)
+    if kept is None:
+        return None
+    device = key[0][4]
+    if device.type != "cuda" and backend(device) != "triton":
+        return None
+    replay, compute_dtype, out_dtype = kept
+    return replay(a, b, compute_dtype, out_dtype)
+
+
+def _remember_matmul(key: tuple, compute_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """Keep ``matmul``'s decisions for ``key`` (``_replay_key``), a product it has just
+    computed without autograd (``_linear_forward``), where they end in
+    ``triton_gemm(a, b, ...)`` itself: on the kernels' backend (``_implementation``). A
+    CUDA device's backend is fixed (``_capable``); a CPU's is read again at each
+    replay."""
+    if backend(key[0][4]) != "triton":
+        return
+    if len(_matmul_replays) >= _MAX_MATMUL_REPLAYS:  # shapes without end: keep the newest
+        _matmul_replays.clear()
+    _matmul_replays[key] = (_product_replay(), compute_dtype, out_dtype)
+
+
+@functools.cache
+def _product_replay() -> Callable:
+    """``gemm.replayed_product``, imported once (the kernels' module: triton's)."""
+    from mpgemm.kernels.gemm import replayed_product
+
+    return replayed_product
 
 
 def _matmul_into(

@@ -102,6 +102,10 @@ def fresh_gemm_replays():
     gemm = sys.modules.get("mpgemm.kernels.gemm")
     if gemm is not None:
         gemm._replays.clear()
+    # (``matmul``'s decisions kept for its replays: each ends in the replays above.)
+    functional = sys.modules.get("mpgemm.functional")
+    if functional is not None:
+        functional._matmul_replays.clear()
 
 
 # torch.device(...) as a context reads its set of factory functions once, from what

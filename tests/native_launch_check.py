@@ -3,7 +3,9 @@
 are compiled for an H100 and made until ``triton_gemm`` replays them by C++ plans
 (``native_launch``); then, in one more call, each replay is made twice on the same
 tensors, by Triton's own launcher and by its plans, and what the driver was handed each
-time is compared, byte for byte. Prints one JSON line per case.
+time is compared, byte for byte. Prints one JSON line per case. Besides the cases, a
+few specials (a launch that cannot be planned, another grid, new threads, and
+``mpgemm.matmul``'s replay at its entry against its full path).
 
 CPU tensors stand for the GPU's (the stand-in reads no memory). Allocations come from a
 bump allocator (``Pool``), so that the partials split-K allocates within a replay are
@@ -27,6 +29,7 @@ import fake_driver
 import torch
 
 import mpgemm
+from mpgemm import functional
 from mpgemm.app.train import Recipe, TrainConfig, build_mlp
 from mpgemm.kernels import dependent_launch, gemm, launches, native_launch
 from mpgemm.scaling import unscale_
@@ -319,6 +322,60 @@ def threaded() -> dict:
     return {"case": THREADED, "by_triton": made[False], "by_plan": made[True]}
 
 
+ENTRY = "matmul's replay at its entry"
+
+
+def entry(pool: Pool) -> dict:
+    """Products made until ``mpgemm.matmul`` replays them from its entry
+    (``functional._replay_key``), by Triton's launcher and by plans: for each, the
+    calls of ``_linear_function`` (the full path's) in one more call, and whether the
+    driver got the same launches as from the full path (the decisions kept cleared) on
+    the same tensors."""
+    f16 = torch.float16
+    products = {
+        "TMA": (torch.randn(128, 64, dtype=f16), torch.randn(64, 96, dtype=f16)),
+        "pointer": (torch.randn(50, 37, dtype=f16), torch.randn(37, 45, dtype=f16)),
+    }
+    layers = functional._linear_function
+    full_path = 0
+
+    def counted(*args):
+        nonlocal full_path
+        full_path += 1
+        return layers(*args)
+
+    results = {}
+    for native in (False, True):
+        native_launch._ENABLED = native
+        for name, (a, b) in products.items():
+            for _ in range(5):
+                pool.reset()
+                mpgemm.matmul(a, b)
+            describe_binaries()
+            records = []
+            for kept in (True, False):
+                if not kept:
+                    functional._matmul_replays.clear()
+                full_path = 0
+                functional._linear_function = counted
+                pool.reset()
+                fake.fake_clear()
+                try:
+                    mpgemm.matmul(a, b)
+                finally:
+                    functional._linear_function = layers
+                records.append((full_path, fake_driver.recorded(fake)))
+            (entered, from_entry), (walked, from_full_path) = records
+            results[f"{name}, {'plans' if native else 'triton'}"] = [
+                entered,
+                walked,
+                len(from_entry),
+                from_entry == from_full_path,
+            ]
+    native_launch._ENABLED = True
+    return {"case": ENTRY, "products": results}
+
+
 def drawn(seed: int, count: int) -> dict:
     """``count`` layers drawn from ``seed``, forward and backward (``--random SEED
     COUNT``): sizes from 1 to 300 (aligned or not, so that both kernels run), FP32, FP16
@@ -383,7 +440,12 @@ def main() -> None:
         return
     prepared = cases()  # made before the pool stands in for torch.empty
     pool.install()
-    special = {UNPLANNED: unplanned, REGRIDDED: lambda: regridded(pool), THREADED: threaded}
+    special = {
+        UNPLANNED: unplanned,
+        REGRIDDED: lambda: regridded(pool),
+        THREADED: threaded,
+        ENTRY: lambda: entry(pool),
+    }
     names = sys.argv[1:] or [*special, *prepared]
     for name in names:
         if name in special:

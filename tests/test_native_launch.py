@@ -8,8 +8,9 @@ SGD's steps, the scale's update) is made by Triton's own launcher and by its pla
 the same arguments, and the two records must be the same bytes
 (``native_launch_check.py``: the grid, block, shared memory, stream, function, launch
 attributes and every parameter, the tensor maps' encoding arguments included). What
-``plan`` refuses, and what ``launch`` checks. On a GPU: the plans' results, bit for
-bit against Triton's launcher's.
+``plan`` refuses, and what ``launch`` checks. A product ``mpgemm.matmul`` replays from
+its entry (``functional._replay_key``), by either launcher, hands the driver what its
+full path does. On a GPU: the plans' results, bit for bit against Triton's launcher's.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ def _checked(fake_cuda: Path, *args: str) -> list[dict]:
 )
 def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_cuda):
     results = _checked(fake_cuda)
-    assert len(results) == CASES + 3, results
+    assert len(results) == CASES + 4, results
     # A replay that cannot be planned launches by Triton's launcher every time, and is
     # asked for its plan once.
-    unplanned, regridded, threaded, *results = results
+    unplanned, regridded, threaded, entry, *results = results
     assert unplanned == {
         "case": "a launch that cannot be planned",
         "plan_calls": 1,
@@ -87,6 +88,18 @@ def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_c
         "case": "a planned launch from a thread with no current context",
         "by_triton": 1,
         "by_plan": 1,
+    }
+    # A product made before goes from matmul's entry to its replay, none of the full
+    # path's layers between, by either launcher: the launch the full path makes, byte
+    # for byte. (Each: the full path's calls from the entry, then without the kept
+    # decisions; the launches; the same.)
+    assert entry == {
+        "case": "matmul's replay at its entry",
+        "products": {
+            f"{kernel}, {launcher}": [0, 1, 1, True]
+            for launcher in ("triton", "plans")
+            for kernel in ("TMA", "pointer")
+        },
     }
     for result in results:
         assert result["planned"] >= 1, result
@@ -149,7 +162,9 @@ def test_the_host_time_benchmark_times_both_launchers():
     cases = [row[0].lstrip("| ") for row in rows[2:]]
     assert cases == [
         "matmul 512^2 fp16 (TMA)",
+        "matmul 512^2 fp16 (TMA), full path",
         "matmul 500x509x500 fp16 (pointer)",
+        "matmul 500x509x500 fp16 (pointer), full path",
         "Linear relu forward+backward",
         "tiny MLP step",
         "small MLP step",

@@ -10,6 +10,7 @@ any machine."""
 import pytest
 import torch
 
+import mpgemm
 from mpgemm.reference import gemm_ref
 from tests.accuracy import assert_sum_within_torch_error, assert_within_torch_error, nan_padded
 
@@ -81,3 +82,30 @@ def test_a_replayed_launch_computes_on_its_own_tensors(kind, device, monkeypatch
     # By the fourth call (after the autotuner, the JIT and the cached binaries, fewer
     # where an earlier test met the kind) every call replays.
     assert replayed[3:] == [True, True]
+
+
+@pytest.mark.parametrize("kind", ["tma", "pointer"])
+def test_matmuls_replay_from_its_entry_computes_on_its_own_tensors(kind, device, monkeypatch):
+    """``mpgemm.matmul`` of a product it has made before goes from its entry to the
+    replay (``functional._replay_key``): each call's fresh operands, NaN-padded, must
+    meet the bar, and the later calls must be answered by the replay."""
+    from mpgemm import functional
+
+    answered: list[bool] = []
+    replay = gemm.replayed_product
+
+    def counted(*args):
+        c = replay(*args)
+        answered.append(c is not None)
+        return c
+
+    monkeypatch.setattr(functional, "_product_replay", lambda: counted)
+    torch.manual_seed(0)
+    m, k, n = (200, 136, 96) if kind == "tma" else (50, 37, 45)
+    for call in range(6):
+        a = nan_padded(torch.randn(m, k, device=device).to(HALF), aligned=kind == "tma")
+        b = nan_padded(torch.randn(k, n, device=device).to(HALF), aligned=kind == "tma")
+        c = mpgemm.matmul(a, b)
+        ref, _, _ = gemm_ref(a, b, compute_dtype=HALF, out_dtype=HALF)
+        assert_within_torch_error(c, a.double() @ b.double(), ref, f"{kind}, call {call}")
+    assert answered[-2:] == [True, True], answered
