@@ -134,12 +134,21 @@ def _wrapped(t: torch.Tensor) -> bool:
     return _functorch_wrapped(t) or _legacy_batched(t)
 
 
+def _read_otherwise(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values are not its memory's, as a kernel would read them: a
+    negative view (its values the negation of its memory's: ``z.conj().imag`` of a
+    complex ``z``, whose product the kernels computed with the wrong sign), or a zero
+    tensor (all zeros, with no memory: a gradient some torch ops return)."""
+    return t.is_neg() or t._is_zerotensor()
+
+
 def is_plain(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass,
-    nor a wrapped or batched tensor (``_wrapped``: no memory of its own to read). Any
-    other (a DTensor, a user's subclass, a wrapped tensor) takes the reference path,
+    nor a wrapped or batched tensor (``_wrapped``: no memory of its own to read), nor
+    one whose values are not its memory's (``_read_otherwise``). Any other (a DTensor,
+    a user's subclass, a wrapped tensor, a negative view) takes the reference path,
     whose torch ops it handles."""
-    return type(t) in PLAIN_TYPES and not _wrapped(t)
+    return type(t) in PLAIN_TYPES and not _wrapped(t) and not _read_otherwise(t)
 
 
 def _gemm(device: torch.device, *tensors: torch.Tensor | None) -> Callable:
@@ -1055,7 +1064,8 @@ def _replay_key(a, b, compute_dtype, out_dtype) -> tuple | None:
         and (compute_dtype is None or type(compute_dtype) is torch.dtype)
         and (out_dtype is None or type(out_dtype) is torch.dtype)
         and _autograd_idle(a, b)
-        and not (_wrapped(a) or _wrapped(b))
+        and is_plain(a)
+        and is_plain(b)
     ):
         return None
     try:

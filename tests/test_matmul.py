@@ -196,3 +196,32 @@ def test_bf16_subnormal_operands(device):
     out = mpgemm.matmul(a, b, compute_dtype=torch.bfloat16, out_dtype=torch.float32)
     expected = a.bfloat16().float() @ b.bfloat16().float()
     assert torch.equal(out, expected)
+
+
+def test_operands_whose_values_are_not_their_memorys_multiply_as_torchs(device):
+    # A negative view (z.conj().imag: its values the negation of its memory's) and a
+    # zero tensor (no memory at all), in a product and a layer, forward and backward:
+    # the reference path's torch ops read them as torch does, where the kernels read
+    # the memory (the negative view's product came out with the wrong sign).
+    z = torch.randn(24, 40, dtype=torch.complex64, device=device)
+    negative = z.conj().imag
+    assert negative.is_neg()
+    b = torch.randn(40, 32, device=device)
+    zeros = torch._efficientzerotensor((40, 32), device=device)
+    for a, w, a_values, w_values in [
+        (negative, b, -z.imag, b),
+        (z.real, zeros, z.real, torch.zeros(40, 32, device=device)),
+    ]:
+        exact = exact_matmul(a_values, w_values, torch.float16)
+        ref = matmul_ref(a_values, w_values)
+        assert_within_torch_error(mpgemm.matmul(a, w), exact, ref, "matmul")
+        assert_within_torch_error(mpgemm.linear(a, w.t()), exact, ref, "linear")
+    # The gradient through a negative view of x: -(dC @ W.T).
+    x = z.imag.clone().requires_grad_()
+    weight = b.clone().requires_grad_()
+    out = mpgemm.matmul(torch._neg_view(x), weight, out_dtype=torch.float32)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    exact = -exact_matmul(grad, weight.detach().t(), torch.float16)
+    ref = -matmul_ref(grad, weight.detach().t(), out_dtype=torch.float32)
+    assert_within_torch_error(x.grad, exact, ref, "x's gradient")

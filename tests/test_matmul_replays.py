@@ -152,8 +152,11 @@ def test_state_the_skipped_checks_read_sends_a_call_down_its_full_path(replays, 
         mpgemm.matmul(forward_ad.make_dual(a, torch.ones_like(a)), b)
     # A functorch transform: vmap over a batch of a's.
     torch.func.vmap(lambda x: mpgemm.matmul(x, b))(a.expand(3, *a.shape))
-    # A tensor subclass takes the reference path.
+    # A tensor subclass takes the reference path, as does a negative view (the same
+    # key: its memory's layout) and a zero tensor.
     mpgemm.matmul(a.as_subclass(Subclass), b)
+    checked(mpgemm.matmul(torch._neg_view(a), b), -a, b)
+    checked(mpgemm.matmul(a, torch._efficientzerotensor(b.shape, dtype=HALF)), a, 0 * b)
     assert len(replays) == 3
 
 
