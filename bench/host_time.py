@@ -193,12 +193,26 @@ def best_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
 @contextmanager
 def replays_off() -> Iterator[None]:
     """Within the block, ``triton_gemm`` decides and keys every launch anew: its
-    replays' guard (``current``) answers no."""
+    replays' guard (``current``) answers no, and ``mpgemm.matmul`` takes its full path
+    (``entry_replays_off``)."""
     replayable, gemm.current = gemm.current, lambda launched: False
+    try:
+        with entry_replays_off():
+            yield
+    finally:
+        gemm.current = replayable
+
+
+@contextmanager
+def entry_replays_off() -> Iterator[None]:
+    """Within the block, ``mpgemm.matmul`` takes its full path at every call, its checks
+    and layers down to ``triton_gemm`` (which may replay): no replay from its entry
+    (``functional._replay_key`` answers None)."""
+    key, functional._replay_key = functional._replay_key, lambda *args: None
     try:
         yield
     finally:
-        gemm.current = replayable
+        functional._replay_key = key
 
 
 def replays_ab(cases: dict, rounds: int = 4) -> None:

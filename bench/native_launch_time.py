@@ -33,10 +33,9 @@ def measure(rounds: int, smoke: bool) -> None:
 
     fake_driver.activate()
     import torch
-    from host_time import best_us
+    from host_time import best_us, entry_replays_off
 
     import mpgemm
-    from mpgemm import functional
     from mpgemm.app.train import Recipe, TrainConfig, build_mlp
     from mpgemm.kernels import native_launch
 
@@ -50,17 +49,13 @@ def measure(rounds: int, smoke: bool) -> None:
     tiny_batch = torch.randn(4, 8), torch.randint(0, 10, (4,))
     small = Recipe("mpgemm", build_mlp(784, (128,), 10), TrainConfig(hidden=(128,)))
     small_batch = torch.randn(128, 784), torch.randint(0, 10, (128,))
-    replay_key = functional._replay_key
 
     def full_path(fn):
-        # matmul without its replays from the entry (functional._replay_key): every
-        # call through its checks and layers to triton_gemm's replay, as before them.
+        # matmul without its replays from the entry: every call through its checks and
+        # layers to triton_gemm's replay, as before them.
         def call():
-            functional._replay_key = lambda *args: None
-            try:
+            with entry_replays_off():
                 fn()
-            finally:
-                functional._replay_key = replay_key
 
         return call
 

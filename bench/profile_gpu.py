@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import triton
 from harness import L2_FLUSH_BYTES, SYNC_WARNING, median
-from host_time import PHASE_COLUMNS, phase_times, replays_off
+from host_time import PHASE_COLUMNS, entry_replays_off, phase_times, replays_off
 from report import autotuned_lines
 from thread_handoffs import summary as handoff_summary
 from torch.profiler import ProfilerActivity, profile
@@ -167,9 +167,16 @@ def launch_costs(out: Path) -> None:
 
         return run
 
-    def not_replayed():  # triton_gemm decides and keys the launch anew
+    def not_replayed():  # matmul's full path, where triton_gemm decides and keys anew
         with replays_off():
             mpgemm.matmul(a, b)
+
+    def full_path(fn):  # matmul's checks and layers down to triton_gemm's replay
+        def run():
+            with entry_replays_off():
+                fn()
+
+        return run
 
     def tma_launcher():
         gemm_tma.launch_tma_gemm(
@@ -190,6 +197,10 @@ def launch_costs(out: Path) -> None:
         "mpgemm.matmul 512 (pointer)": pointer,
         "mpgemm.matmul 512 (tma), replays by C++ plans": by_plans(lambda: mpgemm.matmul(a, b)),
         "mpgemm.matmul 512 (pointer), replays by C++ plans": by_plans(pointer),
+        "mpgemm.matmul 512 (tma), full path": full_path(lambda: mpgemm.matmul(a, b)),
+        "mpgemm.matmul 512 (tma), full path, replays by C++ plans": by_plans(
+            full_path(lambda: mpgemm.matmul(a, b))
+        ),
         "mpgemm.matmul 512 (tma), not replayed": not_replayed,
         "  triton_gemm (no autograd, no checks)": lambda: triton_gemm(
             a, b, compute_dtype=torch.float16, out_dtype=torch.float16

@@ -331,10 +331,29 @@ def entry(pool: Pool) -> dict:
     calls of ``_linear_function`` (the full path's) in one more call, and whether the
     driver got the same launches as from the full path (the decisions kept cleared) on
     the same tensors."""
-    f16 = torch.float16
+    f16, bf16 = torch.float16, torch.bfloat16
     products = {
-        "TMA": (torch.randn(128, 64, dtype=f16), torch.randn(64, 96, dtype=f16)),
-        "pointer": (torch.randn(50, 37, dtype=f16), torch.randn(37, 45, dtype=f16)),
+        "TMA": (torch.randn(128, 64, dtype=f16), torch.randn(64, 96, dtype=f16), {}),
+        "pointer": (torch.randn(50, 37, dtype=f16), torch.randn(37, 45, dtype=f16), {}),
+        # B as a transposed view, BF16 into FP32
+        "TMA, B transposed, BF16 to FP32": (
+            torch.randn(128, 64, dtype=bf16),
+            torch.randn(96, 64, dtype=bf16).t(),
+            {"out_dtype": torch.float32},
+        ),
+        # FP16 and BF16 operands, computed in BF16 (compute_dtype_for)
+        "pointer, mixed dtypes": (
+            torch.randn(50, 37, dtype=f16),
+            torch.randn(37, 45, dtype=bf16),
+            {},
+        ),
+        # C.T = B.T @ A.T (M <= 16 < N), and split-K with its reduction
+        "pointer, transposed product": (
+            torch.randn(10, 136, dtype=f16),
+            torch.randn(136, 96, dtype=f16),
+            {},
+        ),
+        "split-K": (torch.randn(16, 8192, dtype=f16), torch.randn(8192, 16, dtype=f16), {}),
     }
     layers = functional._linear_function
     full_path = 0
@@ -347,10 +366,10 @@ def entry(pool: Pool) -> dict:
     results = {}
     for native in (False, True):
         native_launch._ENABLED = native
-        for name, (a, b) in products.items():
+        for name, (a, b, kwargs) in products.items():
             for _ in range(5):
                 pool.reset()
-                mpgemm.matmul(a, b)
+                mpgemm.matmul(a, b, **kwargs)
             describe_binaries()
             records = []
             for kept in (True, False):
@@ -361,7 +380,7 @@ def entry(pool: Pool) -> dict:
                 pool.reset()
                 fake.fake_clear()
                 try:
-                    mpgemm.matmul(a, b)
+                    mpgemm.matmul(a, b, **kwargs)
                 finally:
                     functional._linear_function = layers
                 records.append((full_path, fake_driver.recorded(fake)))

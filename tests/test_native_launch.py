@@ -90,17 +90,15 @@ def test_every_planned_launch_hands_the_driver_what_tritons_launcher_does(fake_c
         "by_plan": 1,
     }
     # A product made before goes from matmul's entry to its replay, none of the full
-    # path's layers between, by either launcher: the launch the full path makes, byte
-    # for byte. (Each: the full path's calls from the entry, then without the kept
-    # decisions; the launches; the same.)
-    assert entry == {
-        "case": "matmul's replay at its entry",
-        "products": {
-            f"{kernel}, {launcher}": [0, 1, 1, True]
-            for launcher in ("triton", "plans")
-            for kernel in ("TMA", "pointer")
-        },
-    }
+    # path's layers between, by either launcher: the launches the full path makes, byte
+    # for byte (split-K's two: the partials, their reduction). Each: the full path's
+    # calls from the entry, then without the kept decisions; the launches; the same.
+    kinds = ["TMA", "pointer", "TMA, B transposed, BF16 to FP32", "pointer, mixed dtypes"]
+    kinds.append("pointer, transposed product")
+    assert entry["case"] == "matmul's replay at its entry"
+    assert entry["products"] == {
+        f"{kind}, {launcher}": [0, 1, 1, True] for launcher in ("triton", "plans") for kind in kinds
+    } | {f"split-K, {launcher}": [0, 1, 2, True] for launcher in ("triton", "plans")}
     for result in results:
         assert result["planned"] >= 1, result
         assert result["same"], result
