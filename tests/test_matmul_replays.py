@@ -240,3 +240,16 @@ def test_a_batched_gradient_of_a_kept_key_takes_the_full_path(replays, device):
     assert len(replays) == 1
     for i in range(3):
         checked(batched[i], grads[i], w)
+
+
+def test_a_compiled_product_of_a_kept_key_traces_whole(replays, device):
+    # Dynamo traces the entry's checks (is_compiling answers True there), then the
+    # custom op: no graph break, and eager's bits.
+    a, b = operands(device)
+    eager = mpgemm.matmul(a, b)
+    mpgemm.matmul(a, b)
+    assert len(replays) == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: mpgemm.matmul(x, y), fullgraph=True)
+    assert torch.equal(compiled(a, b), eager)
+    assert len(replays) == 1
