@@ -73,9 +73,10 @@ def _operand(
     shape: tuple, dtype: torch.dtype, g: torch.Generator, scale: float = 1.0
 ) -> torch.Tensor:
     """Normal values times ``scale`` in a tensor of ``shape``: contiguous, a transposed
-    view, every other column of a wider one, or (batched) expanded over its first
-    dimension."""
-    kind = random.choice(["contiguous", "transposed", "sliced", "expanded"])
+    view, every other column of a wider one, (batched) expanded over its first
+    dimension, or a negative view (its memory the values negated, as ``z.conj().imag``
+    of a complex ``z``)."""
+    kind = random.choice(["contiguous", "transposed", "sliced", "expanded", "negative"])
 
     def values(*size: int) -> torch.Tensor:
         return (_randn(*size, g=g) * scale).to(dtype)
@@ -86,6 +87,8 @@ def _operand(
         return values(*shape[:-1], 2 * shape[-1])[..., ::2]
     if kind == "expanded" and len(shape) >= 3:
         return values(1, *shape[1:]).expand(*shape)
+    if kind == "negative":
+        return torch._neg_view(values(*shape).neg())
     return values(*shape)
 
 
