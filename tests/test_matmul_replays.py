@@ -156,7 +156,9 @@ def test_state_the_skipped_checks_read_sends_a_call_down_its_full_path(replays, 
     # key: its memory's layout) and a zero tensor.
     mpgemm.matmul(a.as_subclass(Subclass), b)
     checked(mpgemm.matmul(torch._neg_view(a), b), -a, b)
-    checked(mpgemm.matmul(a, torch._efficientzerotensor(b.shape, dtype=HALF)), a, 0 * b)
+    checked(
+        mpgemm.matmul(a, torch._efficientzerotensor(b.shape, dtype=HALF, device=device)), a, 0 * b
+    )
     assert len(replays) == 3
 
 
