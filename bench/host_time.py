@@ -215,6 +215,17 @@ def entry_replays_off() -> Iterator[None]:
         functional._replay_key = key
 
 
+def full_path(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` called with ``mpgemm.matmul``'s replays from its entry off
+    (``entry_replays_off``): its checks and layers down to ``triton_gemm``'s replay."""
+
+    def call() -> None:
+        with entry_replays_off():
+            fn()
+
+    return call
+
+
 def replays_ab(cases: dict, rounds: int = 4) -> None:
     """Print each case's host time with ``triton_gemm``'s replays off (``replays_off``)
     and on, alternating ``rounds`` times in this process (best of 5 each), and the

@@ -33,7 +33,7 @@ def measure(rounds: int, smoke: bool) -> None:
 
     fake_driver.activate()
     import torch
-    from host_time import best_us, entry_replays_off
+    from host_time import best_us, full_path
 
     import mpgemm
     from mpgemm.app.train import Recipe, TrainConfig, build_mlp
@@ -49,15 +49,6 @@ def measure(rounds: int, smoke: bool) -> None:
     tiny_batch = torch.randn(4, 8), torch.randint(0, 10, (4,))
     small = Recipe("mpgemm", build_mlp(784, (128,), 10), TrainConfig(hidden=(128,)))
     small_batch = torch.randn(128, 784), torch.randint(0, 10, (128,))
-
-    def full_path(fn):
-        # matmul without its replays from the entry: every call through its checks and
-        # layers to triton_gemm's replay, as before them.
-        def call():
-            with entry_replays_off():
-                fn()
-
-        return call
 
     cases = {
         "matmul 512^2 fp16 (TMA)": (lambda: mpgemm.matmul(a, b), 2000),

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import triton
 from harness import L2_FLUSH_BYTES, SYNC_WARNING, median
-from host_time import PHASE_COLUMNS, entry_replays_off, phase_times, replays_off
+from host_time import PHASE_COLUMNS, full_path, phase_times, replays_off
 from report import autotuned_lines
 from thread_handoffs import summary as handoff_summary
 from torch.profiler import ProfilerActivity, profile
@@ -170,13 +170,6 @@ def launch_costs(out: Path) -> None:
     def not_replayed():  # matmul's full path, where triton_gemm decides and keys anew
         with replays_off():
             mpgemm.matmul(a, b)
-
-    def full_path(fn):  # matmul's checks and layers down to triton_gemm's replay
-        def run():
-            with entry_replays_off():
-                fn()
-
-        return run
 
     def tma_launcher():
         gemm_tma.launch_tma_gemm(

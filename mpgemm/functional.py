@@ -1058,6 +1058,8 @@ def _replay_key(a, b, compute_dtype, out_dtype) -> tuple | None:
     each operand's shape, strides, dtype, layout and device, and the dtypes as given:
     what ``matmul``'s checks and decisions read of the call, but for that state."""
     if not (
+        # (The types first, so that a non-tensor is not asked its dim; is_plain, which
+        # asks them again, comes after the cheaper refusals.)
         type(a) in PLAIN_TYPES
         and type(b) in PLAIN_TYPES
         and a.dim() == b.dim() == 2
