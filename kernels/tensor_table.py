@@ -114,7 +114,10 @@ def tensor_table(
     which = tuple(order.index(id(lst)) for lst in lists)
     facts = [list_facts(lst, PLAIN_TYPES) for lst in distinct.values()]
     if not all(f.plain for f in facts):
-        raise TypeError("tensor_table: the kernels take plain tensors only (no subclasses)")
+        raise TypeError(
+            "tensor_table: the kernels take plain tensors only (no subclasses, negative "
+            "views or zero tensors)"
+        )
 
     def build():
         # Read here, once per table (the key holds the addresses): one launch reads one

@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from mpgemm.functional import _read_otherwise
+
 __all__ = [
     "ListFacts",
     "bump_versions",
@@ -46,8 +48,10 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "list_facts.c
 
 class ListFacts(NamedTuple):
     """What ``list_facts`` reads. ``plain``: every tensor's type is one of the plain types
-    asked for; when not, the other fields are empty (a subclass's metadata may run
-    Python, or it may have no memory of its own). ``dtypes`` and ``devices`` (device
+    asked for, and its values are its memory's, as a kernel reads them (not a negative
+    view, nor a zero tensor: ``functional._read_otherwise``); when not, the other fields
+    are empty (a subclass's metadata may run Python, or it may have no memory of its
+    own). ``dtypes`` and ``devices`` (device
     indices, -1 for the CPU): the sets the tensors hold; ``contiguous``: all are;
     ``shapes``: each tensor's ndim, then its sizes; ``numels`` and ``addresses``
     (``data_ptr``): one each per tensor; all three int64s in native byte order."""
@@ -115,7 +119,7 @@ _device_index = torch.Tensor.get_device
 
 def python_list_facts(tensors: Sequence[torch.Tensor], plain_types: tuple[type, ...]) -> ListFacts:
     """``list_facts`` by passes in Python (where the C++ helper is not built)."""
-    if not set(map(type, tensors)) <= set(plain_types):
+    if not set(map(type, tensors)) <= set(plain_types) or any(map(_read_otherwise, tensors)):
         return ListFacts(False, set(), set(), False, b"", b"", b"")
     shapes = array("q")
     for t in tensors:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from mpgemm.compute_copy import copies_of, step_failed
-from mpgemm.functional import PLAIN_TYPES
+from mpgemm.functional import PLAIN_TYPES, _read_otherwise
 from mpgemm.graphs import note_host_values
 from mpgemm.native import list_facts, reading_once
 from mpgemm.scaling import (
@@ -283,8 +283,10 @@ def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.T
             # A number, as a checkpoint may hold it: torch's Adam makes a tensor of one
             # when loading; its SGD keeps no count, and so keeps one as it is.
             state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
-        elif step.device != p.device or step.dtype != torch.float32:
-            state["step"] = step.to(p.device, torch.float32)
+        elif step.device != p.device or step.dtype != torch.float32 or _read_otherwise(step):
+            # (a copy: a negative view or zero tensor, whose memory is not its value,
+            # would be read, and advanced, as its memory)
+            state["step"] = step.to(p.device, torch.float32, copy=True)
     return [state["step"] for state in states]
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard, cast
 import torch
 
 from mpgemm import ops, scaling_ref
-from mpgemm.functional import PLAIN_TYPES, backend
+from mpgemm.functional import PLAIN_TYPES, backend, is_plain
 from mpgemm.graphs import capturing
 from mpgemm.native import ListFacts, bump_versions, list_facts, reading_once
 
@@ -273,17 +273,18 @@ def _kernels_take_all(
 
 def _kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether a kernel can walk these parallel tensors as flat arrays: plain tensors
-    of its dtypes and one shape, flat, with equal strides (contiguous tensors of one
-    shape, the usual case, are answered without is_flat)."""
+    (``is_plain``: their values are their memory's) of its dtypes and one shape, flat,
+    with equal strides (contiguous tensors of one shape, the usual case, are answered
+    without is_flat)."""
     first = tensors[0]
-    if type(first) not in PLAIN_TYPES or first.dtype not in KERNEL_DTYPES:
+    if not is_plain(first) or first.dtype not in KERNEL_DTYPES:
         return False
     shape = first.shape
     contiguous = first.is_contiguous()
     for t in tensors[1:]:
         if t is first:  # an in-place op's source and destination
             continue
-        if type(t) not in PLAIN_TYPES or t.dtype not in KERNEL_DTYPES or t.shape != shape:
+        if not is_plain(t) or t.dtype not in KERNEL_DTYPES or t.shape != shape:
             return False
         contiguous = contiguous and t.is_contiguous()
     if contiguous:

@@ -1037,6 +1037,59 @@ def test_fp64_and_complex_parameters_are_stepped_as_torch_steps_them(device, nam
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
+@pytest.mark.parametrize("kind", ["negative gradient", "negative parameter", "zero gradient"])
+def test_tensors_whose_values_are_not_their_memorys_step_as_torch_steps_them(device, name, kind):
+    # A negative view's values are its memory's negated (torch._neg_view; the kernels,
+    # which read memory, stepped an FP32 parameter off by 0.4 after two Adam steps at
+    # lr 0.1); a zero tensor has no memory (a kernel read address 0, and the
+    # interpreter's process died of it). Such a position takes torch's implementation,
+    # beside a parameter that the kernel steps.
+    hyper = {"sgd": dict(lr=0.1, momentum=0.9), "adam": dict(lr=0.1), "adamw": dict(lr=0.1)}[name]
+    torch.manual_seed(0)
+    values = [torch.randn(6, 5, device=device), torch.randn(64, device=device)]
+    grads = [torch.randn(6, 5, device=device), torch.randn(64, device=device)]
+    runs = []
+    for cls in (CLASSES[name], TORCH_CLASSES[name]):
+        odd = values[1].clone()
+        if kind == "negative parameter":
+            odd = torch._neg_view(odd.neg())
+        params = [torch.nn.Parameter(values[0].clone()), torch.nn.Parameter(odd)]
+        assert params[1].is_neg() == (kind == "negative parameter")
+        optimizer = cls(params, **hyper)
+        for _ in range(2):
+            params[0].grad = grads[0].clone()
+            params[1].grad = {
+                "negative gradient": torch._neg_view(grads[1].neg()),
+                "zero gradient": torch._efficientzerotensor(64, device=device),
+            }.get(kind, grads[1].clone())
+            optimizer.step()
+        runs.append([p.detach().resolve_neg() for p in params])
+    for ours, theirs in zip(*runs, strict=True):
+        torch.testing.assert_close(ours, theirs, msg=kind)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_a_step_count_that_is_a_negative_view_counts_on_as_torchs(device, name):
+    # A count the kernels would read, and advance, as its memory (-1 for 1): it is
+    # copied into the state once, as one of another dtype or device is.
+    torch.manual_seed(0)
+    value, grad = torch.randn(64, device=device), torch.randn(64, device=device)
+    runs = []
+    for cls in (CLASSES[name], TORCH_CLASSES[name]):
+        param = torch.nn.Parameter(value.clone())
+        optimizer = cls([param], lr=0.1)
+        for step in range(3):
+            param.grad = grad.clone()
+            optimizer.step()
+            if step == 0:
+                optimizer.state[param]["step"] = torch._neg_view(torch.tensor(-1.0, device=device))
+        runs.append((param.detach(), optimizer.state[param]["step"].item()))
+    (ours, count), (theirs, their_count) = runs
+    torch.testing.assert_close(ours, theirs)
+    assert count == their_count == 3.0
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
 def test_torchs_constructor_keywords_are_accepted(name):
     params = [torch.nn.Parameter(torch.ones(3))]
     keywords = dict(foreach=None, fused=None, differentiable=False)

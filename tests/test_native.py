@@ -35,6 +35,8 @@ def _lists(device):
         "a tuple": (t(3), t(4, dtype=torch.float16)),
         "a subclass": [t(3), t(2).as_subclass(_Sub)],
         "not a tensor": [t(3), 1.5],
+        "a negative view": [t(3), torch._neg_view(t(2))],
+        "a zero tensor": [t(3), torch._efficientzerotensor(2, device=device)],
     }
 
 
@@ -49,6 +51,17 @@ def test_the_cpp_pass_reads_what_the_python_passes_read(device):
     assert not native.ListFacts(*cpp(tensors, (torch.nn.Parameter,))).plain
     with pytest.raises(TypeError, match="list or tuple"):
         cpp(5, PLAIN_TYPES)
+
+
+def test_a_negative_view_or_a_zero_tensor_is_not_plain(device):
+    # Their values are not their memory's (a negative view's are its memory's negated;
+    # a zero tensor has none): a kernel would read the wrong sign, or address 0 (the
+    # interpreter's process died of it). Plain types, so only the values tell.
+    lists = _lists(device)
+    for name in ("a negative view", "a zero tensor"):
+        assert set(map(type, lists[name])) == {torch.Tensor}
+        for read in (native.native_list_facts(), native.python_list_facts):
+            assert not native.ListFacts(*read(lists[name], PLAIN_TYPES)).plain, name
 
 
 def test_a_tensor_without_storage_raises_as_its_data_ptr_does(device):

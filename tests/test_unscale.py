@@ -294,6 +294,35 @@ def test_a_tensor_subclass_never_reaches_the_kernels(device):
     assert found_inf.item() == 1.0 and grads[0][0].item() == 1.0
 
 
+@pytest.mark.parametrize("kind", ["negative view", "zero tensor"])
+def test_gradients_whose_values_are_not_their_memorys_unscale_as_torchs_op(device, kind):
+    # A negative view (torch._neg_view) reads as its memory negated; a zero tensor has
+    # no memory (a kernel read address 0, and the interpreter's process died of it).
+    # In place, torch's op refuses both, and so does unscale_, with its message; into
+    # FP32 masters (dst), each is read for its values.
+    def grad():
+        if kind == "zero tensor":
+            return torch._efficientzerotensor(3, device=device)
+        return torch._neg_view(torch.tensor([-3.0, 1.0, -float("inf")], device=device))
+
+    inv = torch.full((), 0.5, device=device)
+    raised = []
+    for impl in (unscale_, torch._amp_foreach_non_finite_check_and_unscale_):
+        found = torch.zeros((), device=device)
+        with pytest.raises(RuntimeError) as error:
+            impl([torch.randn(4, device=device), grad()], found, inv)
+        raised.append(str(error.value))
+    assert raised[0] == raised[1]
+    src = [torch.randn(5, device=device), grad()]
+    dst = [torch.full_like(src[0], float("nan")), torch.full((3,), float("nan"), device=device)]
+    found = torch.zeros((), device=device)
+    unscale_(src, found, inv, dst=dst)
+    expected = [src[0] * 0.5, grad() * 0.5]
+    for out, e in zip(dst, expected, strict=True):
+        assert_same_bits(out, e.resolve_neg(), kind)
+    assert found.item() == (1.0 if kind == "negative view" else 0.0)
+
+
 def test_bf16_subnormals_unscale_bit_for_bit(device):
     # BF16 subnormals (below 1.2e-38), in and out: the interpreter's own conversions
     # between BF16 and FP32 got them wrong, so the kernels move bits instead there.
