@@ -92,6 +92,22 @@ def _operand(
     return values(*shape)
 
 
+def _laid_out(values: torch.Tensor, kind: str) -> torch.Tensor:
+    """A copy of ``values`` in layout ``kind``: "contiguous"; "transposed" (its last two
+    dimensions' memory swapped); "sliced" (every other element of a last dimension
+    twice as wide); "negative" (a negative view: its memory the values negated). A
+    tensor with too few dimensions for its layout is contiguous."""
+    if kind == "transposed" and values.dim() >= 2:
+        return values.mT.contiguous().mT
+    if kind == "sliced" and values.dim() >= 1:
+        wide = values.new_zeros(*values.shape[:-1], 2 * values.shape[-1])
+        wide[..., ::2] = values
+        return wide[..., ::2]
+    if kind == "negative":
+        return torch._neg_view(values.neg())
+    return values.clone()
+
+
 def matmul_case(seed: int) -> None:
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
@@ -367,14 +383,38 @@ def _optim_case(seed: int) -> None:
     groups = len(params) > 1 and random.random() < 0.3
     # A scaler for FP32 parameters (16-bit ones are refused by both); against torch's
     # fused Adam and AdamW, which leave a skipped step's gradients as mpgemm's do
-    # (torch's fused SGD on the CPU read stale buffers where a gradient was None).
+    # (torch's fused SGD on the CPU read stale buffers where a gradient was None). For
+    # 16-bit parameters too: like mpgemm's kernels they compute in FP32, where torch's
+    # for-loop and foreach Adam round each op to 16 bits (eps 1e-8 to 0 in FP16) and
+    # send a parameter to inf where FP64 keeps it finite.
     scaled = dtype == torch.float32 and random.random() < 0.5
-    fused = scaled and kind != "SGD"
+    fused = (scaled or dtype != torch.float32) and kind != "SGD"
     steps = random.randint(1, 4)
-    what = f"optim seed {seed}: {kind} {hyper} {dtype} {shapes} groups {groups} scaled {scaled}"
+    # Parameters' and gradients' layouts (``_laid_out``): negative views only where
+    # neither torch's fused step nor a scaler's in-place unscale takes part (torch's
+    # ops refuse them in their mutable lists, as mpgemm's unscale does). torch's fused
+    # step gets contiguous copies: torch 2.13's fused Adam on the CPU reads memory as
+    # if every tensor were contiguous (a transposed or sliced gradient, or one whose
+    # strides differ from its parameter's, stepped a (17, 9) parameter 0.3 to 0.6 off
+    # its for-loop step after three steps at lr 0.1).
+    layouts = ["contiguous", "transposed", "sliced"] + ([] if scaled or fused else ["negative"])
+    param_layouts = [random.choice(layouts) for _ in shapes]
+    what = (
+        f"optim seed {seed}: {kind} {hyper} {dtype} {shapes} groups {groups} scaled {scaled}"
+        f" fused {fused} layouts {param_layouts}"
+    )
 
     def make(library, cast=None, **extra):
-        leaves = [torch.nn.Parameter(p.to(cast or p.dtype)) for p in params]
+        # Each library's own copies: a Parameter shares its tensor's memory, and two
+        # made from one tensor were stepped by both optimizers and compared with
+        # themselves (before 2026-11-28, a search that a step doing nothing passed).
+        contiguous = extra.get("fused", False)
+        leaves = [
+            torch.nn.Parameter(
+                _laid_out(p.to(cast or p.dtype), "contiguous" if contiguous else layout)
+            )
+            for p, layout in zip(params, param_layouts, strict=True)
+        ]
         if groups:
             lr = hyper["lr"] / 2
             leaves_or_groups = [{"params": leaves[:1]}, {"params": leaves[1:], "lr": lr}]
@@ -396,12 +436,15 @@ def _optim_case(seed: int) -> None:
         if scaled and grads[0].numel() and random.random() < 0.3:
             grads[0].view(-1)[0] = float("inf")
         missing = [random.random() < 0.15 for _ in shapes]
+        grad_layouts = [random.choice(layouts) for _ in shapes]
         if all(missing):
             missing[-1] = False  # (with no gradient at all, both scalers raise)
         for leaves, scale in ((ours, 0), (theirs, 1), (exact, None)):
-            for p, grad, absent in zip(leaves, grads, missing, strict=True):
+            for p, grad, absent, layout in zip(leaves, grads, missing, grad_layouts, strict=True):
                 factor = 1.0 if scale is None or not scalers else scalers[scale].get_scale()
-                p.grad = None if absent else (grad.to(p.dtype) * factor)
+                if leaves is theirs and fused:
+                    layout = "contiguous"
+                p.grad = None if absent else _laid_out(grad.to(p.dtype) * factor, layout)
         if scalers:
             for scaler, optimizer in zip(scalers, (ours_opt, their_opt), strict=True):
                 scaler.step(optimizer)
