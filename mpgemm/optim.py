@@ -272,7 +272,8 @@ def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.T
     (``list_facts``), which the step's op then reads again for nothing (within
     ``reading_once``)."""
     steps = [state["step"] for state in states]
-    if not torch.compiler.is_compiling():  # (compiled, the checks below are traced once)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # (compiled, the checks below are traced once)
         facts = list_facts(steps, PLAIN_TYPES)
         device = params[0].get_device()
         if facts.plain and facts.dtypes == {torch.float32} and facts.devices == {device}:
@@ -283,9 +284,14 @@ def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.T
             # A number, as a checkpoint may hold it: torch's Adam makes a tensor of one
             # when loading; its SGD keeps no count, and so keeps one as it is.
             state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
-        elif step.device != p.device or step.dtype != torch.float32 or _read_otherwise(step):
+        elif (
+            step.device != p.device
+            or step.dtype != torch.float32
+            or (not compiling and _read_otherwise(step))
+        ):
             # (a copy: a negative view or zero tensor, whose memory is not its value,
-            # would be read, and advanced, as its memory)
+            # would be read, and advanced, as its memory; not asked when traced, as
+            # dynamo cannot trace is_neg)
             state["step"] = step.to(p.device, torch.float32, copy=True)
     return [state["step"] for state in states]
 
