@@ -1044,6 +1044,8 @@ def test_tensors_whose_values_are_not_their_memorys_step_as_torch_steps_them(dev
     # lr 0.1); a zero tensor has no memory (a kernel read address 0, and the
     # interpreter's process died of it). Such a position takes torch's implementation,
     # beside a parameter that the kernel steps.
+    # torch's for-loop step: its foreach step (a GPU's default) refuses a negative view
+    # in the lists it writes.
     hyper = {"sgd": dict(lr=0.1, momentum=0.9), "adam": dict(lr=0.1), "adamw": dict(lr=0.1)}[name]
     torch.manual_seed(0)
     values = [torch.randn(6, 5, device=device), torch.randn(64, device=device)]
@@ -1055,7 +1057,7 @@ def test_tensors_whose_values_are_not_their_memorys_step_as_torch_steps_them(dev
             odd = torch._neg_view(odd.neg())
         params = [torch.nn.Parameter(values[0].clone()), torch.nn.Parameter(odd)]
         assert params[1].is_neg() == (kind == "negative parameter")
-        optimizer = cls(params, **hyper)
+        optimizer = cls(params, **hyper, foreach=False)
         for _ in range(2):
             params[0].grad = grads[0].clone()
             params[1].grad = {
@@ -1071,13 +1073,14 @@ def test_tensors_whose_values_are_not_their_memorys_step_as_torch_steps_them(dev
 @pytest.mark.parametrize("name", ["adam", "adamw"])
 def test_a_step_count_that_is_a_negative_view_counts_on_as_torchs(device, name):
     # A count the kernels would read, and advance, as its memory (-1 for 1): it is
-    # copied into the state once, as one of another dtype or device is.
+    # copied into the state once, as one of another dtype or device is. Against torch's
+    # for-loop step (its foreach step refuses a negative view in the counts it writes).
     torch.manual_seed(0)
     value, grad = torch.randn(64, device=device), torch.randn(64, device=device)
     runs = []
     for cls in (CLASSES[name], TORCH_CLASSES[name]):
         param = torch.nn.Parameter(value.clone())
-        optimizer = cls([param], lr=0.1)
+        optimizer = cls([param], lr=0.1, foreach=False)
         for step in range(3):
             param.grad = grad.clone()
             optimizer.step()
