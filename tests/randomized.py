@@ -423,8 +423,10 @@ def _optim_case(seed: int) -> None:
         return leaves, getattr(library, kind)(leaves_or_groups, **hyper, **extra)
 
     ours, ours_opt = make(mpgemm.optim)
-    theirs, their_opt = make(torch.optim, **({"fused": True} if fused else {}))
-    exact, exact_opt = make(torch.optim, torch.float64)
+    # Otherwise torch's for-loop step: its foreach step (a GPU's default) refuses
+    # negative views in the lists it writes.
+    theirs, their_opt = make(torch.optim, **({"fused": True} if fused else {"foreach": False}))
+    exact, exact_opt = make(torch.optim, torch.float64, foreach=False)
     scalers = []
     if scaled:
         scalers = [mpgemm.GradScaler(_device.type, init_scale=256.0, growth_interval=2)]
