@@ -136,7 +136,7 @@ def _wrapped(t: torch.Tensor) -> bool:
     return _functorch_wrapped(t) or _legacy_batched(t)
 
 
-def _read_otherwise(t: torch.Tensor) -> bool:
+def read_otherwise(t: torch.Tensor) -> bool:
     """Whether ``t``'s values are not its memory's, as a kernel would read them: a
     negative view (its values the negation of its memory's: ``z.conj().imag`` of a
     complex ``z``, whose product the kernels computed with the wrong sign), or a zero
@@ -147,10 +147,10 @@ def _read_otherwise(t: torch.Tensor) -> bool:
 def is_plain(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass,
     nor a wrapped or batched tensor (``_wrapped``: no memory of its own to read), nor
-    one whose values are not its memory's (``_read_otherwise``). Any other (a DTensor,
+    one whose values are not its memory's (``read_otherwise``). Any other (a DTensor,
     a user's subclass, a wrapped tensor, a negative view) takes the reference path,
     whose torch ops it handles."""
-    return type(t) in PLAIN_TYPES and not _wrapped(t) and not _read_otherwise(t)
+    return type(t) in PLAIN_TYPES and not _wrapped(t) and not read_otherwise(t)
 
 
 def _gemm(device: torch.device, *tensors: torch.Tensor | None) -> Callable:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from mpgemm.functional import _read_otherwise
+from mpgemm.functional import read_otherwise
 
 __all__ = [
     "ListFacts",
@@ -49,12 +49,12 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "list_facts.c
 class ListFacts(NamedTuple):
     """What ``list_facts`` reads. ``plain``: every tensor's type is one of the plain types
     asked for, and its values are its memory's, as a kernel reads them (not a negative
-    view, nor a zero tensor: ``functional._read_otherwise``); when not, the other fields
+    view, nor a zero tensor: ``functional.read_otherwise``); when not, the other fields
     are empty (a subclass's metadata may run Python, or it may have no memory of its
-    own). ``dtypes`` and ``devices`` (device
-    indices, -1 for the CPU): the sets the tensors hold; ``contiguous``: all are;
-    ``shapes``: each tensor's ndim, then its sizes; ``numels`` and ``addresses``
-    (``data_ptr``): one each per tensor; all three int64s in native byte order."""
+    own). ``dtypes`` and ``devices`` (device indices, -1 for the CPU): the sets the
+    tensors hold; ``contiguous``: all are; ``shapes``: each tensor's ndim, then its
+    sizes; ``numels`` and ``addresses`` (``data_ptr``): one each per tensor; all three
+    int64s in native byte order."""
 
     plain: bool
     dtypes: set[torch.dtype]
@@ -119,7 +119,7 @@ _device_index = torch.Tensor.get_device
 
 def python_list_facts(tensors: Sequence[torch.Tensor], plain_types: tuple[type, ...]) -> ListFacts:
     """``list_facts`` by passes in Python (where the C++ helper is not built)."""
-    if not set(map(type, tensors)) <= set(plain_types) or any(map(_read_otherwise, tensors)):
+    if not set(map(type, tensors)) <= set(plain_types) or any(map(read_otherwise, tensors)):
         return ListFacts(False, set(), set(), False, b"", b"", b"")
     shapes = array("q")
     for t in tensors:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from mpgemm.compute_copy import copies_of, step_failed
-from mpgemm.functional import PLAIN_TYPES, _read_otherwise
+from mpgemm.functional import PLAIN_TYPES, read_otherwise
 from mpgemm.graphs import note_host_values
 from mpgemm.native import list_facts, reading_once
 from mpgemm.scaling import (
@@ -287,7 +287,7 @@ def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.T
         elif (
             step.device != p.device
             or step.dtype != torch.float32
-            or (not compiling and _read_otherwise(step))
+            or (not compiling and read_otherwise(step))
         ):
             # (a copy: a negative view or zero tensor, whose memory is not its value,
             # would be read, and advanced, as its memory; not asked when traced, as
