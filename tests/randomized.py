@@ -477,7 +477,8 @@ def _optim_case(seed: int) -> None:
 
 def amp_case(seed: int) -> None:
     """``mpgemm.scaling.unscale_`` against torch's op, bit for bit, on lists of every
-    dtype with inf and NaN, in place or into other tensors; then a ``LossScaleOptimizer``
+    dtype with inf and NaN, in drawn layouts, in place or into other tensors (NaN where
+    unwritten; negative views among the sources there); then a ``LossScaleOptimizer``
     around torch's SGD or Adam against torch's ``GradScaler`` recipe over a few steps,
     inf gradients among them: the same scale, skips and parameters, bit for bit."""
     random.seed(seed)
@@ -493,12 +494,21 @@ def amp_case(seed: int) -> None:
     inv_scale = torch.full((), random.choice([1.0, 2.0**-16, 3.0]), device=_device)
     what = f"amp seed {seed}: {dtype} {shapes} inv_scale {inv_scale.item()}"
     into_fp32 = random.random() < 0.5  # as a master's gradient from a 16-bit one
+    # mpgemm's tensors in drawn layouts (``_laid_out``); negative views only as the
+    # source of an unscale into FP32 (torch's op, and so mpgemm's, refuses them in place).
+    layouts = ["contiguous", "transposed", "sliced", *(["negative"] if into_fp32 else [])]
     theirs = [t.to(torch.float32 if into_fp32 else t.dtype, copy=True) for t in grads]
     their_flag = torch.zeros((), device=_device)
     torch._amp_foreach_non_finite_check_and_unscale_(theirs, their_flag, inv_scale)
-    ours, flag = [t.clone() for t in grads], torch.zeros((), device=_device)
+    drawn = [random.choice(layouts) for _ in grads]
+    ours = [_laid_out(t, layout) for t, layout in zip(grads, drawn, strict=True)]
+    flag = torch.zeros((), device=_device)
+    what += f" into FP32 {into_fp32} layouts {drawn}"
     if into_fp32:
-        dst = [torch.empty(t.shape, device=_device) for t in ours]
+        dst = [
+            _laid_out(torch.full(t.shape, float("nan"), device=_device), random.choice(layouts[:3]))
+            for t in ours
+        ]
         unscale_(ours, flag, inv_scale, dst=dst)
         ours = dst
     else:
