@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import mpgemm
 from tests.accuracy import (
+    assert_same_bits,
     assert_within_torch_error,
     launched_kernels,
     nan_padded,
@@ -250,6 +251,35 @@ def test_every_other_call_is_torchs(device):
             assert type(ours) is type(theirs) and str(ours) == str(theirs)
         else:
             assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("why", ["reference backend", "negative view", "class weights"])
+def test_16_bit_logits_on_torchs_path_take_the_softmax_in_fp32(on_path, dtype, why):
+    # Where the kernels do not take a call, torch's op gets the logits in FP32 (and
+    # class weights beside them), as the kernels read them; on 16-bit logits it would
+    # round the log-probabilities to 16 bits. The loss and the gradient are rounded
+    # once to the logits' dtype.
+    device = on_path("reference" if why == "reference backend" else "kernels")
+    x, target = _case(100, dtype, device)
+    options: dict = dict(label_smoothing=0.1)
+    if why == "class weights":
+        options["weight"] = torch.rand(100, generator=torch.Generator().manual_seed(2))
+        options["weight"] = options["weight"].to(device, dtype)
+    leaf = (torch._neg_view(x.neg()) if why == "negative view" else x.detach()).requires_grad_()
+    if why == "reference backend":  # (while launches are intercepted, CPU tensors are not)
+        loss = mpgemm.cross_entropy(leaf, target, **options)
+    else:
+        names, loss = launched_kernels(lambda: mpgemm.cross_entropy(leaf, target, **options))
+        assert names == []
+    loss.backward()
+    wide = leaf.detach().float().requires_grad_()
+    if why == "class weights":
+        options["weight"] = options["weight"].float()
+    expected = F.cross_entropy(wide, target, **options)
+    expected.backward()
+    assert_same_bits(loss.detach(), expected.detach().to(dtype), "loss")
+    assert_same_bits(leaf.grad, wide.grad.to(dtype), "gradient")
 
 
 def _or_error(fn, args, options):
