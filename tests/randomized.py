@@ -186,7 +186,12 @@ def linear_case(seed: int) -> None:
     out_dtype = random.choice([None, *DTYPES])
     what = f"linear seed {seed}: x {tuple(x.shape)} {x.dtype} {x.stride()}, w {w.dtype} "
     what += f"{w.stride()}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}, "
-    what += f"{activation}, compute {compute}, out {out_dtype}"
+    # dY's layout (``_laid_out``), or one value broadcast over it (stride 0 throughout,
+    # as ``y.sum()``'s backward hands it; not with a ReLU, whose masking of dY near the
+    # kink below it would undo).
+    grad_layouts = ["contiguous", "transposed", "sliced", "negative"]
+    grad_layout = random.choice(grad_layouts + ([] if activation == "relu" else ["broadcast"]))
+    what += f"{activation}, compute {compute}, out {out_dtype}, dY {grad_layout}"
     compute = compute or (torch.bfloat16 if torch.bfloat16 in (x.dtype, w.dtype) else torch.float16)
     results, grad_y = [], None
     for fn, cast in ((mpgemm.linear, None), (None, torch.float64), (linear_ref, None)):
@@ -205,6 +210,10 @@ def linear_case(seed: int) -> None:
                 z = F.linear(x.double(), w.double(), None if bias is None else bias.double())
                 grad_y = torch.where(z.abs() < 0.02 * z.abs().max(), 0.0, grad_y.double())
             grad_y = grad_y.to(y.dtype)
+            if grad_layout == "broadcast":
+                grad_y = grad_y.reshape(-1)[:1].reshape((1,) * y.dim()).expand(y.shape)
+            else:
+                grad_y = _laid_out(grad_y, grad_layout)
         if y.numel():
             y.backward(grad_y.to(y.dtype))
         results.append((y, [None if t is None else t.grad for t in (xl, wl, bl)]))
