@@ -108,6 +108,19 @@ def _laid_out(values: torch.Tensor, kind: str) -> torch.Tensor:
     return values.clone()
 
 
+# The layouts of an incoming gradient (``_incoming``).
+GRAD_LAYOUTS = ["contiguous", "transposed", "sliced", "negative", "broadcast"]
+
+
+def _incoming(values: torch.Tensor, kind: str) -> torch.Tensor:
+    """An incoming gradient from ``values``: in ``_laid_out``'s layout ``kind``, or for
+    "broadcast" its first value over its shape, stride 0 throughout (as the backward of
+    ``y.sum()`` hands it on)."""
+    if kind == "broadcast":
+        return values.reshape(-1)[:1].reshape((1,) * values.dim()).expand(values.shape)
+    return _laid_out(values, kind)
+
+
 def matmul_case(seed: int) -> None:
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
@@ -151,7 +164,9 @@ def matmul_case(seed: int) -> None:
     assert_within_torch_error(c, exact, base, what, atol=_cancelling(torch.float32, terms))
     if not (grad and c.numel()):
         return
-    grad_c = _randn(*c.shape, g=g).to(c.dtype)
+    grad_layout = random.choice(GRAD_LAYOUTS)
+    what += f", dC {grad_layout}"
+    grad_c = _incoming(_randn(*c.shape, g=g).to(c.dtype), grad_layout)
     c.backward(grad_c)
     # FP64, FP32 (torch's product of the rounded operands), and the magnitudes of the
     # gradients' terms: the backward of |A| @ |B| from |dC|.
@@ -186,11 +201,9 @@ def linear_case(seed: int) -> None:
     out_dtype = random.choice([None, *DTYPES])
     what = f"linear seed {seed}: x {tuple(x.shape)} {x.dtype} {x.stride()}, w {w.dtype} "
     what += f"{w.stride()}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}, "
-    # dY's layout (``_laid_out``), or one value broadcast over it (stride 0 throughout,
-    # as ``y.sum()``'s backward hands it; not with a ReLU, whose masking of dY near the
-    # kink below it would undo).
-    grad_layouts = ["contiguous", "transposed", "sliced", "negative"]
-    grad_layout = random.choice(grad_layouts + ([] if activation == "relu" else ["broadcast"]))
+    # dY's layout (``_incoming``; not broadcast with a ReLU, whose masking of dY near
+    # the kink below that would undo).
+    grad_layout = random.choice(GRAD_LAYOUTS[:-1] if activation == "relu" else GRAD_LAYOUTS)
     what += f"{activation}, compute {compute}, out {out_dtype}, dY {grad_layout}"
     compute = compute or (torch.bfloat16 if torch.bfloat16 in (x.dtype, w.dtype) else torch.float16)
     results, grad_y = [], None
@@ -209,11 +222,7 @@ def linear_case(seed: int) -> None:
             if activation == "relu":  # away from the kink, where rounding decides the mask
                 z = F.linear(x.double(), w.double(), None if bias is None else bias.double())
                 grad_y = torch.where(z.abs() < 0.02 * z.abs().max(), 0.0, grad_y.double())
-            grad_y = grad_y.to(y.dtype)
-            if grad_layout == "broadcast":
-                grad_y = grad_y.reshape(-1)[:1].reshape((1,) * y.dim()).expand(y.shape)
-            else:
-                grad_y = _laid_out(grad_y, grad_layout)
+            grad_y = _incoming(grad_y.to(y.dtype), grad_layout)
         if y.numel():
             y.backward(grad_y.to(y.dtype))
         results.append((y, [None if t is None else t.grad for t in (xl, wl, bl)]))
