@@ -320,7 +320,9 @@ def cross_entropy_case(seed: int) -> None:
     )
     if not loss.numel():
         return
-    grad = _randn(*loss.shape, g=g).to(dtype)
+    grad_layout = random.choice(GRAD_LAYOUTS)
+    what += f", dL {grad_layout}"
+    grad = _incoming(_randn(*loss.shape, g=g).to(dtype), grad_layout)
     for out, scalar in ((loss, dtype), (their_loss, torch.float32), (exact_loss, torch.float64)):
         out.backward(grad.to(scalar))
     _same_nonfinite(ours.grad, theirs.grad.to(dtype), f"{what}: gradient")
