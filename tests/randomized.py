@@ -20,8 +20,11 @@ over a 16-bit model against torch's recipe with FP32 masters by hand, bit for bi
 ``relu_fusion`` (a ReLU layer into a layer, its backward in that layer's input-gradient
 GEMM against its own kernel, over dtypes, shapes, frozen parameters, hooks and a second
 consumer: the same gradients, bit for bit but for the bias's summation order).
-Prints each failing case and a count; exit status 1 on any. Searches like these found
-four faults (``bench/NOTES.md``, 2026-11-26, fifth session); ``tests/test_randomized.py``
+Tensors come in drawn layouts: contiguous, transposed, sliced, negative views
+(``_operand``, ``_laid_out``), and incoming gradients also as one value broadcast
+(``_incoming``). Prints each failing case and a count; exit status 1 on any. Searches
+like these found four faults (``bench/NOTES.md``, 2026-11-26, fifth session), and two
+more with the layouts (2026-11-28, twenty-first session); ``tests/test_randomized.py``
 runs a few seeds of each.
 
 Where a product's terms cancel, its error against FP64 is bounded by the sum of their
