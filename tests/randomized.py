@@ -23,9 +23,9 @@ consumer: the same gradients, bit for bit but for the bias's summation order).
 Tensors come in drawn layouts: contiguous, transposed, sliced, negative views
 (``_operand``, ``_laid_out``), and incoming gradients also as one value broadcast
 (``_incoming``). Prints each failing case and a count; exit status 1 on any. Searches
-like these found four faults (``bench/NOTES.md``, 2026-11-26, fifth session), and two
-more with the layouts (2026-11-28, twenty-first session); ``tests/test_randomized.py``
-runs a few seeds of each.
+like these found four faults (``bench/NOTES.md``, 2026-11-26, fifth session), and with
+the layouts a fifth (2026-11-28: ``cross_entropy`` took 16-bit logits in 16 bits on
+torch's path); ``tests/test_randomized.py`` runs a few seeds of each.
 
 Where a product's terms cancel, its error against FP64 is bounded by the sum of their
 magnitudes, not by the result's: each bar adds half a unit of the coarsest rounding the
