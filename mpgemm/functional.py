@@ -1129,8 +1129,10 @@ def _matmul_into(
     """``matmul(a, b)`` written into ``out`` (checked operands). A product with a 1-D or
     2-D ``b``, one GEMM over a's rows, writes into ``out`` where it is a view of them
     (any strides) that shares no memory with an operand; any other (a batch of
-    products, an ``out`` whose dimensions do not merge into rows, or that overlaps an
-    operand) is computed first, then copied in."""
+    products, an ``out`` whose dimensions do not merge into rows, that overlaps an
+    operand, or whose values are not its memory's: ``read_otherwise``) is computed
+    first, then copied in (torch's ``copy_`` writes a negative view's memory negated,
+    and refuses a zero tensor)."""
     op = "mpgemm.matmul"
     if out.dtype != out_dtype:
         raise TypeError(
@@ -1168,7 +1170,12 @@ def _matmul_into(
             "expanded tensor); give out memory of its own (out.clone())"
         )
     written = None
-    if b.dim() <= 2 and not torch.compiler.is_compiling() and not _shares_memory(out, a, b):
+    if (
+        b.dim() <= 2
+        and not torch.compiler.is_compiling()
+        and not read_otherwise(out)
+        and not _shares_memory(out, a, b)
+    ):
         try:
             written = out.view(math.prod(rows.shape[:-1]), columns.shape[1])
         except RuntimeError:  # dimensions that do not merge: computed, then copied

@@ -155,7 +155,9 @@ def matmul_case(seed: int) -> None:
         out = torch.full(shape[::-1], float("nan"), device=_device, dtype=out_dtype or compute)
         reverse = tuple(reversed(range(out.dim())))  # (a tuple: a 0-dim out has none)
         out = out.permute(reverse) if random.random() < 0.5 else out.view(shape)
-        what += f", out= {out.stride()}"
+        if random.random() < 0.2:  # its memory the values negated
+            out = torch._neg_view(out)
+        what += f", out= {out.stride()}{' negative' if out.is_neg() else ''}"
         c = mpgemm.matmul(a, b, compute_dtype=compute_given, out_dtype=out_dtype, out=out)
         assert c is out, f"{what}: out= not returned"
     else:

@@ -123,6 +123,22 @@ def test_an_out_over_an_operand_gets_the_product_of_the_operands_as_they_were(de
     assert torch.equal(b, expected)
 
 
+def test_an_out_whose_values_are_not_its_memorys_is_written_as_torchs_is(device):
+    # A negative view's values are its memory's negated: written by the kernels, or by
+    # torch's copy_ from FP32 (which writes the negation), the product came out with
+    # the wrong sign. A zero tensor has no memory: torch's copy_ refuses it, as
+    # torch.matmul does.
+    a = torch.randn(33, 40, device=device, dtype=torch.float16)
+    b = torch.randn(40, 24, device=device, dtype=torch.float16)
+    out = torch._neg_view(torch.full((33, 24), NAN, device=device, dtype=torch.float16))
+    assert mpgemm.matmul(a, b, out=out) is out
+    assert out.is_neg() and torch.equal(out, mpgemm.matmul(a, b))
+    zero = torch._efficientzerotensor(33, 24, device=device, dtype=torch.float16)
+    for matmul in (mpgemm.matmul, torch.matmul):  # (torch's copy_ and matmul word it apart)
+        with pytest.raises(RuntimeError, match="ZeroTensors are immutable"):
+            matmul(a, b, out=zero)
+
+
 def test_a_compiled_product_into_out_matches_eager(device):
     torch._dynamo.reset()
     a, b = torch.randn(8, 16, device=device), torch.randn(16, 12, device=device)

@@ -323,6 +323,19 @@ def test_gradients_whose_values_are_not_their_memorys_unscale_as_torchs_op(devic
     assert found.item() == (1.0 if kind == "negative view" else 0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_destination_that_is_a_negative_view_gets_the_values(device, dtype):
+    # Its memory holds their negation. torch 2.13's copy_ into a negative view of
+    # another dtype writes the negation itself (the reference's FP32 product into an
+    # FP16 destination came out with the wrong sign).
+    src = [torch.tensor([3.0, -1.0, 6e4], device=device)]
+    dst = [torch._neg_view(torch.full((3,), float("nan"), device=device, dtype=dtype))]
+    found = torch.zeros((), device=device)
+    unscale_(src, found, torch.full((), 0.5, device=device), dst=dst)
+    assert dst[0].is_neg() and found.item() == 0.0
+    assert_same_bits(dst[0].resolve_neg(), (src[0] * 0.5).to(dtype), "dst")
+
+
 def test_bf16_subnormals_unscale_bit_for_bit(device):
     # BF16 subnormals (below 1.2e-38), in and out: the interpreter's own conversions
     # between BF16 and FP32 got them wrong, so the kernels move bits instead there.
