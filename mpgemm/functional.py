@@ -1131,8 +1131,9 @@ def _matmul_into(
     (any strides) that shares no memory with an operand; any other (a batch of
     products, an ``out`` whose dimensions do not merge into rows, that overlaps an
     operand, or whose values are not its memory's: ``read_otherwise``) is computed
-    first, then copied in (torch's ``copy_`` writes a negative view's memory negated,
-    and refuses a zero tensor)."""
+    first, then copied in: within one dtype, which torch's ``copy_`` writes into a
+    negative view as its values (between FP32 and FP16 torch 2.13's writes their
+    negation), and refusing a zero tensor as torch's ``matmul`` does."""
     op = "mpgemm.matmul"
     if out.dtype != out_dtype:
         raise TypeError(

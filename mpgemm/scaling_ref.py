@@ -37,8 +37,9 @@ def unscale_ref_(
         # once into dst's dtype. Copying first would round a narrower dst before scaling.
         unscale_ref_(src, found_inf, None)
         for d, s in zip(dst, src, strict=True):
-            # Rounded before the copy: torch's copy_ into a negative view of another
-            # dtype writes the values' negation (torch 2.13); of one dtype it is right.
+            # Rounded before the copy: torch 2.13's copy_ (on the CPU) between FP32 and
+            # FP16 into a negative view writes the values' negation; within one dtype
+            # it is right.
             d.copy_((s.float() * inv_scale).to(d.dtype))
         return
     for dtype in {t.dtype for t in src}:

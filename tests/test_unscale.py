@@ -325,8 +325,8 @@ def test_gradients_whose_values_are_not_their_memorys_unscale_as_torchs_op(devic
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_destination_that_is_a_negative_view_gets_the_values(device, dtype):
-    # Its memory holds their negation. torch 2.13's copy_ into a negative view of
-    # another dtype writes the negation itself (the reference's FP32 product into an
+    # Its memory holds their negation. torch 2.13's copy_ between FP32 and FP16 into a
+    # negative view writes the negation itself (the reference's FP32 product into an
     # FP16 destination came out with the wrong sign).
     src = [torch.tensor([3.0, -1.0, 6e4], device=device)]
     dst = [torch._neg_view(torch.full((3,), float("nan"), device=device, dtype=dtype))]
