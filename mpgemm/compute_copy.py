@@ -205,7 +205,10 @@ class ComputeCopy:
             # forward could not save for backward.
             with torch.inference_mode(False), torch.no_grad():
                 copy = torch.empty_like(weight, dtype=self.dtype)
-                copy.copy_(weight)
+                # (resolved first: torch 2.13's copy_ between FP32 and FP16 ignores a
+                # negative view's sign, and made a negative-view weight's copy its
+                # negation)
+                copy.copy_(weight.resolve_neg())
             made = self._made = _Made(copy, identity, weight.detach())
         # Current as of now: made now, or neither changed nor possibly stepped since.
         self._current_at = _steps

@@ -262,6 +262,21 @@ def test_forwards_with_nothing_changed_between_cast_once(device):
     assert not log.casts_of(layer.weight)
 
 
+@pytest.mark.parametrize("compute_dtype", [torch.float16, torch.bfloat16])
+def test_a_weight_that_is_a_negative_view_is_copied_as_its_values(device, compute_dtype):
+    # Its memory holds the values negated; torch 2.13's copy_ from FP32 to FP16 read the
+    # memory, and the layer computed with the negated weight (max error 3.5).
+    layer = _layer(device, compute_dtype=compute_dtype)
+    values = layer.weight.detach().clone()
+    layer.weight = nn.Parameter(torch._neg_view(values.neg()))
+    x = torch.randn(16, 48, device=device)
+    # (the functional form on the weight itself: the same path, torch's ops, which
+    # round it as its values)
+    expected = mpgemm.linear(x, layer.weight, layer.bias, compute_dtype=compute_dtype)
+    assert layer.weight.is_neg() and torch.equal(layer(x), expected)
+    assert torch.equal(layer._weight_copy.tensor, values.to(compute_dtype))
+
+
 def test_a_frozen_base_in_16_bits_has_no_copy(device):
     # A LoRA-style base stored in BF16 after convert: its layer computes in BF16 and
     # reads the weight itself, so no 16-bit copy is made or cast (README's way to save
