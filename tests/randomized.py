@@ -72,43 +72,32 @@ def _cancelling(dtype: torch.dtype, magnitudes: torch.Tensor) -> float:
     return torch.finfo(dtype).eps / 2 * (magnitudes.abs().max().item() if magnitudes.numel() else 0)
 
 
-def _operand(
-    shape: tuple, dtype: torch.dtype, g: torch.Generator, scale: float = 1.0
-) -> torch.Tensor:
-    """Normal values times ``scale`` in a tensor of ``shape``: contiguous, a transposed
-    view, every other column of a wider one, (batched) expanded over its first
-    dimension, or a negative view (its memory the values negated, as ``z.conj().imag``
-    of a complex ``z``)."""
-    kind = random.choice(["contiguous", "transposed", "sliced", "expanded", "negative"])
-
-    def values(*size: int) -> torch.Tensor:
-        return (_randn(*size, g=g) * scale).to(dtype)
-
-    if kind == "transposed" and len(shape) >= 2:
-        return values(*shape[:-2], shape[-1], shape[-2]).mT
-    if kind == "sliced" and shape[-1] > 0:
-        return values(*shape[:-1], 2 * shape[-1])[..., ::2]
-    if kind == "expanded" and len(shape) >= 3:
-        return values(1, *shape[1:]).expand(*shape)
-    if kind == "negative":
-        return torch._neg_view(values(*shape).neg())
-    return values(*shape)
-
-
 def _laid_out(values: torch.Tensor, kind: str) -> torch.Tensor:
     """A copy of ``values`` in layout ``kind``: "contiguous"; "transposed" (its last two
     dimensions' memory swapped); "sliced" (every other element of a last dimension
-    twice as wide); "negative" (a negative view: its memory the values negated). A
-    tensor with too few dimensions for its layout is contiguous."""
+    twice as wide, NaN between, which a read there would carry); "negative" (a
+    negative view: its memory the values negated, as ``z.conj().imag`` of a complex
+    ``z``). A tensor with too few dimensions for its layout is contiguous."""
     if kind == "transposed" and values.dim() >= 2:
         return values.mT.contiguous().mT
     if kind == "sliced" and values.dim() >= 1:
-        wide = values.new_zeros(*values.shape[:-1], 2 * values.shape[-1])
+        wide = values.new_full((*values.shape[:-1], 2 * values.shape[-1]), float("nan"))
         wide[..., ::2] = values
         return wide[..., ::2]
     if kind == "negative":
         return torch._neg_view(values.neg())
     return values.clone()
+
+
+def _operand(
+    shape: tuple, dtype: torch.dtype, g: torch.Generator, scale: float = 1.0
+) -> torch.Tensor:
+    """Normal values times ``scale`` in a tensor of ``shape``, in one of ``_laid_out``'s
+    layouts or (batched) expanded over its first dimension."""
+    kind = random.choice(["contiguous", "transposed", "sliced", "expanded", "negative"])
+    if kind == "expanded" and len(shape) >= 3:
+        return (_randn(1, *shape[1:], g=g) * scale).to(dtype).expand(*shape)
+    return _laid_out((_randn(*shape, g=g) * scale).to(dtype), kind)
 
 
 # The layouts of an incoming gradient (``_incoming``).
