@@ -1130,10 +1130,11 @@ def _matmul_into(
     2-D ``b``, one GEMM over a's rows, writes into ``out`` where it is a view of them
     (any strides) that shares no memory with an operand; any other (a batch of
     products, an ``out`` whose dimensions do not merge into rows, that overlaps an
-    operand, or whose values are not its memory's: ``read_otherwise``) is computed
-    first, then copied in: within one dtype, which torch's ``copy_`` writes into a
-    negative view as its values (between FP32 and FP16 torch 2.13's writes their
-    negation), and refusing a zero tensor as torch's ``matmul`` does."""
+    operand, whose values are not its memory's: ``read_otherwise``, or an inference
+    tensor outside ``torch.inference_mode``) is computed first, then copied in: within
+    one dtype, which torch's ``copy_`` writes into a negative view as its values
+    (between FP32 and FP16 torch 2.13's writes their negation), and refusing a zero
+    tensor, or an inference tensor outside that mode, as torch's ``matmul`` does."""
     op = "mpgemm.matmul"
     if out.dtype != out_dtype:
         raise TypeError(
@@ -1175,6 +1176,7 @@ def _matmul_into(
         b.dim() <= 2
         and not torch.compiler.is_compiling()
         and not read_otherwise(out)
+        and not (out.is_inference() and not torch.is_inference_mode_enabled())
         and not _shares_memory(out, a, b)
     ):
         try:

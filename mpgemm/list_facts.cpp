@@ -33,8 +33,8 @@ PyObject** fast_items(py::handle sequence, const char* message, py::object& owne
   return PySequence_Fast_ITEMS(fast);
 }
 
-// (plain, dtypes, devices, contiguous, shapes, numels, addresses) of a list or tuple of
-// tensors. plain: every item's type is one of plain_types (a tuple of types) and its
+// (plain, dtypes, devices, contiguous, shapes, numels, addresses, inference) of a list
+// or tuple of tensors. plain: every item's type is one of plain_types (a tuple of types) and its
 // values are its memory's (not a negative view, whose values are its memory's negated,
 // nor a zero tensor, which has no memory: a kernel would read the wrong sign, or
 // nothing); when not, only plain (False) is meaningful and the rest is left empty,
@@ -42,7 +42,8 @@ PyObject** fast_items(py::handle sequence, const char* message, py::object& owne
 // the set of the tensors' torch.dtype objects; devices: the set of their device
 // indices (-1 for the CPU, as Tensor.get_device); contiguous: all are contiguous;
 // shapes: each tensor's ndim then its sizes, as int64s; numels and addresses
-// (data_ptr): an int64 per tensor, native byte order.
+// (data_ptr): an int64 per tensor, native byte order; inference: any is an inference
+// tensor (made under torch.inference_mode, which torch's in-place ops write only there).
 py::tuple list_facts(py::handle sequence, py::handle plain_types) {
   py::object owner;
   Py_ssize_t count = 0;
@@ -68,7 +69,8 @@ py::tuple list_facts(py::handle sequence, py::handle plain_types) {
   }
   py::set dtypes, devices;
   if (!plain) {
-    return py::make_tuple(false, dtypes, devices, false, py::bytes(), py::bytes(), py::bytes());
+    return py::make_tuple(
+        false, dtypes, devices, false, py::bytes(), py::bytes(), py::bytes(), false);
   }
 
   std::string numels(count * sizeof(int64_t), '\0');
@@ -78,6 +80,7 @@ py::tuple list_facts(py::handle sequence, py::handle plain_types) {
   auto* numel = reinterpret_cast<int64_t*>(&numels[0]);
   auto* address = reinterpret_cast<int64_t*>(&addresses[0]);
   bool contiguous = true;
+  bool inference = false;
   // The sets change only where a tensor differs from the one before it.
   bool first = true;
   at::ScalarType last_dtype = at::ScalarType::Undefined;
@@ -89,6 +92,7 @@ py::tuple list_facts(py::handle sequence, py::handle plain_types) {
     // as its data_ptr() does in Python: no table may hold an address it lacks.)
     address[i] = reinterpret_cast<int64_t>(t.data_ptr());
     contiguous = contiguous && t.is_contiguous();
+    inference = inference || t.is_inference();
     const int64_t ndim = t.dim();
     shapes.append(reinterpret_cast<const char*>(&ndim), sizeof(ndim));
     for (int64_t size : t.sizes()) {
@@ -108,7 +112,7 @@ py::tuple list_facts(py::handle sequence, py::handle plain_types) {
   }
   return py::make_tuple(
       true, dtypes, devices, contiguous, py::bytes(shapes), py::bytes(numels),
-      py::bytes(addresses));
+      py::bytes(addresses), inference);
 }
 
 // Bump the version counter of every tensor of a list or tuple, as torch's in-place ops

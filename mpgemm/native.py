@@ -54,7 +54,8 @@ class ListFacts(NamedTuple):
     own). ``dtypes`` and ``devices`` (device indices, -1 for the CPU): the sets the
     tensors hold; ``contiguous``: all are; ``shapes``: each tensor's ndim, then its
     sizes; ``numels`` and ``addresses`` (``data_ptr``): one each per tensor; all three
-    int64s in native byte order."""
+    int64s in native byte order; ``inference``: any is an inference tensor (made under
+    ``torch.inference_mode``, which torch's in-place ops write only within it)."""
 
     plain: bool
     dtypes: set[torch.dtype]
@@ -63,6 +64,7 @@ class ListFacts(NamedTuple):
     shapes: bytes
     numels: bytes
     addresses: bytes
+    inference: bool
 
 
 class _Reading(threading.local):
@@ -120,7 +122,7 @@ _device_index = torch.Tensor.get_device
 def python_list_facts(tensors: Sequence[torch.Tensor], plain_types: tuple[type, ...]) -> ListFacts:
     """``list_facts`` by passes in Python (where the C++ helper is not built)."""
     if not set(map(type, tensors)) <= set(plain_types) or any(map(read_otherwise, tensors)):
-        return ListFacts(False, set(), set(), False, b"", b"", b"")
+        return ListFacts(False, set(), set(), False, b"", b"", b"", False)
     shapes = array("q")
     for t in tensors:
         shapes.append(t.dim())
@@ -133,6 +135,7 @@ def python_list_facts(tensors: Sequence[torch.Tensor], plain_types: tuple[type, 
         shapes.tobytes(),
         array("q", map(torch.Tensor.numel, tensors)).tobytes(),
         array("q", map(torch.Tensor.data_ptr, tensors)).tobytes(),
+        any(map(torch.Tensor.is_inference, tensors)),
     )
 
 

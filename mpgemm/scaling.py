@@ -375,6 +375,8 @@ def unscale_(
     with reading_once():  # the checks, the split by dtype and the launch table
         src_types = _check_lists("unscale_", src, dst)
         _check_scalars(src, found_inf, inv_scale)
+        # (In place, as torch's op writes an inference tensor anywhere.)
+        _check_writable("unscale_", dst=None if inv_scale is None else dst)
         lists = [src, src if dst is None else dst]
         _dispatch(
             "unscale",
@@ -386,6 +388,32 @@ def unscale_(
         )
     _bumped((found_inf,), None if inv_scale is None else src if dst is None else dst)
     _reduce_over_shards(src, src_types, found_inf)
+
+
+def _check_writable(op: str, **written: Sequence[torch.Tensor] | None) -> None:
+    """RuntimeError where one of the lists ``written`` (by name; None: not given), which
+    the op writes in place, holds an inference tensor (made under
+    ``torch.inference_mode``) and the op runs outside that mode: torch's in-place ops
+    refuse to write one there (it keeps no version counter for autograd to check), and
+    so do the references, which write with them; the kernels, writing memory, would
+    not. Asked eagerly (traced, torch's ops are traced) before anything is written;
+    plain lists are answered from their facts, which the op reads anyway (some 2 us a
+    step of seven lists here)."""
+    if torch.is_inference_mode_enabled():
+        return
+    for name, items in written.items():
+        if not items:
+            continue
+        facts = list_facts(items, PLAIN_TYPES)
+        if facts.plain and not facts.inference:
+            continue
+        if any(isinstance(t, torch.Tensor) and t.is_inference() for t in items):
+            raise RuntimeError(
+                f"mpgemm.scaling.{op}: {name} holds an inference tensor (made under "
+                "torch.inference_mode), which an in-place update outside InferenceMode "
+                "may not write, as torch's in-place ops refuse to; clone it first, or "
+                "step within torch.inference_mode"
+            )
 
 
 def _check_scalars(src, found_inf, inv_scale) -> None:
@@ -714,6 +742,10 @@ def sgd_step_(
         _check_shapes("sgd_step_", "params", params, **lists)
         if steps is not None:
             _check_counts("sgd_step_", steps)
+        unscaled = grads if hyper.get("grad_scale") is not None else None
+        # (The gradients are written where the step unscales them.)
+        written = {"params": params, "steps": steps, **lists, "grads": unscaled}
+        _check_writable("sgd_step_", **written)
         _dispatch(
             "sgd_step",
             [params, grads, copies, *buffers, *counts],
@@ -731,7 +763,6 @@ def sgd_step_(
             groups=groups,
         )
     # (A parameter listed as its own copy is bumped twice, which is as good as once.)
-    unscaled = grads if hyper.get("grad_scale") is not None else None
     _bumped(params, unscaled, compute_copies, momentum_buffers, steps)
 
 
@@ -792,6 +823,9 @@ def adam_step_(
             hyper, groups = _hyperparameters_on(hyper, params, groups)
         _check_shapes("adam_step_", "params", params, **lists)
         _check_counts("adam_step_", steps)
+        unscaled = grads if hyper.get("grad_scale") is not None else None
+        written = {"params": params, "steps": steps, **lists, "grads": unscaled}
+        _check_writable("adam_step_", **written)
         _dispatch(
             "adam_step",
             [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps],
@@ -807,5 +841,4 @@ def adam_step_(
             copies=4 + len(maxima),
             groups=groups,
         )
-    unscaled = grads if hyper.get("grad_scale") is not None else None
     _bumped(params, unscaled, compute_copies, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)

@@ -1070,6 +1070,73 @@ def test_tensors_whose_values_are_not_their_memorys_step_as_torch_steps_them(dev
         torch.testing.assert_close(ours, theirs, msg=kind)
 
 
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_an_inference_parameter_is_stepped_only_within_inference_mode(device, name):
+    # An inference tensor (made under torch.inference_mode, as a model built or loaded
+    # there) keeps no version counter: torch's in-place ops raise for one outside that
+    # mode, and so do torch's foreach and for-loop steps (after writing it). The kernels,
+    # writing memory, stepped it silently, where the references raised: now the step
+    # raises before anything is written. Within the mode it steps as torch's does.
+    hyper = dict(lr=0.1, momentum=0.9) if name == "sgd" else dict(lr=0.1)
+    torch.manual_seed(0)
+    values = [torch.randn(6, 5, device=device), torch.randn(64, device=device)]
+    grads = [torch.randn(6, 5, device=device), torch.randn(64, device=device)]
+
+    def optimizer(cls):
+        with torch.inference_mode():
+            served = values[1].clone()
+        params = [torch.nn.Parameter(values[0].clone()), served]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        return cls(params, **hyper, foreach=False), params
+
+    for cls in (CLASSES[name], TORCH_CLASSES[name]):
+        refusing, params = optimizer(cls)
+        with pytest.raises(RuntimeError, match="inference tensor"):
+            refusing.step()
+        if cls is CLASSES[name]:  # (torch's wrote the parameters before raising)
+            assert all(map(torch.equal, params, values))
+    runs = []
+    for cls in (CLASSES[name], TORCH_CLASSES[name]):
+        stepping, params = optimizer(cls)
+        with torch.inference_mode():
+            stepping.step()
+        runs.append(params)
+    for ours, theirs in zip(*runs, strict=True):
+        torch.testing.assert_close(ours.detach(), theirs.detach())
+
+
+def test_the_steps_refuse_to_write_an_inference_tensor_they_would_write(device):
+    # Each list a step writes (moments loaded under torch.inference_mode, step counts,
+    # gradients it unscales) is asked before anything is written, and named; the
+    # gradients, which a step without a scale only reads, may be inference tensors.
+    def fresh():
+        return [torch.rand(5, device=device) for _ in range(2)]  # (second moments >= 0)
+
+    def lists(inference):
+        made = {name: fresh() for name in ("params", "grads", "exp_avgs", "exp_avg_sqs")}
+        made["steps"] = [torch.tensor(1.0, device=device) for _ in range(2)]
+        with torch.inference_mode():
+            made[inference] = [t.clone() for t in made[inference]]
+        return made
+
+    hyper = _adam_hyper(False, None, None)
+    for name in ("params", "exp_avgs", "exp_avg_sqs", "steps"):
+        given = lists(name)
+        before = {key: [t.clone() for t in ts] for key, ts in given.items()}
+        with pytest.raises(RuntimeError, match=f"adam_step_: {name} holds an inference tensor"):
+            scaling.adam_step_(**given, **hyper)
+        for key, ts in given.items():  # nothing written
+            assert all(map(torch.equal, ts, before[key])), (name, key)
+    scaling.adam_step_(**lists("grads"), **hyper)
+    scale = torch.tensor(2.0, device=device)
+    with pytest.raises(RuntimeError, match="sgd_step_: grads holds an inference tensor"):
+        scaling.sgd_step_(fresh(), lists("grads")["grads"], None, grad_scale=scale, lr=0.1)
+    buffers = lists("exp_avgs")["exp_avgs"]
+    with pytest.raises(RuntimeError, match="sgd_step_: momentum_buffers holds an inference"):
+        scaling.sgd_step_(fresh(), fresh(), buffers, lr=0.1, momentum=0.9)
+
+
 @pytest.mark.parametrize("name", ["adam", "adamw"])
 def test_a_step_count_that_is_a_negative_view_counts_on_as_torchs(device, name):
     # A count the kernels would read, and advance, as its memory (-1 for 1): it is

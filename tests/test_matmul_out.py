@@ -139,6 +139,25 @@ def test_an_out_whose_values_are_not_its_memorys_is_written_as_torchs_is(device)
             matmul(a, b, out=zero)
 
 
+def test_an_inference_out_is_written_only_within_inference_mode(device):
+    # An inference tensor (made under torch.inference_mode) keeps no version counter:
+    # torch's in-place ops, and so torch.matmul's out, raise for one outside that mode
+    # (after writing it, as torch's copy_ does). The kernels, writing memory, wrote it
+    # silently, where the reference's copy_ raised: now both raise torch's error; within
+    # the mode, it is written.
+    a = torch.randn(33, 40, device=device, dtype=torch.float16)
+    b = torch.randn(40, 24, device=device, dtype=torch.float16)
+    with torch.inference_mode():
+        out = torch.full((33, 24), NAN, device=device, dtype=torch.float16)
+    for matmul in (mpgemm.matmul, torch.matmul):
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside"):
+            matmul(a, b, out=out)
+    with torch.inference_mode():
+        out.fill_(NAN)
+        assert mpgemm.matmul(a, b, out=out) is out
+    assert torch.equal(out, mpgemm.matmul(a, b))
+
+
 def test_a_compiled_product_into_out_matches_eager(device):
     torch._dynamo.reset()
     a, b = torch.randn(8, 16, device=device), torch.randn(16, 12, device=device)

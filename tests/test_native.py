@@ -23,6 +23,8 @@ class _Sub(torch.Tensor):
 
 def _lists(device):
     t = lambda *shape, dtype=torch.float32: torch.randn(*shape, device=device).to(dtype)  # noqa: E731
+    with torch.inference_mode():
+        served = t(4)
     return {
         "empty": [],
         "one dtype": [t(5), t(3, 4), t(1)],
@@ -37,6 +39,7 @@ def _lists(device):
         "not a tensor": [t(3), 1.5],
         "a negative view": [t(3), torch._neg_view(t(2))],
         "a zero tensor": [t(3), torch._efficientzerotensor(2, device=device)],
+        "an inference tensor": [t(3), served],
     }
 
 
@@ -46,6 +49,11 @@ def test_the_cpp_pass_reads_what_the_python_passes_read(device):
     for name, tensors in _lists(device).items():
         python = native.python_list_facts(tensors, PLAIN_TYPES)
         assert native.ListFacts(*cpp(tensors, PLAIN_TYPES)) == python, name
+    # Made under torch.inference_mode: a plain list, which the steps may not write.
+    for name, tensors in _lists(device).items():
+        facts = native.ListFacts(*cpp(tensors, PLAIN_TYPES))
+        assert facts.inference == (name == "an inference tensor"), name
+    assert native.ListFacts(*cpp(_lists(device)["an inference tensor"], PLAIN_TYPES)).plain
     # The plain types are the caller's: Parameter alone makes plain tensors not so.
     tensors = _lists(device)["parameters"]
     assert not native.ListFacts(*cpp(tensors, (torch.nn.Parameter,))).plain

@@ -323,6 +323,35 @@ def test_gradients_whose_values_are_not_their_memorys_unscale_as_torchs_op(devic
     assert found.item() == (1.0 if kind == "negative view" else 0.0)
 
 
+def test_an_inference_destination_is_written_only_within_inference_mode(device):
+    # An inference tensor (made under torch.inference_mode) keeps no version counter;
+    # torch's in-place ops raise for one outside that mode, and so did the reference's
+    # copy_ into dst, where the kernels wrote it: now both raise first. In place, torch's
+    # op writes an inference gradient anywhere, and so does unscale_.
+    src = [torch.tensor([3.0, -1.0, 6e4], device=device), torch.randn(7, device=device)]
+    with torch.inference_mode():
+        dst = [torch.full_like(t, float("nan")) for t in src]
+        grads = [t.clone() for t in src]
+    inv = torch.full((), 0.5, device=device)
+    found = torch.zeros((), device=device)
+    with pytest.raises(RuntimeError, match="unscale_: dst holds an inference tensor"):
+        unscale_(src, found, inv, dst=[torch.empty_like(src[0]), dst[1]])
+    unscale_(src, found, None, dst=dst)  # (a check writes no dst)
+    assert all(t.isnan().all() for t in dst)
+    with torch.inference_mode():
+        unscale_(src, found, inv, dst=dst)
+    expected = [t * 0.5 for t in src]
+    for out, e in zip(dst, expected, strict=True):
+        assert_same_bits(out, e, "dst")
+    with torch.inference_mode():
+        theirs = [t.clone() for t in grads]
+    unscale_(grads, found, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, torch.zeros_like(found), inv)
+    for ours, e in zip(grads, theirs, strict=True):
+        assert_same_bits(ours, e, "in place")
+    assert found.item() == 0.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_destination_that_is_a_negative_view_gets_the_values(device, dtype):
     # Its memory holds their negation. torch 2.13's copy_ between FP32 and FP16 into a
