@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard, cast
 import torch
 
 from mpgemm import ops, scaling_ref
-from mpgemm.functional import PLAIN_TYPES, backend, is_plain
+from mpgemm.functional import PLAIN_TYPES, backend, is_plain, read_otherwise
 from mpgemm.graphs import capturing
 from mpgemm.native import ListFacts, bump_versions, list_facts, reading_once
 
@@ -364,7 +364,10 @@ def unscale_(
 
     Raises TypeError for a non-tensor or a flag or scale that is not FP32, ValueError
     for a flag or scale of more than one element or on another device, or a ``dst``
-    that does not match ``src``."""
+    that does not match ``src``, RuntimeError for a ``found_inf`` that is a negative
+    view or a zero tensor (``_check_written_scalar``) or, outside
+    ``torch.inference_mode``, a ``dst`` holding an inference tensor. An ``inv_scale``
+    whose values are not its memory's is read as its value (``_as_memory``)."""
     if torch.compiler.is_compiling():
         src_types = _check_lists("unscale_", src, dst)
         _check_scalars(src, found_inf, inv_scale)
@@ -375,6 +378,8 @@ def unscale_(
     with reading_once():  # the checks, the split by dtype and the launch table
         src_types = _check_lists("unscale_", src, dst)
         _check_scalars(src, found_inf, inv_scale)
+        _check_written_scalar("unscale_", "found_inf", found_inf, inference_refused=False)
+        inv_scale = None if inv_scale is None else _as_memory(inv_scale)
         # (In place, as torch's op writes an inference tensor anywhere.)
         _check_writable("unscale_", dst=None if inv_scale is None else dst)
         lists = [src, src if dst is None else dst]
@@ -522,6 +527,36 @@ def _check_scalar(op: str, name: str, t, device: torch.device | None) -> None:
         raise ValueError(f"mpgemm.scaling.{op}: {name} is on {t.device}, the tensors on {device}")
 
 
+def _as_memory(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or, where its values are not its memory's (``read_otherwise``: a negative
+    view, whose memory holds their negation, or a zero tensor, which has none), a copy
+    that holds them, for a kernel that reads a one-element tensor's memory (it read a
+    negative-view ``inv_scale`` or ``lr`` with the wrong sign, and a zero tensor's
+    address 0)."""
+    return t.to(copy=True) if read_otherwise(t) else t
+
+
+def _check_written_scalar(op: str, name: str, t: torch.Tensor, *, inference_refused: bool) -> None:
+    """RuntimeError where the one-element tensor ``t`` (``name``), which the op writes,
+    has values that are not its memory's (``read_otherwise``: the kernels would write
+    a negative view's memory with their value, and a zero tensor has none: torch's
+    unscale raises for both) or, with ``inference_refused``, where it is an inference
+    tensor and the op runs outside ``torch.inference_mode`` (as torch's op, which
+    writes it with its in-place ops, raises)."""
+    if read_otherwise(t):
+        raise RuntimeError(
+            f"mpgemm.scaling.{op}: {name} is a negative view or a zero tensor, whose values "
+            "are not its memory's, and the op writes it: give a tensor of its own "
+            f"({name}.resolve_neg(), or torch.zeros for a zero tensor)"
+        )
+    if inference_refused and t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"mpgemm.scaling.{op}: {name} is an inference tensor (made under "
+            "torch.inference_mode), which an in-place update outside InferenceMode may "
+            "not write, as torch's op refuses to; clone it first"
+        )
+
+
 def _reduce_over_shards(
     src: Sequence[torch.Tensor], src_types: Collection[type], found_inf: torch.Tensor
 ) -> None:
@@ -560,7 +595,10 @@ def update_scale_(
     ``growth_interval`` clean steps (``torch._amp_update_scale_``), count a skipped
     step in ``skipped_steps`` (a one-element int64 tensor) if given, and with
     ``clear_found_inf`` zero ``found_inf`` once read (so that it can serve as the next
-    iteration's flag): on the device, in one launch."""
+    iteration's flag): on the device, in one launch. RuntimeError for a tensor it
+    writes that is a negative view or a zero tensor, or, outside
+    ``torch.inference_mode``, an inference tensor (``_check_written_scalar``); a
+    ``found_inf`` it only reads is read as its value."""
     named = [("scale", scale), ("growth_tracker", growth_tracker), ("found_inf", found_inf)]
     if skipped_steps is not None:
         named.append(("skipped_steps", skipped_steps))
@@ -579,6 +617,14 @@ def update_scale_(
             f"on {scale.device}, got {skipped_steps.dtype} of shape "
             f"{tuple(skipped_steps.shape)} on {skipped_steps.device}"
         )
+    if not torch.compiler.is_compiling():  # (dynamo cannot trace is_neg)
+        written = {"scale": scale, "growth_tracker": growth_tracker, "skipped_steps": skipped_steps}
+        if clear_found_inf:
+            written["found_inf"] = found_inf
+        for name, tensor in written.items():
+            if tensor is not None:
+                _check_written_scalar("update_scale_", name, tensor, inference_refused=True)
+        found_inf = _as_memory(found_inf)
     impl: Callable
     if torch.compiler.is_compiling():
         impl = ops.update_scale_
@@ -656,8 +702,10 @@ def _hyperparameters_on(
     """``hyper`` and ``groups`` with each tensor hyperparameter where the step reads it:
     one of ``_TENSOR_HYPERPARAMETERS`` on the parameters' device as it is, on the CPU for
     another device as its value (as torch's fused optimizers take it: reading it waits
-    for no GPU), on another device copied there; one of ``_HOST_HYPERPARAMETERS`` as its
-    value (``host_number``); in ``groups``' rows, any tensor as its value. ValueError: a
+    for no GPU), on another device copied there, and so is one whose values are not its
+    memory's (``_as_memory``), as are a scaler's ``grad_scale`` and ``found_inf``; one of
+    ``_HOST_HYPERPARAMETERS`` as its value (``host_number``); in ``groups``' rows, any
+    tensor as its value. ValueError: a
     tensor with other than one element, or rows giving their own value of a
     hyperparameter that ``hyper`` gives as a tensor (which the kernels read for every
     row)."""
@@ -667,9 +715,12 @@ def _hyperparameters_on(
         if not isinstance(value, torch.Tensor):
             continue
         _one_element(name, value)
-        if value.device != device:
-            value = value.item() if value.device.type == "cpu" else value.to(device)
-            hyper = {**hyper, name: value}
+        if value.device != device and value.device.type == "cpu":
+            hyper = {**hyper, name: value.item()}
+        elif value.device != device or read_otherwise(value):  # (a copy holds its values)
+            hyper = {**hyper, name: value.to(device, copy=True)}
+    for name in ("grad_scale", "found_inf"):  # (a scaler's, read by the kernels)
+        hyper = {**hyper, name: _as_memory(hyper[name])} if hyper.get(name) is not None else hyper
 
     def numbers(row: dict, names: Iterable[str]) -> dict:
         tensors = [n for n in names if isinstance(row.get(n), torch.Tensor)]

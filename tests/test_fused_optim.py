@@ -1070,6 +1070,56 @@ def test_tensors_whose_values_are_not_their_memorys_step_as_torch_steps_them(dev
         torch.testing.assert_close(ours, theirs, msg=kind)
 
 
+def _odd(value, device):
+    """A one-element tensor of ``value`` whose memory is not its value: a negative view
+    (memory -value) or, for 0, a zero tensor (no memory)."""
+    if value == 0:
+        return torch._efficientzerotensor((), device=device)
+    return torch._neg_view(torch.tensor(-value, device=device))
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_tensor_hyperparameters_whose_values_are_not_their_memorys_step_as_torchs(device, name):
+    # The kernels read a tensor lr's and betas' memory: a negative-view lr stepped 0.4
+    # off torch's after two Adam steps at 0.1, negative-view betas gave NaN, and a zero
+    # tensor read address 0. A copy holds the value. Against torch's for-loop step.
+    torch.manual_seed(0)
+    value, grad = torch.randn(64, device=device), torch.randn(64, device=device)
+    cases = [dict(lr=_odd(0.1, device)), dict(lr=_odd(0, device))]
+    if name == "sgd":
+        cases = [{**case, "momentum": 0.9} for case in cases]
+    else:
+        cases.append(dict(lr=torch.tensor(0.1), betas=(_odd(0.9, device), _odd(0.999, device))))
+        cases.append(dict(lr=torch.tensor(0.1), betas=(_odd(0, device), torch.tensor(0.999))))
+    for case in cases:
+        runs = []
+        for cls in (CLASSES[name], TORCH_CLASSES[name]):
+            param = torch.nn.Parameter(value.clone())
+            optimizer = cls([param], **case, foreach=False)
+            for _ in range(2):
+                param.grad = grad.clone()
+                optimizer.step()
+            runs.append(param.detach())
+        torch.testing.assert_close(*runs, msg=str(case))
+
+
+def test_a_scalers_tensors_whose_values_are_not_their_memorys_are_read_as_their_values(device):
+    # The step reads grad_scale and found_inf from memory too: a negative-view scale
+    # stepped against the gradient.
+    lists = [_tensors(torch.float32, device), _tensors(torch.float16, device, scale=8.0)]
+    lists += [_tensors(torch.float32, device, scale=0.1, positive=True) for _ in range(2)]
+    steps = [torch.tensor(3.0, device=device) for _ in SHAPES]
+    runs = []
+    for scale, found in [(_odd(8.0, device), _odd(0, device)), (torch.tensor(8.0), None)]:
+        out, counts = _clones(lists), _clones([steps])[0]
+        hyper = _adam_hyper(False, scale.to(device), found)
+        scaling.adam_step_(*out, counts, **{**hyper, "lr": 0.1})
+        runs.append(out)
+    for ours, theirs in zip(*runs, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert_same_bits(a, b, "negative-view scale, zero-tensor flag")
+
+
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_an_inference_parameter_is_stepped_only_within_inference_mode(device, name):
     # An inference tensor (made under torch.inference_mode, as a model built or loaded

@@ -182,6 +182,101 @@ def test_scale_update_zeroes_the_flag_it_read_when_asked(device, impl):
             assert_same_bits(ours, theirs, f"{name} after a flag of {found_inf}")
 
 
+def _odd_scalar(kind, value, device, dtype=torch.float32):
+    """A one-element tensor of ``value`` whose memory is not its value: a negative view
+    (its memory holds -value) or, for 0, a zero tensor (no memory)."""
+    if kind == "zero tensor":
+        assert value == 0
+        return torch._efficientzerotensor((), device=device, dtype=dtype)
+    return torch._neg_view(torch.tensor(-value, device=device, dtype=dtype))
+
+
+@pytest.mark.parametrize("kind", ["negative view", "zero tensor"])
+def test_a_scale_whose_value_is_not_its_memory_is_read_as_its_value(device, kind):
+    # The kernels read inv_scale's memory: a negative view unscaled with the wrong sign,
+    # a zero tensor read address 0. A copy holds the value, as torch's op reads it.
+    value = 0.5 if kind == "negative view" else 0.0
+    src = [torch.tensor([3.0, -1.0, 6e4], device=device), torch.randn(7, device=device)]
+    for dst in (None, [torch.full_like(t, float("nan")) for t in src]):
+        ours, theirs = [t.clone() for t in src], [t.clone() for t in src]
+        found, their_found = torch.zeros((), device=device), torch.zeros((), device=device)
+        inv = _odd_scalar(kind, value, device)
+        unscale_(ours, found, inv, dst=dst)
+        torch._amp_foreach_non_finite_check_and_unscale_(theirs, their_found, inv)
+        assert inv.is_neg() == (kind == "negative view")  # (left as it was)
+        for out, e in zip(ours if dst is None else dst, theirs, strict=True):
+            assert_same_bits(out, e, f"{kind}, dst given: {dst is not None}")
+        assert found.item() == their_found.item() == 0.0
+
+
+@pytest.mark.parametrize("kind", ["negative view", "zero tensor"])
+def test_a_flag_or_scale_the_op_writes_must_be_its_own_memory(device, kind):
+    # A flag or scale the op writes that is a negative view (the kernels would write its
+    # memory with the value meant for it) or a zero tensor (no memory: torch's ops raise
+    # ZeroTensors are immutable) is refused by name, before anything is written; torch's
+    # unscale refuses both too. A flag that update_scale_ only reads is read as its value.
+    grads = [torch.tensor([1.0, 2.0], device=device)]
+    flag = _odd_scalar(kind, 0.0, device)
+    with pytest.raises(RuntimeError, match="unscale_: found_inf is a negative view or a zero"):
+        unscale_(grads, flag, torch.full((), 0.5, device=device))
+    with pytest.raises(RuntimeError):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones((), device=device))
+    assert grads[0].tolist() == [1.0, 2.0]
+
+    def state():
+        return [
+            torch.tensor(1024.0, device=device),
+            torch.tensor(1, dtype=torch.int32, device=device),
+            torch.tensor(7, dtype=torch.int64, device=device),
+        ]
+
+    for name in ("scale", "growth_tracker", "skipped_steps", "found_inf"):
+        scale, tracker, skipped = state()
+        given = dict(scale=scale, growth_tracker=tracker, skipped_steps=skipped)
+        if name != "found_inf":
+            given[name] = _odd_scalar(kind, 0.0, device, given[name].dtype)
+        flag = _odd_scalar(kind, 0.0, device) if name == "found_inf" else torch.zeros(())
+        with pytest.raises(RuntimeError, match=f"update_scale_: {name} is a negative view"):
+            update_scale_(
+                found_inf=flag.to(device),
+                **given,
+                growth_factor=2.0,
+                backoff_factor=0.5,
+                growth_interval=2,
+                clear_found_inf=True,
+            )
+        fresh = dict(zip(("scale", "growth_tracker", "skipped_steps"), state(), strict=True))
+        for key, t in given.items():  # nothing written
+            assert key == name or t.item() == fresh[key].item(), (name, key)
+    # Read only (not cleared), a flag of 1 as a negative view backs the scale off.
+    ours, theirs = state(), state()
+    flag = _odd_scalar("negative view", 1.0, device) if kind == "negative view" else None
+    flag = _odd_scalar(kind, 0.0, device) if flag is None else flag
+    update_scale_(*ours[:2], flag, 2.0, 0.5, 1, skipped_steps=ours[2])
+    scaling_ref.update_scale_ref_(
+        *theirs[:2], flag.to(copy=True), 2.0, 0.5, 1, skipped_steps=theirs[2]
+    )
+    for a, b, name in zip(ours, theirs, ("scale", "tracker", "skipped"), strict=True):
+        assert_same_bits(a, b, f"{name} after a {kind} flag")
+
+
+def test_an_inference_scale_is_updated_only_within_inference_mode(device):
+    # torch's update raises for an inference scale outside torch.inference_mode; the
+    # kernel wrote it. The unscale's flag may be one, as torch's op writes it anywhere.
+    with torch.inference_mode():
+        scale = torch.tensor(1024.0, device=device)
+        flag = torch.zeros((), device=device)
+    tracker = torch.tensor(1, dtype=torch.int32, device=device)
+    for impl in (update_scale_, torch._amp_update_scale_):
+        with pytest.raises(RuntimeError, match="inference tensor"):
+            impl(scale, tracker, torch.zeros((), device=device), 2.0, 0.5, 2)
+    with torch.inference_mode():
+        update_scale_(scale, tracker, torch.zeros((), device=device), 2.0, 0.5, 2)
+    assert scale.item() == 2048.0
+    unscale_([torch.tensor([float("inf")], device=device)], flag, torch.ones((), device=device))
+    assert flag.item() == 1.0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_views_off_a_16_byte_boundary(device, dtype):
     # A view one element into its storage: the kernel must not assume aligned, vector-
