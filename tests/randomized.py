@@ -367,6 +367,13 @@ def optim_case(seed: int) -> None:
         _optim_case(seed)
 
 
+def _scalar(value: float, *, dtype: torch.dtype, negative: bool) -> torch.Tensor:
+    """A one-element tensor of ``value``; with ``negative``, a negative view (its memory
+    holding -value)."""
+    t = torch.tensor(value, dtype=dtype, device=_device)
+    return torch._neg_view(t.neg()) if negative else t
+
+
 def _optim_case(seed: int) -> None:
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
@@ -395,12 +402,13 @@ def _optim_case(seed: int) -> None:
             hyper["amsgrad"] = True
         if random.random() < 0.3:
             hyper["eps"] = random.choice([1e-6, 1e-3])
-    # torch's optimizers take each hyperparameter as a one-element tensor too.
+    # torch's optimizers take each hyperparameter as a one-element tensor too; some as a
+    # negative view, whose memory holds the value negated (the kernels read a tensor
+    # lr's and betas' memory: such an lr stepped the wrong way until 2026-11-28).
     for key in [k for k in hyper if k not in ("maximize", "nesterov", "amsgrad")]:
         if random.random() < 0.25:
-            as_tensor = functools.partial(
-                torch.tensor, dtype=random.choice([torch.float32, torch.float64]), device=_device
-            )
+            dtype_of = random.choice([torch.float32, torch.float64])
+            as_tensor = functools.partial(_scalar, dtype=dtype_of, negative=random.random() < 0.3)
             value = hyper[key]
             hyper[key] = tuple(map(as_tensor, value)) if key == "betas" else as_tensor(value)
     groups = len(params) > 1 and random.random() < 0.3
