@@ -34,16 +34,17 @@ PyObject** fast_items(py::handle sequence, const char* message, py::object& owne
 }
 
 // (plain, dtypes, devices, contiguous, shapes, numels, addresses, inference) of a list
-// or tuple of tensors. plain: every item's type is one of plain_types (a tuple of types) and its
-// values are its memory's (not a negative view, whose values are its memory's negated,
-// nor a zero tensor, which has no memory: a kernel would read the wrong sign, or
-// nothing); when not, only plain (False) is meaningful and the rest is left empty,
-// since a subclass's metadata may call back into Python or have no storage. dtypes:
-// the set of the tensors' torch.dtype objects; devices: the set of their device
-// indices (-1 for the CPU, as Tensor.get_device); contiguous: all are contiguous;
-// shapes: each tensor's ndim then its sizes, as int64s; numels and addresses
-// (data_ptr): an int64 per tensor, native byte order; inference: any is an inference
-// tensor (made under torch.inference_mode, which torch's in-place ops write only there).
+// or tuple of tensors. plain: every item's type is one of plain_types (a tuple of
+// types) and its values are its memory's (not a negative view, whose values are its
+// memory's negated, nor a zero tensor, which has no memory: a kernel would read the
+// wrong sign, or nothing); when not, only plain (False) is meaningful and the rest is
+// left empty, since a subclass's metadata may call back into Python or have no
+// storage. dtypes: the set of the tensors' torch.dtype objects; devices: the set of
+// their device indices (-1 for the CPU, as Tensor.get_device); contiguous: all are
+// contiguous; shapes: each tensor's ndim then its sizes, as int64s; numels and
+// addresses (data_ptr): an int64 per tensor, native byte order; inference: any is an
+// inference tensor (made under torch.inference_mode, which torch's in-place ops write
+// only there).
 py::tuple list_facts(py::handle sequence, py::handle plain_types) {
   py::object owner;
   Py_ssize_t count = 0;

@@ -720,7 +720,9 @@ def _hyperparameters_on(
         elif value.device != device or read_otherwise(value):  # (a copy holds its values)
             hyper = {**hyper, name: value.to(device, copy=True)}
     for name in ("grad_scale", "found_inf"):  # (a scaler's, read by the kernels)
-        hyper = {**hyper, name: _as_memory(hyper[name])} if hyper.get(name) is not None else hyper
+        value = hyper.get(name)
+        if value is not None and read_otherwise(value):
+            hyper = {**hyper, name: _as_memory(value)}
 
     def numbers(row: dict, names: Iterable[str]) -> dict:
         tensors = [n for n in names if isinstance(row.get(n), torch.Tensor)]
