@@ -101,10 +101,12 @@ def _dispatch(
     strided: int,
     copies: int | None = None,
     groups: ParamGroups | None = None,
+    written: dict[str, int] | None = None,
 ) -> None:
     """Call ``call(impl, sublists, subgroups)`` once per dtype group of the parallel
     ``lists``, with ``groups`` (an optimizer's hyperparameters per run of parameters)
-    split as the lists are (None stays None).
+    split as the lists are (None stays None). ``written``: the lists the op writes in
+    place, by name (their index), which ``_check_writable`` asks first.
 
     The first ``strided`` lists are addressed elementwise; a position whose tensors are
     not all flat with equal strides, or of a dtype the kernels do not take, goes to the
@@ -117,7 +119,8 @@ def _dispatch(
     checked one by one only otherwise (that loop made an unscale of 200 gradients cost
     0.86 ms of host time on the H100, for a 0.28 ms kernel: the README's Status).
 
-    Raises ValueError for lists of different lengths."""
+    Raises ValueError for lists of different lengths; RuntimeError from
+    ``_check_writable``."""
     if len({len(lst) for lst in lists}) > 1:
         raise ValueError(
             "mpgemm.scaling: the parallel lists of tensors must have one length, got "
@@ -139,6 +142,8 @@ def _dispatch(
                 known = list_facts(lst, PLAIN_TYPES)
             local[given], facts[id(lst)] = lst, known
         lists = [local[id(lst)] for lst in lists]
+        if written:  # (of the local lists: a DTensor's shard is what the kernels write)
+            _check_writable(f"{name}_", facts, {label: lists[i] for label, i in written.items()})
         device = lists[0][0].device
         use_kernels = backend(device) == "triton"
         dtypes = _dtype_sets(lists, copies, facts)
@@ -380,8 +385,6 @@ def unscale_(
         _check_scalars(src, found_inf, inv_scale)
         _check_written_scalar("unscale_", "found_inf", found_inf, inference_refused=False)
         inv_scale = None if inv_scale is None else _as_memory(inv_scale)
-        # (In place, as torch's op writes an inference tensor anywhere.)
-        _check_writable("unscale_", dst=None if inv_scale is None else dst)
         lists = [src, src if dst is None else dst]
         _dispatch(
             "unscale",
@@ -390,29 +393,32 @@ def unscale_(
                 ls[0], found_inf, inv_scale, dst=None if dst is None else ls[1]
             ),
             strided=2,
+            # (In place, as torch's op writes an inference tensor anywhere.)
+            written=None if dst is None or inv_scale is None else {"dst": 1},
         )
     _bumped((found_inf,), None if inv_scale is None else src if dst is None else dst)
     _reduce_over_shards(src, src_types, found_inf)
 
 
-def _check_writable(op: str, **written: Sequence[torch.Tensor] | None) -> None:
-    """RuntimeError where one of the lists ``written`` (by name; None: not given), which
-    the op writes in place, holds an inference tensor (made under
-    ``torch.inference_mode``) and the op runs outside that mode: torch's in-place ops
-    refuse to write one there (it keeps no version counter for autograd to check), and
-    so do the references, which write with them; the kernels, writing memory, would
-    not. Asked eagerly (traced, torch's ops are traced) before anything is written;
-    plain lists are answered from their facts, which the op reads anyway (some 2 us a
-    step of seven lists here)."""
+def _check_writable(
+    op: str, facts: dict[int, ListFacts], written: dict[str, Sequence[torch.Tensor]]
+) -> None:
+    """RuntimeError where one of the lists ``written`` (by name), which the op writes in
+    place, holds an inference tensor (made under ``torch.inference_mode``) and the op
+    runs outside that mode: torch's in-place ops refuse to write one there (it keeps no
+    version counter for autograd to check), and so do the references, which write with
+    them; the kernels, writing memory, would not. Asked by ``_dispatch`` before
+    anything is written, of the lists it has read the ``facts`` of (by id; a DTensor's
+    local shards, so that FSDP2's lists are not asked tensor by tensor): some 2 us a
+    step of seven lists here; a list that is not plain (a negative view among plain
+    tensors) is asked tensor by tensor."""
     if torch.is_inference_mode_enabled():
         return
     for name, items in written.items():
-        if not items:
+        known = facts[id(items)]
+        if known.plain and not known.inference:
             continue
-        facts = list_facts(items, PLAIN_TYPES)
-        if facts.plain and not facts.inference:
-            continue
-        if any(isinstance(t, torch.Tensor) and t.is_inference() for t in items):
+        if any(t.is_inference() for t in items):
             raise RuntimeError(
                 f"mpgemm.scaling.{op}: {name} holds an inference tensor (made under "
                 "torch.inference_mode), which an in-place update outside InferenceMode "
@@ -796,9 +802,11 @@ def sgd_step_(
         if steps is not None:
             _check_counts("sgd_step_", steps)
         unscaled = grads if hyper.get("grad_scale") is not None else None
-        # (The gradients are written where the step unscales them.)
-        written = {"params": params, "steps": steps, **lists, "grads": unscaled}
-        _check_writable("sgd_step_", **written)
+        # The lists the step writes, by index (the gradients where it unscales them).
+        written = {"params": 0, "compute_copies": 2}
+        written |= {"momentum_buffers": 3} if buffers else {}
+        written |= {"steps": 3 + len(buffers)} if counts else {}
+        written |= {"grads": 1} if unscaled is not None else {}
         _dispatch(
             "sgd_step",
             [params, grads, copies, *buffers, *counts],
@@ -814,6 +822,7 @@ def sgd_step_(
             strided=3 + len(buffers),
             copies=2,
             groups=groups,
+            written=written,
         )
     # (A parameter listed as its own copy is bumped twice, which is as good as once.)
     _bumped(params, unscaled, compute_copies, momentum_buffers, steps)
@@ -877,8 +886,10 @@ def adam_step_(
         _check_shapes("adam_step_", "params", params, **lists)
         _check_counts("adam_step_", steps)
         unscaled = grads if hyper.get("grad_scale") is not None else None
-        written = {"params": params, "steps": steps, **lists, "grads": unscaled}
-        _check_writable("adam_step_", **written)
+        written = {"params": 0, "exp_avgs": 2, "exp_avg_sqs": 3}
+        written |= {"max_exp_avg_sqs": 4} if maxima else {}
+        written |= {"compute_copies": 4 + len(maxima), "steps": 5 + len(maxima)}
+        written |= {"grads": 1} if unscaled is not None else {}
         _dispatch(
             "adam_step",
             [params, grads, exp_avgs, exp_avg_sqs, *maxima, copies, steps],
@@ -893,5 +904,6 @@ def adam_step_(
             strided=5 + len(maxima),
             copies=4 + len(maxima),
             groups=groups,
+            written=written,
         )
     _bumped(params, unscaled, compute_copies, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
