@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mpgemm import graphs
+from mpgemm.functional import read_otherwise
 from mpgemm.grad_scaler import GradScaler, OptState
 
 __all__ = ["LossScaleOptimizer"]
@@ -35,6 +36,30 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # (see there); off, on autograd's worker thread per device as torch does by default
 # (for A/Bs: bench/profile_gpu.py's phases).
 _CALLING_THREAD = True
+
+
+def _check_writable_back(param: torch.Tensor, index: int) -> None:
+    """RuntimeError for a 16-bit parameter into which its master could never be written
+    back: a negative view or a zero tensor (torch's ``_foreach_copy_`` refuses both), or
+    an inference tensor outside ``torch.inference_mode`` (torch refuses to write one
+    there). Asked when the master is made: at the step, the write-back comes after the
+    master has stepped and the scale has been updated, which an error would leave
+    half done."""
+    if read_otherwise(param):
+        what = "a zero tensor" if param._is_zerotensor() else "a negative view"
+        raise RuntimeError(
+            f"LossScaleOptimizer: 16-bit parameter {index} of its param group is {what}, "
+            "whose values are not its memory's, and its FP32 master could not be written "
+            "back into it; give the model a parameter of its own memory "
+            "(nn.Parameter(p.resolve_neg()))"
+        )
+    if param.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"LossScaleOptimizer: 16-bit parameter {index} of its param group is an "
+            "inference tensor (made under torch.inference_mode), which its FP32 master "
+            "could not be written back into outside that mode; clone the model's "
+            "parameters first"
+        )
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -132,7 +157,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
-        self._install_masters(self.optimizer.param_groups[-1])
+        try:
+            self._install_masters(self.optimizer.param_groups[-1])
+        except RuntimeError:  # (a parameter refused: the group is not added)
+            self.optimizer.param_groups.pop()
+            raise
 
     def __repr__(self) -> str:
         return f"LossScaleOptimizer({self.optimizer!r})"
@@ -145,6 +174,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self.__dict__.copy()
 
     def _install_masters(self, group: dict[str, Any]) -> None:
+        # Every parameter asked before any is replaced: a refusal leaves the group whole.
+        for index, param in enumerate(group["params"]):
+            if param.dtype in _LOW_PRECISION:
+                _check_writable_back(param, index)
         for index, param in enumerate(group["params"]):
             if param.dtype not in _LOW_PRECISION:
                 continue

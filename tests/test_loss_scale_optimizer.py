@@ -495,6 +495,36 @@ def test_add_param_group_gives_new_16_bit_params_masters(device):
         assert_same_bits(p.detach(), m.detach().bfloat16(), "param = round(master)")
 
 
+def test_a_16_bit_parameter_a_master_could_not_be_written_into_is_refused_up_front(device):
+    # A negative view (torch's _foreach_copy_ refuses one) or, outside inference mode,
+    # an inference tensor (a model made under torch.inference_mode): the step wrote
+    # its master back last, so it raised after the master had stepped and the scale had
+    # been updated, half done. Now the wrapper refuses it, and add_param_group adds
+    # nothing; made and stepped within inference mode, it trains.
+    weight = torch.randn(4, 8, device=device).half()
+    with torch.inference_mode():
+        served = weight.clone()
+    bias = torch.nn.Parameter(torch.zeros(4, device=device).half())
+    for odd, what in (
+        (torch._neg_view(weight.neg()), "a negative view"),
+        (served, "an inference tensor"),
+    ):
+        optimizer = torch.optim.SGD([bias, odd], lr=0.1)
+        with pytest.raises(RuntimeError, match=f"16-bit parameter 1 of its param group is {what}"):
+            mpgemm.LossScaleOptimizer(optimizer)
+        assert optimizer.param_groups[0]["params"][0] is bias  # (no master put in its place)
+        wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD([torch.nn.Parameter(weight)], lr=0.1))
+        with pytest.raises(RuntimeError, match=what):
+            wrapped.add_param_group({"params": [bias, odd]})
+        assert len(wrapped.param_groups) == 1 and len(list(wrapped.master_params())) == 1
+    with torch.inference_mode():
+        wrapped = mpgemm.LossScaleOptimizer(torch.optim.SGD([served], lr=0.5), init_scale=4.0)
+        served.grad = torch.ones_like(served) * wrapped.scaler.get_scale()
+        wrapped.scaler.scale(torch.ones((), device=device))
+        wrapped.step()
+    assert_same_bits(served, (weight.float() - 0.5).half(), "stepped within inference mode")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
 @pytest.mark.parametrize("recipe", ["loss_scale_optimizer", "grad_scaler"])
 def test_a_step_never_waits_for_the_gpu(recipe):
