@@ -1128,7 +1128,9 @@ def _sum_batched(
         return (c if splits == 1 else c.sum(dim=0).to(out_dtype)).view(shape)
     products = torch.empty((*a.shape[:-1], N), device=a.device, dtype=torch.float32)
     _launch_batched(a, b, products, compute_dtype)
-    return products.sum(dim=tuple(range(kept_dims, a.dim() - 2))).to(out_dtype)
+    # (No dimension to sum: torch's sum over dim=() would reduce every one.)
+    summed_dims = tuple(range(kept_dims, a.dim() - 2))
+    return (products.sum(dim=summed_dims) if summed_dims else products).to(out_dtype)
 
 
 def sum_splits(M: int, N: int, count: int, sms: int) -> int:

@@ -672,6 +672,9 @@ def _batched_product(
     # like's batch sizes, aligned with the batch's (its missing leading ones are 1).
     sizes = (1,) * (len(batch) + 2 - like.dim()) + tuple(like.shape[:-2])
     summed = [i for i, (n, m) in enumerate(zip(sizes, batch, strict=True)) if n == 1 != m]
+    if not summed:  # (like lacks only leading dimensions of size 1: nothing to sum)
+        product, _, _ = gemm(a, b, compute_dtype=compute_dtype, out_dtype=out_dtype)
+        return product.view(like.shape)
     order = [i for i in range(len(batch)) if i not in summed] + summed
     a, b = (t.permute(*order, len(batch), len(batch) + 1) for t in (a, b))
     product, _, _ = gemm(

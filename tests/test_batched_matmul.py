@@ -23,6 +23,10 @@ BATCHES = [
     ((2, 3, 17, 33), (3, 33, 9)),  # b broadcast over a's first dimension
     ((2, 1, 17, 33), (3, 33, 9)),  # both broadcast
     ((2, 3, 1, 17, 33), (4, 33, 9)),  # three batch dimensions
+    # a's batch is the result's but for a leading 1, so its gradient sums over nothing,
+    # kept over dimensions that do not merge (b's stride 0): the sum over no dimension
+    # was taken over all of them (torch's sum(dim=()) reduces everything)
+    ((3, 3, 17, 33), (1, 3, 1, 33, 9)),
 ]
 
 
@@ -375,6 +379,20 @@ def test_a_gradient_summed_over_some_batch_dimensions_keeps_the_others(dtype, de
     a.requires_grad_()
     mpgemm.matmul(a, b.detach()).backward(grad_out)
     assert_gradients_within_torch_error(a, b, grad_out, torch.float16, f"{dtype} kept")
+
+
+def test_a_sum_that_keeps_every_batch_dimension_is_the_batch_of_products(device):
+    """``triton_gemm(..., sum_batch=True)`` keeping every batch dimension, over ones that
+    do not merge (b's stride 0): the batch of products, unsummed. It summed over every
+    dimension (torch's sum over dim=()), a (1, M, N) result for (3, 2, M, N); matmul's
+    backward no longer asks it for such a sum, ``ops.gemm``'s callers may."""
+    a = torch.randn(3, 2, 17, 33, device=device, dtype=torch.float16)
+    b = torch.randn(3, 1, 33, 9, device=device, dtype=torch.float16).expand(3, 2, 33, 9)
+    summed, _, _ = gemm.triton_gemm(
+        a, b, compute_dtype=torch.float16, out_dtype=torch.float32, sum_batch=True, kept_dims=2
+    )
+    assert summed.shape == (3, 2, 17, 9)
+    assert_product_within_torch_error(summed, a.float(), b.float(), "every dimension kept")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
