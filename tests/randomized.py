@@ -918,7 +918,9 @@ CASES: dict[str, Callable[[int], None]] = {
 
 def search(op: str, seeds: range, device: torch.device | str = "cpu") -> list[str]:
     """The failures of ``op``'s cases over ``seeds`` with tensors on ``device``, one line
-    each."""
+    each: an assertion's, or any other exception's (named), which mpgemm raised where
+    torch computed (seed 400173 of ``matmul`` raised from a backward, and ended the
+    search)."""
     global _device
     _device = torch.device(device)
     failures = []
@@ -927,6 +929,9 @@ def search(op: str, seeds: range, device: torch.device | str = "cpu") -> list[st
             CASES[op](seed)
         except AssertionError as error:
             failures.append(f"{op} seed {seed}: {str(error).splitlines()[0][:600]}")
+        except Exception as error:
+            line = (str(error).splitlines() or [""])[0][:600]
+            failures.append(f"{op} seed {seed}: {type(error).__name__}: {line}")
     return failures
 
 
