@@ -67,6 +67,11 @@ def _randn(*size: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(size, generator=g).to(_device)
 
 
+def _largest(t: torch.Tensor) -> float:
+    """``t``'s largest magnitude (0 for no elements)."""
+    return t.detach().abs().max().item() if t.numel() else 0.0
+
+
 def _cancelling(dtype: torch.dtype, magnitudes: torch.Tensor) -> float:
     """Half a unit of ``dtype`` times the largest sum of the terms' magnitudes."""
     return torch.finfo(dtype).eps / 2 * (magnitudes.abs().max().item() if magnitudes.numel() else 0)
@@ -464,6 +469,9 @@ def _optim_case(seed: int) -> None:
         scalers.append(torch.amp.GradScaler(_device.type, init_scale=256.0, growth_interval=2))
         for scaler in scalers:
             scaler.scale(torch.ones((), device=_device))
+    # Each parameter's largest magnitude along FP64's steps: a 16-bit step rounds the
+    # parameter each time, by up to half a unit of its value then, where FP64 does not.
+    peaks = list(map(_largest, exact))
     for _ in range(steps):
         grads = [_randn(*s, g=g).to(dtype) for s in shapes]
         if scaled and grads[0].numel() and random.random() < 0.3:
@@ -487,6 +495,7 @@ def _optim_case(seed: int) -> None:
             ours_opt.step()
             their_opt.step()
             exact_opt.step()
+        peaks = [max(peak, _largest(p)) for peak, p in zip(peaks, exact, strict=True)]
     for i, (mine, torchs, fp64) in enumerate(zip(ours, theirs, exact, strict=True)):
         assert mine.dtype == torchs.dtype, what
         if scalers or dtype == torch.float32:  # FP32 rounding apart
@@ -499,7 +508,10 @@ def _optim_case(seed: int) -> None:
             finite = torch.isfinite(torchs.detach())
             _same_nonfinite(mine.detach(), torchs.detach(), f"{what}: {i}")
             mine, torchs, fp64 = (t.detach()[finite] for t in (mine, torchs, fp64))
-            atol = _cancelling(dtype, fp64) * 2
+            # One rounding a step (torch's for-loop SGD, which rounds each op, can land
+            # on FP64's value where one rounding does not: seed 400779, a parameter of
+            # one element, 2 units off after three steps, torch's 0, the bar's 1.4).
+            atol = _cancelling(dtype, torch.tensor(peaks[i])) * 2 * steps
             assert_within_torch_error(mine, fp64, torchs.double(), f"{what}: {i}", atol=atol)
     # The state dicts load both ways.
     make(torch.optim)[1].load_state_dict(ours_opt.state_dict())
