@@ -131,7 +131,13 @@ def matmul_case(seed: int) -> None:
     if random.random() < 0.1:
         a_shape = (k,)
     b_batch = tuple(d if random.random() < 0.8 else 1 for d in batch)
+    if batched and random.random() < 0.3:
+        # b's batch shorter than a's, or none (a batch of rows against a matrix or a
+        # vector: one GEMM over a's rows, or a batch of products broadcast over b)
+        b_batch = b_batch[random.randint(1, len(b_batch)) :]
     b_shape = (*b_batch, k, n) if batched else (k,) if random.random() < 0.1 else (k, n)
+    if batched and not b_batch and random.random() < 0.2:
+        b_shape = (k,)
     a = _operand(a_shape, random.choice(DTYPES), g)
     b = _operand(b_shape, random.choice(DTYPES), g)
     compute = random.choice([None, *HALVES])
