@@ -144,6 +144,13 @@ def read_otherwise(t: torch.Tensor) -> bool:
     return t.is_neg() or t._is_zerotensor()
 
 
+def write_refused(t: torch.Tensor) -> bool:
+    """Whether torch's in-place ops refuse to write ``t`` here: an inference tensor
+    (made under ``torch.inference_mode``, with no version counter for autograd to
+    check) outside that mode, which the kernels, writing memory, would write."""
+    return t.is_inference() and not torch.is_inference_mode_enabled()
+
+
 def is_plain(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``torch.Tensor`` or ``nn.Parameter`` and no other subclass,
     nor a wrapped or batched tensor (``_wrapped``: no memory of its own to read), nor
@@ -1179,7 +1186,7 @@ def _matmul_into(
         b.dim() <= 2
         and not torch.compiler.is_compiling()
         and not read_otherwise(out)
-        and not (out.is_inference() and not torch.is_inference_mode_enabled())
+        and not write_refused(out)
         and not _shares_memory(out, a, b)
     ):
         try:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mpgemm import graphs
-from mpgemm.functional import read_otherwise
+from mpgemm.functional import read_otherwise, write_refused
 from mpgemm.grad_scaler import GradScaler, OptState
 
 __all__ = ["LossScaleOptimizer"]
@@ -53,7 +53,7 @@ def _check_writable_back(param: torch.Tensor, index: int) -> None:
             "back into it; give the model a parameter of its own memory "
             "(nn.Parameter(p.resolve_neg()))"
         )
-    if param.is_inference() and not torch.is_inference_mode_enabled():
+    if write_refused(param):
         raise RuntimeError(
             f"LossScaleOptimizer: 16-bit parameter {index} of its param group is an "
             "inference tensor (made under torch.inference_mode), which its FP32 master "

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard, cast
 import torch
 
 from mpgemm import ops, scaling_ref
-from mpgemm.functional import PLAIN_TYPES, backend, is_plain, read_otherwise
+from mpgemm.functional import PLAIN_TYPES, backend, is_plain, read_otherwise, write_refused
 from mpgemm.graphs import capturing
 from mpgemm.native import ListFacts, bump_versions, list_facts, reading_once
 
@@ -411,14 +411,12 @@ def _check_writable(
     anything is written, of the lists it has read the ``facts`` of (by id; a DTensor's
     local shards, so that FSDP2's lists are not asked tensor by tensor): some 2 us a
     step of seven lists here; a list that is not plain (a negative view among plain
-    tensors) is asked tensor by tensor."""
-    if torch.is_inference_mode_enabled():
-        return
+    tensors) is asked tensor by tensor (``functional.write_refused``)."""
     for name, items in written.items():
         known = facts[id(items)]
         if known.plain and not known.inference:
             continue
-        if any(t.is_inference() for t in items):
+        if any(map(write_refused, items)):
             raise RuntimeError(
                 f"mpgemm.scaling.{op}: {name} holds an inference tensor (made under "
                 "torch.inference_mode), which an in-place update outside InferenceMode "
@@ -555,7 +553,7 @@ def _check_written_scalar(op: str, name: str, t: torch.Tensor, *, inference_refu
             "are not its memory's, and the op writes it: give a tensor of its own "
             f"({name}.resolve_neg(), or torch.zeros for a zero tensor)"
         )
-    if inference_refused and t.is_inference() and not torch.is_inference_mode_enabled():
+    if inference_refused and write_refused(t):
         raise RuntimeError(
             f"mpgemm.scaling.{op}: {name} is an inference tensor (made under "
             "torch.inference_mode), which an in-place update outside InferenceMode may "
