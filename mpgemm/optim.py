@@ -263,14 +263,18 @@ class _ScaledStep(torch.optim.Optimizer):
             self.__dict__.update(scaling)
 
 
-def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.Tensor]:
+def _step_counts(
+    states: list[dict], params: list[torch.Tensor], *, zero_refused: bool
+) -> list[torch.Tensor]:
     """Each parameter's ``state["step"]`` (``states`` in the order of ``params``, which
     share a device) as the kernels read it: an FP32 tensor on that device. One loaded
     from a CPU checkpoint, saved by torch's Adam under a float64 default dtype, or held
     as a number, is converted once, in its state, as torch's fused Adam converts it when
-    loading. The usual case, every count so already, is told by one pass in C
-    (``list_facts``), which the step's op then reads again for nothing (within
-    ``reading_once``)."""
+    loading. With ``zero_refused`` (Adam's counts, which torch's Adam advances in
+    place), a zero tensor raises ``RuntimeError`` before anything is written, as torch's
+    step refuses one; SGD's counts are mpgemm's own, and one is copied. The usual case,
+    every count so already, is told by one pass in C (``list_facts``), which the step's
+    op then reads again for nothing (within ``reading_once``)."""
     steps = [state["step"] for state in states]
     compiling = torch.compiler.is_compiling()
     if not compiling:  # (compiled, the checks below are traced once)
@@ -280,6 +284,12 @@ def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.T
             return steps
     for state, p in zip(states, params, strict=True):
         step = state["step"]
+        if zero_refused and isinstance(step, torch.Tensor) and step._is_zerotensor():
+            raise RuntimeError(
+                "mpgemm.optim: a parameter's state['step'] is a zero tensor, which is "
+                "immutable and which the step advances in place, as torch's Adam refuses "
+                "to; give it a tensor of its own (state['step'].clone())"
+            )
         if not isinstance(step, torch.Tensor):
             # A number, as a checkpoint may hold it: torch's Adam makes a tensor of one
             # when loading; its SGD keeps no count, and so keeps one as it is.
@@ -366,7 +376,7 @@ class SGD(_ScaledStep, torch.optim.SGD):
                     )
                 buffers.append(state["momentum_buffer"])
             if damped:
-                steps = _step_counts(states, params)
+                steps = _step_counts(states, params, zero_refused=False)
         sgd_step_(
             params,
             [p.grad for p in params],
@@ -459,7 +469,7 @@ class _FusedAdamStep(_ScaledStep):
             [p.grad for p in params],
             exp_avgs,
             exp_avg_sqs,
-            _step_counts(states, params),
+            _step_counts(states, params, zero_refused=True),
             **_hyperparameters(
                 parts,
                 lr="lr",

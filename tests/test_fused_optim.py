@@ -1209,6 +1209,26 @@ def test_a_step_count_that_is_a_negative_view_counts_on_as_torchs(device, name):
     assert count == their_count == 3.0
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_a_step_count_that_is_a_zero_tensor_is_refused_as_torchs_step_refuses_it(device, name):
+    # A zero tensor has no memory to advance: torch's Adam steps (for-loop, foreach and
+    # fused) raise "ZeroTensors are immutable". Its copy counted on from 0, stepping
+    # with the first step's bias correction. Now the step raises before it writes.
+    torch.manual_seed(0)
+    value = torch.randn(64, device=device)
+    for cls in (CLASSES[name], TORCH_CLASSES[name]):
+        param = torch.nn.Parameter(value.clone())
+        optimizer = cls([param], lr=0.1)
+        param.grad = torch.randn(64, device=device)
+        optimizer.step()
+        optimizer.state[param]["step"] = torch._efficientzerotensor((), device=device)
+        before = param.detach().clone()
+        with pytest.raises(RuntimeError, match="[Zz]ero ?[Tt]ensor"):
+            optimizer.step()
+        if cls is CLASSES[name]:
+            assert_same_bits(param.detach(), before, "a refused step")
+
+
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_torchs_constructor_keywords_are_accepted(name):
     params = [torch.nn.Parameter(torch.ones(3))]
