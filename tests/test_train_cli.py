@@ -56,6 +56,9 @@ def test_the_table_and_the_json_report_what_was_measured(tmp_path):
     assert header[-2:] == ["x", "fp32"]
     assert fp32 == ["fp32", "50.00", "0.2500", "3.000", "333", "-", "1", "-", "1.00"]
     assert mpgemm_row == ["mpgemm", "87.50", "0.2500", "1.500", "667", "12", "1", "1024", "2.00"]
+    # Without an FP32 run (--mode mpgemm) there is no ratio: "-", as for peak memory.
+    _, alone = (line.split() for line in format_table(results[1:]).splitlines())
+    assert alone == ["mpgemm", "87.50", "0.2500", "1.500", "667", "12", "1", "1024", "-"]
     data = load_digits()
     write_json(tmp_path / "results.json", results, TrainConfig(), data)
     written = json.loads((tmp_path / "results.json").read_text())

@@ -24,7 +24,7 @@ _COLUMNS = [
     ("peak MiB", "{:>9}"),
     ("skipped", "{:>7d}"),
     ("loss scale", "{:>10}"),
-    ("x fp32", "{:>7.2f}"),
+    ("x fp32", "{:>7}"),
 ]
 
 
@@ -38,13 +38,14 @@ def _row(result: ModeResult, fp32_ms: float | None) -> list:
         "-" if result.peak_memory_mb is None else f"{result.peak_memory_mb:.0f}",
         result.skipped_steps,
         "-" if result.final_loss_scale is None else f"{result.final_loss_scale:g}",
-        fp32_ms / result.ms_per_step if fp32_ms else float("nan"),
+        "-" if fp32_ms is None else f"{fp32_ms / result.ms_per_step:.2f}",
     ]
 
 
 def format_table(results: Sequence[ModeResult]) -> str:
     """One row per mode; ``x fp32`` is FP32's time per step over this mode's (above 1:
-    faster than FP32). Peak memory is measured on a GPU only."""
+    faster than FP32; "-" where FP32 did not run). Peak memory is measured on a GPU
+    only."""
     fp32_ms = next((r.ms_per_step for r in results if r.mode == "fp32"), None)
     rows = [
         [fmt.format(v) for (_, fmt), v in zip(_COLUMNS, _row(result, fp32_ms), strict=True)]
