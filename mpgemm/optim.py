@@ -284,7 +284,13 @@ def _step_counts(
             return steps
     for state, p in zip(states, params, strict=True):
         step = state["step"]
-        if zero_refused and isinstance(step, torch.Tensor) and step._is_zerotensor():
+        # (not asked when traced: dynamo cannot trace _is_zerotensor, as it cannot is_neg)
+        if (
+            zero_refused
+            and not compiling
+            and isinstance(step, torch.Tensor)
+            and step._is_zerotensor()
+        ):
             raise RuntimeError(
                 "mpgemm.optim: a parameter's state['step'] is a zero tensor, which is "
                 "immutable and which the step advances in place, as torch's Adam refuses "
