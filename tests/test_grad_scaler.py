@@ -286,6 +286,16 @@ def test_disabled_scaler_is_a_pass_through(device):
     scaler.update()
     assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
     assert not scaler.is_enabled()
+    # The rest of the API does nothing, as torch's disabled scaler: unscale_ leaves the
+    # gradients, a state dict loads nothing (an empty one is no error), the tracker is 0.
+    theirs = torch.amp.GradScaler(device.type, enabled=False)
+    for each in (scaler, theirs):
+        optimizer = torch.optim.SGD(params, lr=1.0)
+        each.unscale_(optimizer)
+        each.load_state_dict({"scale": 8.0, "_growth_tracker": 3})
+        each.load_state_dict({})
+        assert each._get_growth_tracker() == 0 and each.get_scale() == 1.0
+        assert all(p.grad.eq(1).all() for p in params)
 
 
 def test_getters_setters_and_nested_outputs(device):

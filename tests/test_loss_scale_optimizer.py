@@ -380,6 +380,13 @@ def test_behaves_as_an_optimizer_for_lr_schedulers(device):
     assert wrapped.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
     assert wrapped.state is wrapped.optimizer.state
     assert wrapped.defaults["lr"] == 0.1
+    # Set, as on a torch optimizer (a state reset, a new defaults dict): the wrapped
+    # optimizer's are what is set, which its step reads.
+    groups, state, defaults = [dict(wrapped.param_groups[0])], {}, {"lr": 0.5}
+    wrapped.param_groups, wrapped.state, wrapped.defaults = groups, state, defaults
+    inner = wrapped.optimizer
+    assert inner.param_groups is groups and inner.state is state and inner.defaults is defaults
+    assert repr(wrapped) == f"LossScaleOptimizer({inner!r})"
 
 
 def test_bad_arguments():
