@@ -1089,7 +1089,9 @@ def _replay_key(a, b, compute_dtype, out_dtype) -> tuple | None:
             compute_dtype,
             out_dtype,
         )
-    except RuntimeError:  # no strides (a sparse tensor) or sizes (a nested one)
+    # No sizes (a 2-D nested tensor), or no strides (a sparse tensor, where torch gives
+    # none: torch 2.13 gives a COO tensor (0, 0), and its layout keeps its key apart).
+    except RuntimeError:
         return None
 
 

@@ -191,6 +191,10 @@ def test_bad_arguments_raise_as_before_for_a_kept_key(replays, device):
         mpgemm.matmul(a, b, out_dtype=torch.int32)
     with pytest.raises(TypeError, match="sparse|dense"):
         mpgemm.matmul(a.to_sparse(), b)
+    # (2-D, of a 16-bit dtype: asked for its key, whose sizes it has not)
+    nested = torch.nested.nested_tensor([a[0, :3], a[1]], device=device)
+    with pytest.raises(TypeError, match="nested"):
+        mpgemm.matmul(nested, b)
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         mpgemm.matmul(a.tolist(), b)
     assert len(replays) == 1
