@@ -1230,6 +1230,32 @@ def test_a_step_count_that_is_a_zero_tensor_is_refused_as_torchs_step_refuses_it
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
+def test_a_closure_is_called_with_grad_enabled_and_its_loss_returned_as_torchs(device, name):
+    # torch's optimizers take step(closure): it recomputes the loss and gradients (with
+    # grad mode on, whatever the caller's), and the step returns its loss.
+    torch.manual_seed(0)
+    value, x = torch.randn(5, 3, device=device), torch.randn(4, 3, device=device)
+    runs = []
+    for cls in (CLASSES[name], TORCH_CLASSES[name]):
+        param = torch.nn.Parameter(value.clone())
+        optimizer = cls([param], lr=0.1, foreach=False)
+
+        def closure(optimizer=optimizer, param=param):
+            optimizer.zero_grad()
+            loss = (x @ param.t()).square().sum()
+            loss.backward()
+            return loss
+
+        with torch.no_grad():
+            returned = [optimizer.step(closure) for _ in range(3)]
+        runs.append((param.detach(), [loss.item() for loss in returned]))
+    (ours, our_losses), (theirs, their_losses) = runs
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(our_losses, their_losses)
+    assert our_losses[2] < our_losses[0]
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
 def test_torchs_constructor_keywords_are_accepted(name):
     params = [torch.nn.Parameter(torch.ones(3))]
     keywords = dict(foreach=None, fused=None, differentiable=False)
