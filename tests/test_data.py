@@ -92,6 +92,19 @@ def test_malformed_files_name_the_file_and_fault(tmp_path):
         load_mnist(mismatched)
     with pytest.raises(DataError, match="no such file or folder"):
         load_mnist(tmp_path / "absent")
+    flat = tmp_path / "flat.npz"
+    np.savez(flat, x_train=np.zeros(3), y_train=np.zeros(3), x_test=np.zeros(2), y_test=np.zeros(2))
+    with pytest.raises(DataError, match=r"x_train has shape \(3,\), expected images"):
+        load_mnist(flat)
+    # An IDX file shorter than its header; a gzipped one that is not gzip.
+    _write_idx(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01\x00\x00")
+    with pytest.raises(DataError, match="6 bytes, too short for an IDX header"):
+        load_mnist(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte").unlink()
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(b"not gzip")
+    with pytest.raises(DataError, match="t10k-labels-idx1-ubyte.gz: cannot read"):
+        load_mnist(tmp_path)
 
 
 def test_float_images_are_taken_as_they_are_and_bad_splits_refused(tmp_path):

@@ -181,6 +181,7 @@ def _error_line(argv, capsys):
         (["train", "--hidden", "256,0"], "'256,0' is not a comma-separated list of positive"),
         (["train", "--hidden", "wide"], "'wide' is not a comma-separated list"),
         (["train", "--batch-size", "-3"], "'-3' is not a positive integer"),
+        (["train", "--steps", "ten"], "'ten' is not a positive integer"),
         (["train", "--data", "/nonexistent/mnist.npz"], "no such file or folder"),
         (["train", "--lr", "-1"], "lr must be a positive number"),
         (["train", "--activation", "tanh"], "invalid choice: 'tanh'"),
