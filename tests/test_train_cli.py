@@ -191,6 +191,30 @@ def test_bad_input_gets_one_line_and_exit_2(argv, message, capsys):
     assert message in _error_line(argv, capsys)
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(hidden=()), "hidden widths must be positive integers"),
+        (dict(hidden=(8, 0)), "hidden widths must be positive integers"),
+        (dict(hidden=(8.0,)), "hidden widths must be positive integers"),
+        (dict(batch_size=0), "batch_size must be at least 1"),
+        (dict(epochs=0), "epochs must be at least 1"),
+        (dict(steps=0), "steps must be at least 1"),
+        (dict(lr=float("inf")), "lr must be a positive number"),
+        (dict(activation="tanh"), "activation must be one of"),
+        (dict(optimizer="lion"), "optimizer must be one of"),
+        (dict(warmup_steps=-1), "warmup_steps must be >= 0"),
+        (dict(compute_dtype="float8"), "compute_dtype must be one of"),
+        (dict(device="meta"), "device must be cpu or cuda"),
+    ],
+)
+def test_a_train_config_refuses_bad_settings_by_name(options, message):
+    # What the command's parser refuses before, refused again for Python callers
+    # (bench/ and tests build configs directly).
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**options)
+
+
 def test_malformed_data_file_is_one_line(tmp_path, capsys):
     bad = tmp_path / "mnist.npz"
     bad.write_bytes(b"PK\x03\x04 broken")
