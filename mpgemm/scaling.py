@@ -725,8 +725,9 @@ def _hyperparameters_on(
             hyper = {**hyper, name: value.to(device, copy=True)}
     for name in ("grad_scale", "found_inf"):  # (a scaler's, read by the kernels)
         value = hyper.get(name)
-        if value is not None and read_otherwise(value):
-            hyper = {**hyper, name: _as_memory(value)}
+        memory = None if value is None else _as_memory(value)
+        if memory is not value:
+            hyper = {**hyper, name: memory}
 
     def numbers(row: dict, names: Iterable[str]) -> dict:
         tensors = [n for n in names if isinstance(row.get(n), torch.Tensor)]

@@ -74,7 +74,7 @@ def _largest(t: torch.Tensor) -> float:
 
 def _cancelling(dtype: torch.dtype, magnitudes: torch.Tensor) -> float:
     """Half a unit of ``dtype`` times the largest sum of the terms' magnitudes."""
-    return torch.finfo(dtype).eps / 2 * (magnitudes.abs().max().item() if magnitudes.numel() else 0)
+    return torch.finfo(dtype).eps / 2 * _largest(magnitudes)
 
 
 def _laid_out(values: torch.Tensor, kind: str) -> torch.Tensor:
