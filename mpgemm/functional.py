@@ -174,9 +174,17 @@ def _implementation(
     device: torch.device, *tensors: torch.Tensor | None, op: str = "gemm"
 ) -> Callable:
     """Op ``op``'s implementation for these tensors: its reference (torch ops) on the
-    reference backend or for a tensor subclass, else its Triton kernel."""
+    reference backend, for a tensor subclass, or where autograd records the op, else
+    its Triton kernel. Autograd records an op only in a backward (a Function's forward
+    runs with grad mode off, and a product it does not record skips the Function), and
+    only under ``create_graph=True`` (or a ``torch.func`` transform): the backward's
+    torch ops are then differentiable again, as torch's layers' backwards are (a
+    gradient penalty, a Hessian-vector product, ``grad`` of ``grad``), to any order.
+    Its roundings to the compute dtype are casts, so the derivatives through them are
+    rounded there too, as under ``torch.autocast``."""
+    recording = torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and not is_plain(t):
+        if t is not None and (not is_plain(t) or (recording and t.requires_grad)):
             return _OPS[op][0]
     if backend(device) == "reference":
         return _OPS[op][0]
@@ -324,78 +332,6 @@ def _linear_forward(
     return out, preact
 
 
-_SECOND_DERIVATIVES = (
-    "mpgemm: second derivatives are not supported (the backward of mpgemm.linear, "
-    "matmul, Linear and cross_entropy is once-differentiable)"
-)
-
-
-class _SecondDerivative(torch.autograd.Function):
-    """Stands for a once-differentiable backward's results in a graph recorded by
-    ``create_graph=True``: differentiating them raises. Its inputs: the ``count``
-    results, then the tensors the results depend on (the Function's inputs), so that
-    a gradient taken with respect to one of those (``torch.autograd.grad(penalty,
-    weight)``, a hessian) passes through it and raises too, rather than finding the
-    results unconnected (zeros where ``allow_unused=True``)."""
-
-    @staticmethod
-    def forward(ctx, count, *tensors):
-        return tuple(t.detach() for t in tensors[:count])
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError(
-            f"{_SECOND_DERIVATIVES}: a gradient computed with create_graph=True "
-            "(autograd.grad, backward) through them was differentiated again"
-        )
-
-
-def once_differentiable(backward: Callable) -> Callable:
-    """torch's ``once_differentiable`` for an autograd Function's ``backward``, which runs
-    it without recording a graph, also where only the Function's inputs require grad.
-    Under ``create_graph=True`` torch's marks the results as not differentiable only
-    where an incoming gradient requires grad; where none does (``y.sum()``'s, a
-    gradient penalty's ``grad_outputs=ones``), they would come out as constants, and
-    a penalty on them would be dropped from the loss's gradient without a word, where
-    torch's layers differentiate it. So under ``create_graph=True`` every result is
-    marked (``_SecondDerivative``), even one that torch's op would leave constant, and
-    joined to the tensors it depends on: the saved tensors that require grad, and
-    ``ctx.second_order`` (tensors, or weak references to tensors the Function did not
-    save)."""
-
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        # Without create_graph the engine runs backwards with grad mode off already.
-        if not torch.is_grad_enabled():
-            return backward(ctx, *grads)
-        with torch.no_grad():
-            results = backward(ctx, *grads)
-        # Under torch.func's transforms, _check_differentiated_once guards instead.
-        if torch._C._are_functorch_transforms_active():
-            return results
-        returned = results if isinstance(results, tuple) else (results,)
-        where = [i for i, r in enumerate(returned) if isinstance(r, torch.Tensor)]
-        if not where:
-            return results
-        inputs = [
-            t() if isinstance(t, weakref.ref) else t for t in getattr(ctx, "second_order", ())
-        ]
-        joined = [
-            t
-            for t in (*ctx.saved_tensors, *inputs)
-            if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        marked = _SecondDerivative.apply(
-            len(where), *(returned[i].detach().requires_grad_() for i in where), *joined
-        )
-        out = list(returned)
-        for i, tensor in zip(where, marked, strict=True):
-            out[i] = tensor
-        return tuple(out) if isinstance(results, tuple) else out[0]
-
-    return wrapper
-
-
 class _Function(torch.autograd.Function):
     """An autograd Function in ``setup_context`` form, which ``torch.func``'s transforms
     need, applied outside a transform as one in the older form is: torch's ``apply``
@@ -407,7 +343,6 @@ class _Function(torch.autograd.Function):
     @classmethod
     def apply(cls, *args):
         if torch._C._are_functorch_transforms_active():
-            _check_differentiated_once()
             return super().apply(*args)
         # What torch's apply does outside a transform, less the binding.
         return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
@@ -468,7 +403,12 @@ class LinearFunction(_Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, _, compute_dtype, _, weight_copy, _, x_rounded = inputs
         if output[1] is not None:
-            ctx.mark_non_differentiable(output[1])
+            # G is z, as y is to autograd here: differentiable, for a backward under
+            # create_graph whose activation derivative reads it (``ActivationFunction``);
+            # its gradient, if any, is added to y's. Not when compiled, where a double
+            # backward is not supported and a traced gradient for it could be zeros.
+            if torch.compiler.is_compiling():
+                ctx.mark_non_differentiable(output[1])
             # Else autograd hands the backward a gradient for G made of zeros: an FP32
             # tensor of the layer's output shape, filled at every step, that it ignores.
             ctx.set_materialize_grads(False)
@@ -486,15 +426,17 @@ class LinearFunction(_Function):
             node = x.grad_fn
             if type(node) is ActivationFunction._backward_cls:
                 ctx.activation_output = (node, weakref.ref(x))
-        # What the gradients depend on, for once_differentiable: the weight (alive in its
-        # module, or saved) and bias; x weakly where its rounding is saved in its place.
-        ctx.second_order = (weight, bias, None if x_rounded is None else weakref.ref(x))
+        # A backward under create_graph differentiates the weight, not its copy.
+        ctx.weight = None if weight_copy is None else weight
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_z, _):
+    def backward(ctx, grad_z, grad_preact):
+        if grad_preact is not None:  # (the backward of a create_graph one reached G)
+            grad_z = grad_preact if grad_z is None else grad_z + grad_preact
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled() and ctx.weight is not None:  # (create_graph)
+            weight = ctx.weight
         # Compiled, the whole backward is one op (mpgemm.ops.linear_backward), which
         # runs this same function: its choices (the bias gradient fused or not) need the
         # real tensors.
@@ -558,38 +500,23 @@ def _fusable_relu(
     The gradient at y = x then exists nowhere, so only where nothing could read it: y
     has no tensor hooks and does not retain its gradient (a module's backward hooks put
     a node of their own between, and FSDP's and ``register_multi_grad_hook``'s are
-    tensor hooks), and the tensors are plain (not traced or transformed). The ReLU's
-    node takes the result only if it is handed that very tensor, unchanged: where y has
-    other consumers autograd adds their gradients into a new tensor (or into this one,
-    bumping its version), which that node then masks itself, as before (the mask is
-    idempotent). Node hooks (``register_prehook``) on the ReLU's node would see the
-    masked gradient. Saves the 64 MB read of dY and y and the 64 MB write of dZ of the
-    ReLU's own kernel at the guide MLP's 8192 x 4096, for a read of y in the GEMM's
-    epilogue."""
+    tensor hooks), and the tensors are plain (not traced or transformed) and not recorded
+    (``create_graph``). The ReLU's node takes the result only if it is handed that very
+    tensor, unchanged: where y has other consumers autograd adds their gradients into a
+    new tensor (or into this one, bumping its version), which that node then masks
+    itself, as before (the mask is idempotent). Node hooks (``register_prehook``) on the
+    ReLU's node would see the masked gradient. Saves the 64 MB read of dY and y and the
+    64 MB write of dZ of the ReLU's own kernel at the guide MLP's 8192 x 4096, for a
+    read of y in the GEMM's epilogue."""
     if not _FUSE_RELU or output() is not x or x.grad_fn is not node:
         return None
     if getattr(node, "activation", None) != "relu" or x.retains_grad or x._backward_hooks:
         return None
-    if torch._C._are_functorch_transforms_active() or not all(map(is_plain, (x, grad_z, weight))):
+    if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        return None  # (create_graph records the reference path; a transform's tensors)
+    if not all(map(is_plain, (x, grad_z, weight))):
         return None
     return node
-
-
-def _check_differentiated_once() -> None:
-    """Raise where ``torch.func`` transforms may differentiate the backward: more than
-    one of their differentiating levels open (``grad`` of ``grad``, ``jacrev`` of
-    ``jacrev``, ``hessian``). Nested transforms would read the missing derivative as
-    zeros rather than raise, as ``once_differentiable`` makes eager autograd do. Asked
-    by every apply under a transform (``_Function``), where every level is still open."""
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    differentiating = (TransformType.Grad, TransformType.Jvp)
-    levels = [i for i in retrieve_all_functorch_interpreters() if i.key() in differentiating]
-    if len(levels) > 1:
-        raise RuntimeError(
-            f"{_SECOND_DERIVATIVES}: nested torch.func grad/vjp/jacrev transforms, or a hessian"
-        )
 
 
 def _records_grad(*tensors: torch.Tensor | None) -> bool:
@@ -631,10 +558,12 @@ def _linear_function(
     if _autograd_idle(x, weight, bias):
         return _linear_forward(*args, None)
     # An FP32 x that the weight gradient needs is rounded once, here: the GEMMs read
-    # the rounding and the backward keeps it (half the memory).
+    # the rounding and the backward keeps it (half the memory). Recorded where x
+    # requires grad, for a backward under create_graph to differentiate (x's gradient
+    # is LinearFunction's, unrounded: none reaches the cast).
     x_rounded = None
     if x.dtype == torch.float32 and weight.requires_grad and torch.is_grad_enabled():
-        x_rounded = _as_rows(x.detach()).to(compute_dtype)
+        x_rounded = _as_rows(x if x.requires_grad else x.detach()).to(compute_dtype)
     return LinearFunction.apply(*args, x_rounded)
 
 
@@ -720,7 +649,6 @@ class BatchedMatmulFunction(_Function):
         ctx.compute_dtype = compute_dtype
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_c):
         a, b = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[:2]
@@ -760,15 +688,19 @@ class ActivationFunction(_Function):
         # fails the backward, as it does after torch.relu.
         ctx.save_for_backward(output if activation == "relu" else preact)
         ctx.activation, ctx.compute_dtype = activation, compute_dtype
-        ctx.second_order = (inputs[2],)  # the bias (z's part goes through the GEMMs' node)
+        ctx.bias = inputs[2]  # (z's part of act'(z) under create_graph: the bias's)
         # (dZ, its version, the bias gradient or None), where the next layer's node took
         # ReLU's backward in its GEMM (``_fusable_relu``).
         ctx.fused = None
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_y):
         (saved,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: dZ recorded, as a function of z
+            if ctx.activation == "relu":  # (its derivative in y is 0: no edge to here)
+                saved = saved.detach()
+            elif ctx.bias is not None:  # G's node, the GEMMs', has the bias detached
+                saved = saved.float() + (ctx.bias - ctx.bias.detach())  # (+ 0)
         fused, ctx.fused = ctx.fused, None
         if fused is not None and grad_y is fused[0] and grad_y._version == fused[1]:
             return grad_y, None, fused[2], None, None

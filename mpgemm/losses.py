@@ -32,7 +32,6 @@ from mpgemm.functional import (
     INPUT_DTYPES,
     backend,
     is_plain,
-    once_differentiable,
 )
 from mpgemm.reference import cross_entropy_backward_ref
 
@@ -54,10 +53,15 @@ class CrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
         x, target, lse, count = ctx.saved_tensors
-        if is_plain(grad):
+        if torch.is_grad_enabled():  # create_graph: the reference, recorded
+            # The softmax's normaliser taken again from x, so that it is differentiated:
+            # the row's largest logit, saved, is a constant of it.
+            m = lse[0]
+            lse = torch.stack((m, torch.logsumexp(x.float() - m[:, None], dim=1)))
+            dx = cross_entropy_backward_ref(grad, x, target, lse, count, *ctx.options)
+        elif is_plain(grad):
             from mpgemm.kernels.cross_entropy import triton_cross_entropy_backward
 
             dx = triton_cross_entropy_backward(grad, x, target, lse, count, *ctx.options)

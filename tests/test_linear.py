@@ -488,50 +488,115 @@ def test_a_tensor_subclass_gets_the_call_and_its_tensors_the_reference_path(devi
     torch.testing.assert_close(w.grad, w0.grad, rtol=1e-6, atol=1e-6)
 
 
-def _penalised(op, x):
-    """A gradient penalty, as in WGAN-GP: the input's gradient of ``op(x).sum()`` (its
-    incoming gradient all ones, which requires no grad), taken with
-    ``create_graph=True``, and its square added to the loss."""
-    out = op(x).float()
-    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-    return out.square().mean() + gx.square().sum()
+# Each op as (mpgemm's, torch's) of (x, w, b): w (8, 16), b (8,), x (4, 16).
+PENALISED_OPS = {
+    "linear": (
+        lambda x, w, b: mpgemm.linear(x, w, b),
+        lambda x, w, b: F.linear(x, w, b),
+    ),
+    **{
+        f"{act} layer": (
+            lambda x, w, b, act=act: mpgemm.linear(x, w, b, activation=act),
+            lambda x, w, b, act=act: torch_activation(F.linear(x, w, b), act),
+        )
+        for act in ("relu", "gelu", "gelu_tanh", "silu")
+    },
+    # x's rounding, which the GEMMs read, made from an FP32 intermediate freed after.
+    "linear of an intermediate": (
+        lambda x, w, b: mpgemm.linear(x * 2.0, w, b, activation="gelu"),
+        lambda x, w, b: F.gelu(F.linear(x * 2.0, w, b)),
+    ),
+    "two layers": (
+        lambda x, w, b: mpgemm.linear(mpgemm.linear(x, w, b, activation="silu"), w.t()),
+        lambda x, w, b: F.linear(F.silu(F.linear(x, w, b)), w.t()),
+    ),
+    "batched matmul": (
+        lambda x, w, b: mpgemm.matmul(x.expand(2, 4, 16), w.t().expand(2, 16, 8)) + b,
+        lambda x, w, b: torch.matmul(x.expand(2, 4, 16), w.t().expand(2, 16, 8)) + b,
+    ),
+    "cross_entropy": (
+        lambda x, w, b: mpgemm.cross_entropy(
+            mpgemm.linear(x, w, b, out_dtype=torch.float32), torch.arange(4, device=x.device)
+        ),
+        lambda x, w, b: F.cross_entropy(
+            F.linear(x, w, b).float(), torch.arange(4, device=x.device)
+        ),
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "op",
-    ["linear", "relu layer", "gelu layer", "batched matmul", "cross_entropy"],
-)
-def test_double_backward_raises_instead_of_dropping_a_penalty(device, op):
-    """The backward is once-differentiable: under ``create_graph=True`` its gradients are
-    marked, and differentiating them raises. torch's ``once_differentiable`` marks them
-    only where an incoming gradient requires grad; here none does, and its unmarked
-    constants made the penalty vanish from the weights' gradient (7.7 against
-    ``nn.Linear``'s 20.9 in a trial), with no error. The marks are joined to the
-    tensors the results depend on (the weight, the input)."""
-    if op == "cross_entropy" and mpgemm.backend(device) != "triton":
-        pytest.skip("the reference backend's cross_entropy is torch's, twice differentiable")
+def _penalised_gradients(op, tensors, penalised=None):
+    """A gradient penalty, as in WGAN-GP and torch's AMP example: the gradients of
+    ``op``'s loss with respect to ``penalised`` (default: all ``tensors``) taken with
+    ``create_graph=True``, their squares added to the loss, and the gradients of that
+    sum with respect to ``tensors``."""
+    loss = op(*tensors).float().square().sum()
+    first = torch.autograd.grad(loss, penalised or tensors, create_graph=True)
+    penalty = sum(g.float().square().sum() for g in first)
+    return torch.autograd.grad(loss + penalty, tensors)
+
+
+@pytest.mark.parametrize("op", list(PENALISED_OPS))
+def test_a_gradient_penalty_is_differentiated_within_autocasts_error(device, op):
+    """Under ``create_graph=True`` the backward is recorded (the reference path's torch
+    ops, ``functional.differentiable_backward``), so a penalty on the gradients reaches
+    the weights' and the input's, as through torch's layers: within twice autocast's
+    error (FP16, the same op) of FP64, with a small atol. The penalty's own share of
+    FP64's gradients is checked to be far above that bar: the first-order gradients
+    alone, or the penalty reaching some tensors and not others (once-differentiable
+    backwards: 7.7 against 20.9 in a trial), fail it."""
+    ours, torchs = PENALISED_OPS[op]
     torch.manual_seed(0)
-    w = torch.randn(8, 16, device=device, requires_grad=True)
-    target = torch.arange(4, device=device) % 8
-    ops = {
-        "linear": lambda x: mpgemm.linear(x, w),
-        "relu layer": lambda x: mpgemm.linear(x.float(), w, activation="relu"),
-        "gelu layer": lambda x: mpgemm.linear(x.float(), w, activation="gelu"),
-        "batched matmul": lambda x: mpgemm.matmul(x.expand(2, 4, 16), w.t().expand(2, 16, 8)),
-        "cross_entropy": lambda x: mpgemm.cross_entropy(x @ w.t(), target).unsqueeze(0),
-    }
-    x = torch.randn(4, 16, device=device, requires_grad=True)
-    with pytest.raises(RuntimeError, match="second derivatives are not supported"):
-        _penalised(ops[op], x).backward()
-    # Taken with respect to the weight alone, or to the input (a hessian), the gradient
-    # passes through the marked results too: not found unconnected (zeros, where
-    # allow_unused=True), as under torch's once_differentiable.
-    for wrt in (w, x):
-        with pytest.raises(RuntimeError, match="second derivatives are not supported"):
-            torch.autograd.grad(_penalised(ops[op], x), wrt, allow_unused=True)
-    # Without create_graph, the same ops' backward is first-order as ever.
-    ops[op](x).float().sum().backward()
-    assert w.grad is not None and torch.isfinite(w.grad).all()
+    tensors = [
+        torch.randn(4, 16, device=device),
+        torch.randn(8, 16, device=device) / 4,
+        torch.randn(8, device=device),
+    ]
+    got = _penalised_gradients(ours, leaves(*tensors))
+    wide = leaves(*(t.double() for t in tensors))
+    expected = _penalised_gradients(torchs, wide)
+    with torch.autocast(device.type, dtype=torch.float16):
+        autocast = _penalised_gradients(torchs, leaves(*tensors))
+    first_order = torch.autograd.grad(torchs(*wide).square().sum(), wide)
+    for name, g, g64, g_ac, g1 in zip("xwb", got, expected, autocast, first_order, strict=True):
+        assert g.dtype == torch.float32, name
+        assert_within_torch_error(g, g64, g_ac, f"{op}: {name}'s gradient", rtol=1e-3)
+        bar = 2 * (g_ac.double() - g64).abs().max() + 1e-3 * g64.abs().max()
+        assert (g64 - g1).abs().max() > 10 * bar, f"{op}: {name}: the penalty's share is small"
+
+
+def test_a_layers_penalty_differentiates_its_fp32_master_not_its_copy(device):
+    """An ``mpgemm.Linear``'s GEMMs read its 16-bit weight copy; a penalty's derivative
+    goes to the FP32 weight, as for the first-order gradient: WGAN-GP's penalty, on
+    the input's gradient (dZ @ W), whose derivative in the weight is the copy's where
+    the backward read the copy; and the layer's input gradient's own derivatives
+    (``torch.autograd.functional``'s ``hvp`` and ``hessian``)."""
+    torch.manual_seed(0)
+    layer = mpgemm.Linear(16, 8, activation="gelu", device=device)
+    x = torch.randn(4, 16, device=device)
+    tensors = [x.requires_grad_(), layer.weight, layer.bias]
+    got = _penalised_gradients(lambda x, w, b: layer(x), tensors, penalised=[x])
+    wide = leaves(x.double(), layer.weight.double(), layer.bias.double())
+    exact = lambda x, w, b: F.gelu(F.linear(x, w, b))  # noqa: E731
+    expected = _penalised_gradients(exact, wide, penalised=wide[:1])
+    first_order = torch.autograd.grad(exact(*wide).square().sum(), wide)
+    for g, g64, g1 in zip(got, expected, first_order, strict=True):
+        torch.testing.assert_close(g.double(), g64, rtol=0.02, atol=0.02 * g64.abs().max().item())
+        assert (g64 - g1).abs().max() > 0.5 * g64.abs().max()  # (the penalty's share)
+    v = torch.randn(4, 16, device=device)
+    _, hvp = torch.autograd.functional.hvp(lambda t: layer(t).float().square().sum(), x, v)
+    _, hvp64 = torch.autograd.functional.hvp(
+        lambda t: F.gelu(F.linear(t, wide[1], wide[2])).square().sum(), x.double(), v.double()
+    )
+    torch.testing.assert_close(hvp.double(), hvp64, rtol=0.02, atol=0.02 * hvp64.abs().max().item())
+    hessian = torch.autograd.functional.hessian(lambda t: layer(t).float().square().sum(), x[0])
+    hessian64 = torch.autograd.functional.hessian(
+        lambda t: F.gelu(F.linear(t, wide[1], wide[2])).square().sum(), x[0].double()
+    )
+    assert hessian64.abs().max() > 0
+    torch.testing.assert_close(
+        hessian.double(), hessian64, rtol=0.02, atol=0.02 * hessian64.abs().max().item()
+    )
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
