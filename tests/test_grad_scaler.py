@@ -10,7 +10,7 @@ import torch
 
 import mpgemm
 from mpgemm import scaling
-from tests.accuracy import assert_same_bits
+from tests.accuracy import assert_same_bits, assert_within_torch_error
 
 SHAPES = [(48, 32), (32,), (10, 48), (10,)]
 # step -> (tensor, flat index, value) injected into the scaled gradients
@@ -595,15 +595,17 @@ def test_cpu_tensors_under_a_cuda_scaler_read_the_scale_once_it_has_landed(make)
     assert scaler.get_scale() == 2.0**20
 
 
-def _penalty(scaler_class, device, x, y):
+def _penalty(scaler_class, device, x, y, model=None, autocast=False):
     """torch's AMP example "Gradient penalty": the penalty's gradients taken from the
-    scaled loss with ``create_graph``, unscaled by hand, then the whole loss scaled."""
-    model = _two_layers(device)
+    scaled loss with ``create_graph``, unscaled by hand, then the whole loss scaled;
+    ``model`` by default ``_two_layers``, its loss under autocast if asked."""
+    model = _two_layers(device) if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = scaler_class(device.type, init_scale=256.0)
     for _ in range(4):
         optimizer.zero_grad()
-        loss = (model(x) - y).square().mean()
+        with torch.autocast(device.type, dtype=torch.float16, enabled=autocast):
+            loss = (model(x).float() - y).square().mean()
         scaled = torch.autograd.grad(
             scaler.scale(loss), list(model.parameters()), create_graph=True
         )
@@ -657,6 +659,35 @@ def _accumulation(scaler_class, device, x, y):
 def _two_layers(device):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(device)
+
+
+def test_torchs_gradient_penalty_example_trains_a_converted_model_within_autocasts_error(
+    device,
+):
+    """The "Gradient penalty" example on a model ``mpgemm.convert`` made (a GELU
+    between), with mpgemm's scaler: its backward under ``create_graph`` is
+    differentiated (it raised while once-differentiable), and after four steps the
+    parameters are within twice the error of autocast's (FP16, torch's scaler) of the
+    FP64 model's, trained without scaling."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4, 8, generator=g).to(device), torch.randn(4, 2, generator=g).to(device)
+
+    def model(dtype=torch.float32):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)]
+        return torch.nn.Sequential(*layers).to(device, dtype)
+
+    def unscaled(device_type, init_scale):
+        return torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=False)
+
+    ours, _ = _penalty(mpgemm.GradScaler, device, x, y, mpgemm.convert(model()))
+    autocast, _ = _penalty(torch.amp.GradScaler, device, x, y, model(), autocast=True)
+    exact, _ = _penalty(unscaled, device, x.double(), y.double(), model(torch.float64))
+    start = model(torch.float64)
+    models = (ours, autocast, exact, start)
+    for p, p_ac, p64, p0 in zip(*(m.parameters() for m in models), strict=True):
+        assert_within_torch_error(p.detach(), p64.detach(), p_ac.detach(), "parameter")
+        assert not torch.equal(p64, p0)
 
 
 @pytest.mark.parametrize("recipe", [_penalty, _two_optimizers, _accumulation])
