@@ -340,12 +340,20 @@ class _Function(torch.autograd.Function):
     a small Function costs 7. Callers pass every argument, so there is nothing to
     bind."""
 
+    # The same Function with a ``jvp`` rule, applied in its place under forward-mode AD:
+    # dynamo cannot trace a Function that defines ``jvp`` (a graph break).
+    forward_mode: type[_Function] | None = None
+
     @classmethod
     def apply(cls, *args):
-        if torch._C._are_functorch_transforms_active():
-            return super().apply(*args)
+        function = cls
+        transformed = torch._C._are_functorch_transforms_active()
+        if (transformed or forward_ad._current_level >= 0) and _forward_ad_active():
+            function = cls.forward_mode or cls
+        if transformed:
+            return super(_Function, function).apply(*args)  # noqa: UP008 (not cls)
         # What torch's apply does outside a transform, less the binding.
-        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
+        return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
 
 
 class LinearFunction(_Function):
@@ -476,6 +484,41 @@ class LinearFunction(_Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
+class _LinearWithJvp(LinearFunction):
+    """``LinearFunction`` with its forward-mode rule, applied in its place under
+    forward-mode AD (``_Function.apply``)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        LinearFunction.setup_context(ctx, inputs, output)
+        x, weight, *_, x_rounded = inputs
+        ctx.save_for_forward(x if x_rounded is None else x_rounded, weight)
+        ctx.out_dtype, ctx.has_preact = output[0].dtype, output[1] is not None
+
+    @staticmethod
+    def jvp(ctx, x_t, w_t, b_t, *_):
+        """Forward-mode AD: z's tangent, x_t @ W.T + x @ w_t.T + b_t, each product of
+        rounded operands in FP32 as the forward's, rounded once to the output's dtype,
+        for y (which is z to autograd here: ``ActivationFunction`` follows) and G."""
+        x, weight = ctx.saved_tensors
+        rows = _as_rows(x)
+        products = [] if x_t is None else [(_as_rows(x_t), weight)]
+        if w_t is not None:
+            products.append((rows, w_t))
+        z_t = rows.new_zeros(rows.shape[0], weight.shape[0], dtype=torch.float32)
+        for a, b in products:
+            gemm = _gemm(a.device, a, b)
+            p, _, _ = gemm(a, b.t(), compute_dtype=ctx.compute_dtype, out_dtype=torch.float32)
+            z_t = z_t + p
+        if b_t is not None:
+            z_t = z_t + b_t
+        z_t = z_t.view(*ctx.x_shape[:-1], weight.shape[0]).to(ctx.out_dtype)
+        return z_t, z_t if ctx.has_preact else None
+
+
+LinearFunction.forward_mode = _LinearWithJvp
+
+
 # Whether a ReLU's backward may run in the epilogue of the GEMM that makes its output's
 # gradient (``_fusable_relu``); off, each ReLU's node runs its own kernel. Off: on an
 # H200 (run13, bench/results/h200-2026-11-27) the fused epilogue made the guide MLP's
@@ -528,6 +571,19 @@ def _records_grad(*tensors: torch.Tensor | None) -> bool:
         if t is not None and t.requires_grad:
             return True
     return False
+
+
+def _forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open: eager autograd's (``dual_level``) or a
+    ``torch.func`` ``jvp`` transform's (``jvp``, ``jacfwd``, ``hessian``)."""
+    if forward_ad._current_level >= 0:
+        return True
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
 
 
 def _autograd_idle(*tensors: torch.Tensor | None) -> bool:
@@ -661,6 +717,33 @@ class BatchedMatmulFunction(_Function):
         return grad_a, grad_b, None, None
 
 
+class _BatchedMatmulWithJvp(BatchedMatmulFunction):
+    """``BatchedMatmulFunction`` with its forward-mode rule, applied in its place under
+    forward-mode AD (``_Function.apply``)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        BatchedMatmulFunction.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(*inputs[:2])
+        ctx.out_dtype = inputs[3]
+
+    @staticmethod
+    def jvp(ctx, a_t, b_t, *_):
+        """Forward-mode AD: a_t @ b + a @ b_t, each a batch of products of rounded
+        operands in FP32 as the forward's, rounded once to the output's dtype."""
+        a, b = ctx.saved_tensors
+        c_t = 0.0
+        for x, y in ((a_t, b), (a, b_t)):
+            if x is not None and y is not None:
+                c_t = c_t + _batched_product(x, y, ctx.compute_dtype, torch.float32)
+        if isinstance(c_t, float):  # (tangents of neither)
+            c_t = _batched_product(a, b, ctx.compute_dtype, torch.float32).zero_()
+        return c_t.to(ctx.out_dtype)
+
+
+BatchedMatmulFunction.forward_mode = _BatchedMatmulWithJvp
+
+
 class ActivationFunction(_Function):
     """y = act(z + bias) in the autograd graph, after ``LinearFunction`` (given the bias
     detached), whose epilogue has already computed y: the forward passes y on (the same
@@ -711,6 +794,30 @@ class ActivationFunction(_Function):
             grad_y, saved, ctx.activation, ctx.compute_dtype, bias_grad=ctx.needs_input_grad[2]
         )
         return grad_z, None, grad_b, None, None
+
+
+class _ActivationWithJvp(ActivationFunction):
+    """``ActivationFunction`` with its forward-mode rule, applied in its place under
+    forward-mode AD (``_Function.apply``)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ActivationFunction.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(inputs[0] if ctx.activation == "relu" else inputs[1])
+
+    @staticmethod
+    def jvp(ctx, z_t, _, b_t, *__):
+        """Forward-mode AD: y's tangent act'(z) * (z_t + b_t), by the backward's math
+        (``activation_backward``: the derivative is elementwise). z_t: the GEMMs' node's
+        tangent for y, which is z's there (G's is the same)."""
+        (saved,) = ctx.saved_tensors
+        if b_t is not None:
+            z_t = (z_t.float() + b_t).to(z_t.dtype)
+        y_t, _ = activation_backward(z_t, saved, ctx.activation, ctx.compute_dtype, bias_grad=False)
+        return y_t
+
+
+ActivationFunction.forward_mode = _ActivationWithJvp
 
 
 def activation_backward(
@@ -889,9 +996,11 @@ def _linear(
                 f"{weight_shape}; expected ({features},), or one value"
             )
         bias = bias.to(torch.float32).expand(features)
-    # With an activation and a gradient to compute, the activation's node follows the
+    # With an activation and a derivative to compute, the activation's node follows the
     # GEMMs' and owns the bias gradient: the GEMMs' node gets the bias's values only.
-    activated = activation is not None and _records_grad(input, weight, bias)
+    activated = activation is not None and (
+        _records_grad(input, weight, bias) or _forward_ad_active()
+    )
     out, preact = _linear_function(
         input,
         weight,

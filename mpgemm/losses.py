@@ -7,11 +7,11 @@ The kernels take the common case: (N, C) logits (float32, float16 or bfloat16) a
 ``label_smoothing`` and ``reduction``, on a device the kernels run on (``backend``).
 Everything else (class weights, probability targets, K-dimensional inputs, the old
 ``size_average``/``reduce`` arguments, tensor subclasses, negative views,
-``torch.compile``'s, ``torch.func``'s and ``torch.jit.trace``'s tracing, the reference
-backend) is torch's own ``cross_entropy``, which also raises torch's errors for what it
-refuses; 16-bit logits reach it in FP32 (with 16-bit class weights or probabilities),
-so that the softmax and the loss are FP32 on every path, and the loss and the
-gradient are rounded once to the logits' dtype. A tensor
+``torch.compile``'s, ``torch.func``'s and ``torch.jit.trace``'s tracing, eager
+forward-mode AD, the reference backend) is torch's own ``cross_entropy``, which also
+raises torch's errors for what it refuses; 16-bit logits reach it in FP32 (with 16-bit
+class weights or probabilities), so that the softmax and the loss are FP32 on every
+path, and the loss and the gradient are rounded once to the logits' dtype. A tensor
 subclass or mode with a ``__torch_function__`` (torch.fx's tracing proxies among them)
 sees the call as ``mpgemm.cross_entropy``, as it sees torch's functions. One
 difference: a class index out of range, which torch refuses (an ``IndexError`` on the
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from mpgemm.functional import (
@@ -91,6 +92,7 @@ def _kernels_take(input, target, weight, size_average, reduce, reduction, smooth
         and target.shape[0] == input.shape[0]
         and target.device == input.device
         and not torch._C._are_functorch_transforms_active()
+        and forward_ad._current_level < 0  # (forward-mode AD: torch's, which has its rule)
         and backend(input.device) == "triton"
     )
 

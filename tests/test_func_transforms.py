@@ -10,9 +10,11 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 from torch.func import functional_call, grad, jacrev, stack_module_state, vjp, vmap
 
 import mpgemm
+from mpgemm.reference import torch_activation
 from tests.accuracy import assert_within_torch_error, launched_kernels
 
 # The GEMM's two kernels: pointer or TMA, by the operands.
@@ -136,18 +138,6 @@ def test_vmap_of_matmul_over_either_operand(device):
         torch.testing.assert_close(got, torch.stack(want), rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
-def test_forward_mode_transforms_raise_for_want_of_a_jvp(device, transform):
-    """Forward-mode AD is not supported: torch's own error, naming the missing jvp."""
-    layer = mpgemm.Linear(6, 4, activation="gelu", device=device)
-    x = torch.randn(3, 6, device=device)
-    with pytest.raises(NotImplementedError, match="jvp"):
-        if transform == "jvp":
-            torch.func.jvp(layer, (x,), (torch.ones_like(x),))
-        else:
-            torch.func.jacfwd(layer)(x)
-
-
 @pytest.mark.parametrize("transform", ["grad of grad", "jacrev of jacrev"])
 def test_nested_transforms_differentiate_the_backward(device, transform):
     """Nested transforms differentiate the backward, whose tensors they wrap (the
@@ -189,12 +179,90 @@ def test_nested_transforms_differentiate_the_backward(device, transform):
         torch.testing.assert_close(first_order, eager.grad, rtol=5e-3, atol=1e-4)
 
 
-def test_a_hessian_raises_for_want_of_a_jvp(device):
-    """``torch.func.hessian`` is forward-mode over reverse-mode: torch's own error, naming
-    the missing jvp, as for ``jvp`` and ``jacfwd``."""
-    model = converted(device)
-    with pytest.raises(NotImplementedError, match="jvp"):
-        torch.func.hessian(lambda t: model(t).float().pow(2).sum())(torch.randn(33, device=device))
+FORWARD_MODE = {
+    "jvp": lambda f, x, v: torch.func.jvp(f, (x,), (v,))[1],
+    "jacfwd": lambda f, x, v: torch.func.jacfwd(f)(x),
+    "hessian": lambda f, x, v: torch.func.hessian(lambda t: f(t).float().pow(2).sum())(x),
+    "dual numbers": lambda f, x, v: _dual_tangent(f, x, v),
+}
+
+
+def _dual_tangent(f, x, v):
+    """f's tangent at x along v by eager forward-mode AD (``torch.autograd.forward_ad``)."""
+    with forward_ad.dual_level():
+        return forward_ad.unpack_dual(f(forward_ad.make_dual(x, v))).tangent
+
+
+@pytest.mark.parametrize("transform", list(FORWARD_MODE))
+def test_forward_mode_ad_matches_fp64_within_autocasts_error(device, transform):
+    """Forward-mode AD through the layers (their ``jvp`` rules: each product of
+    rounded operands in FP32, as the forward's) and, for the hessian (forward over
+    reverse), through the recorded backward: as the FP64 model's, within twice the
+    error of autocast's (FP16)."""
+    model, exact_model, torch_model = (
+        converted(device),
+        mlp(device, dtype=torch.float64),
+        mlp(device),
+    )
+    x, v = torch.randn(2, 33, device=device), torch.randn(2, 33, device=device)
+    if transform in ("jacfwd", "hessian"):
+        x = x[0]
+
+    def autocast(t):
+        with torch.autocast(device.type, dtype=torch.float16):
+            return torch_model(t)
+
+    apply = FORWARD_MODE[transform]
+    got = apply(model, x, v)
+    expected = apply(exact_model, x.double(), v.double())
+    assert_within_torch_error(got, expected, apply(autocast, x, v), transform)
+    assert expected.abs().max() > 0
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "silu"])
+def test_a_layers_tangent_in_its_input_weight_and_bias(device, activation):
+    """``linear``'s jvp with tangents for x, W and b at once (the activation's node adds
+    the bias's, which the GEMMs' node has detached): as FP64's, within twice autocast's
+    error."""
+    x, w, b = (torch.randn(*shape, device=device) for shape in ((4, 16), (8, 16), (8,)))
+    tangents = tuple(torch.randn_like(t) for t in (x, w, b))
+
+    def tangent(f, dtype):
+        primals = tuple(t.to(dtype) for t in (x, w, b))
+        return torch.func.jvp(f, primals, tuple(t.to(dtype) for t in tangents))[1]
+
+    def torchs(x, w, b):
+        return torch_activation(torch.nn.functional.linear(x, w, b), activation)
+
+    got = tangent(lambda x, w, b: mpgemm.linear(x, w, b, activation=activation), torch.float32)
+    with torch.autocast(device.type, dtype=torch.float16):
+        autocast = tangent(torchs, torch.float32)
+    expected = tangent(torchs, torch.float64)
+    assert_within_torch_error(got, expected, autocast, f"{activation} layer's tangent")
+
+
+def test_forward_mode_ad_through_a_batched_product_and_cross_entropy(device):
+    """``matmul``'s batched product (operands broadcast) has its jvp rule; eager
+    forward-mode AD through ``cross_entropy`` takes torch's (FP32 logits)."""
+    a, b = torch.randn(2, 4, 8, device=device), torch.randn(1, 8, 5, device=device)
+    a_t, b_t = torch.randn_like(a), torch.randn_like(b)
+    _, got = torch.func.jvp(mpgemm.matmul, (a, b), (a_t, b_t))
+    _, expected = torch.func.jvp(
+        torch.matmul, (a.double(), b.double()), (a_t.double(), b_t.double())
+    )
+    with torch.autocast(device.type, dtype=torch.float16):
+        _, autocast = torch.func.jvp(torch.matmul, (a, b), (a_t, b_t))
+    assert_within_torch_error(got, expected, autocast, "batched product's tangent")
+    target = torch.arange(4, device=device)
+    logits, tangent = torch.randn(4, 6, device=device), torch.randn(4, 6, device=device)
+
+    def tangent_of(loss, dtype):
+        return _dual_tangent(lambda t: loss(t, target), logits.to(dtype), tangent.to(dtype))
+
+    got = tangent_of(mpgemm.cross_entropy, torch.float16)
+    expected = tangent_of(torch.nn.functional.cross_entropy, torch.float64)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3)
 
 
 def test_outside_a_transform_apply_binds_no_signature(device, monkeypatch):

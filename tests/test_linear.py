@@ -725,8 +725,14 @@ def test_a_product_autograd_does_not_record_runs_without_the_autograd_function(
     assert len(applied) == 1
     import torch.autograd.forward_ad as fwAD
 
-    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="jvp"):
-        mpgemm.matmul(fwAD.make_dual(x, torch.ones_like(x)), w.t())
+    # A forward-AD level: the Function, whose jvp rule gives the tangent, not dropped.
+    tangent = torch.randn_like(x)
+    with fwAD.dual_level():
+        dual = mpgemm.matmul(fwAD.make_dual(x, tangent), w.t())
+        got = fwAD.unpack_dual(dual).tangent
+    assert len(applied) == 2
+    expected = mpgemm.matmul(tangent, w.t())
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
     # Under a functorch transform too (tests/test_func_transforms.py), even with no
     # gradient asked for; under vmap the Function's rule applies it again, on the
     # batch's rows.
