@@ -180,12 +180,18 @@ def _implementation(
     only under ``create_graph=True`` (or a ``torch.func`` transform): the backward's
     torch ops are then differentiable again, as torch's layers' backwards are (a
     gradient penalty, a Hessian-vector product, ``grad`` of ``grad``), to any order.
-    Its roundings to the compute dtype are casts, so the derivatives through them are
-    rounded there too, as under ``torch.autocast``."""
+    Its GEMMs are ``matmul``'s (``_RECORDED``): the kernels compute them, and autograd
+    records them as the Functions it differentiates again. Derivatives through the
+    roundings to the compute dtype are rounded there too, as under ``torch.autocast``."""
+    recorded = False
     recording = torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (not is_plain(t) or (recording and t.requires_grad)):
-            return _OPS[op][0]
+        if t is not None:
+            if not is_plain(t):
+                return _OPS[op][0]
+            recorded = recorded or (recording and t.requires_grad)
+    if recorded:
+        return _RECORDED.get(op, _OPS[op][0])
     if backend(device) == "reference":
         return _OPS[op][0]
     try:
@@ -1096,6 +1102,17 @@ def matmul(
 # idle GPU waits for all of it (``bench/NOTES.md``). At most so many keys.
 _MAX_MATMUL_REPLAYS = 4096
 _matmul_replays: dict[tuple, tuple[Callable, torch.dtype, torch.dtype]] = {}
+
+
+def _recorded_product(a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """round(a) @ round(b) in FP32 by ``matmul``: the kernels' product, recorded by
+    autograd (in a backward under ``create_graph``)."""
+    return matmul(a, b, compute_dtype=compute_dtype, out_dtype=torch.float32)
+
+
+# The implementation of each op whose tensors autograd records (``_implementation``):
+# the reference's math with its GEMMs by ``matmul``.
+_RECORDED: dict[str, Callable] = {"gemm": functools.partial(gemm_ref, product=_recorded_product)}
 
 
 def _replay_key(a, b, compute_dtype, out_dtype) -> tuple | None:

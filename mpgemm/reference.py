@@ -137,6 +137,7 @@ def gemm_ref(
     kept_dims: int = 0,
     relu_output: torch.Tensor | None = None,
     colsum_c: bool = False,
+    product: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The math of ``triton_gemm`` (see ``mpgemm.kernels.gemm``), same arguments and
     results: C = act(round(A) @ round(B) + bias), G = the pre-activation z in C's dtype
@@ -144,9 +145,13 @@ def gemm_ref(
     sums of A; ``sum_batch``: C = the sum of a batch's products over every batch
     dimension after the first ``kept_dims``, in FP32. ``relu_output`` (y): C rounded,
     then 0 where y <= 0 (threshold_backward's rule: a NaN y passes C on); ``colsum_c``:
-    R = FP32 column sums of C as stored."""
+    R = FP32 column sums of C as stored. ``product(a, b, compute_dtype)``: round(A) @
+    round(B) in FP32 (default: torch's product of the rounded operands)."""
     a32 = a.to(torch.float32)
-    z = round_to(a32, compute_dtype) @ round_to(b, compute_dtype)
+    if product is None:
+        z = round_to(a32, compute_dtype) @ round_to(b, compute_dtype)
+    else:
+        z = product(a, b, compute_dtype)
     if sum_batch and z.dim() > 2 + kept_dims:
         z = z.sum(dim=tuple(range(kept_dims, z.dim() - 2)))
     if bias is not None:

@@ -18,7 +18,7 @@ from mpgemm.reference import (
     linear_ref,
     torch_activation,
 )
-from tests.accuracy import assert_within_torch_error, nan_padded
+from tests.accuracy import assert_within_torch_error, launched_kernels, nan_padded
 
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
@@ -563,6 +563,21 @@ def test_a_gradient_penalty_is_differentiated_within_autocasts_error(device, op)
         assert_within_torch_error(g, g64, g_ac, f"{op}: {name}'s gradient", rtol=1e-3)
         bar = 2 * (g_ac.double() - g64).abs().max() + 1e-3 * g64.abs().max()
         assert (g64 - g1).abs().max() > 10 * bar, f"{op}: {name}: the penalty's share is small"
+
+
+def test_a_backward_under_create_graph_runs_its_gemms_on_the_kernels(device):
+    """Recorded, the backward's products are ``matmul``'s (``functional._RECORDED``):
+    the kernels compute them, as they compute the second backward's, where the
+    reference's products would be torch's FP32 ones."""
+    gemms = {"_gemm_kernel", "_gemm_tma_kernel"}
+    x, w = leaves(torch.randn(4, 16, device=device), torch.randn(8, 16, device=device))
+    loss = mpgemm.linear(x, w, activation="gelu").float().square().sum()
+    names, grads = launched_kernels(lambda: torch.autograd.grad(loss, [x, w], create_graph=True))
+    assert sum(name in gemms for name in names) == 2  # x's gradient and w's
+    assert all(g.grad_fn is not None for g in grads)
+    penalty = sum(g.square().sum() for g in grads)
+    names, _ = launched_kernels(lambda: torch.autograd.grad(loss + penalty, [x, w]))
+    assert sum(name in gemms for name in names) >= 4
 
 
 def test_a_layers_penalty_differentiates_its_fp32_master_not_its_copy(device):
