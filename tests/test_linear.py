@@ -538,8 +538,8 @@ def _penalised_gradients(op, tensors, penalised=None):
 
 @pytest.mark.parametrize("op", list(PENALISED_OPS))
 def test_a_gradient_penalty_is_differentiated_within_autocasts_error(device, op):
-    """Under ``create_graph=True`` the backward is recorded (the reference path's torch
-    ops, ``functional.differentiable_backward``), so a penalty on the gradients reaches
+    """Under ``create_graph=True`` the backward is recorded (``functional._implementation``:
+    the reference's math, its GEMMs by ``matmul``), so a penalty on the gradients reaches
     the weights' and the input's, as through torch's layers: within twice autocast's
     error (FP16, the same op) of FP64, with a small atol. The penalty's own share of
     FP64's gradients is checked to be far above that bar: the first-order gradients
