@@ -3,9 +3,12 @@
 Both ops run through ``LinearFunction``: ``matmul(a, b)`` with a 2-D ``b`` is
 ``linear(a, b.T)`` on a transposed view, so one forward and one backward serve both; a
 batched ``b`` takes ``BatchedMatmulFunction``, a batch of products. A layer's activation
-adds ``ActivationFunction`` to the graph, for its derivative. A product of two 16-bit
-matrices that ``matmul`` has made before without autograd goes from its entry to the
-replay of its launches (``_replay_key``), past the checks and layers between.
+adds ``ActivationFunction`` to the graph, for its derivative. A backward under
+``create_graph=True`` is recorded, differentiable again (``_implementation``), and
+under forward-mode AD each Function's subclass with a ``jvp`` rule takes its place
+(``_Function.apply``). A product of two 16-bit matrices that ``matmul`` has made before
+without autograd goes from its entry to the replay of its launches (``_replay_key``),
+past the checks and layers between.
 """
 
 from __future__ import annotations
