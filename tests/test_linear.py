@@ -4,6 +4,7 @@ reference path, which must agree to FP32 rounding."""
 
 import gc
 import itertools
+import statistics
 
 import pytest
 import torch
@@ -488,35 +489,41 @@ def test_a_tensor_subclass_gets_the_call_and_its_tensors_the_reference_path(devi
     torch.testing.assert_close(w.grad, w0.grad, rtol=1e-6, atol=1e-6)
 
 
-# Each op as (mpgemm's, torch's) of (x, w, b): w (8, 16), b (8,), x (4, 16).
+# Each op as (mpgemm's of (x, w, b, compute dtype), torch's of (x, w, b)): w (8, 16),
+# b (8,), x (4, 16).
 PENALISED_OPS = {
     "linear": (
-        lambda x, w, b: mpgemm.linear(x, w, b),
+        lambda x, w, b, cd: mpgemm.linear(x, w, b, compute_dtype=cd),
         lambda x, w, b: F.linear(x, w, b),
     ),
     **{
         f"{act} layer": (
-            lambda x, w, b, act=act: mpgemm.linear(x, w, b, activation=act),
+            lambda x, w, b, cd, act=act: mpgemm.linear(x, w, b, activation=act, compute_dtype=cd),
             lambda x, w, b, act=act: torch_activation(F.linear(x, w, b), act),
         )
         for act in ("relu", "gelu", "gelu_tanh", "silu")
     },
     # x's rounding, which the GEMMs read, made from an FP32 intermediate freed after.
     "linear of an intermediate": (
-        lambda x, w, b: mpgemm.linear(x * 2.0, w, b, activation="gelu"),
+        lambda x, w, b, cd: mpgemm.linear(x * 2.0, w, b, activation="gelu", compute_dtype=cd),
         lambda x, w, b: F.gelu(F.linear(x * 2.0, w, b)),
     ),
     "two layers": (
-        lambda x, w, b: mpgemm.linear(mpgemm.linear(x, w, b, activation="silu"), w.t()),
+        lambda x, w, b, cd: mpgemm.linear(
+            mpgemm.linear(x, w, b, activation="silu", compute_dtype=cd), w.t(), compute_dtype=cd
+        ),
         lambda x, w, b: F.linear(F.silu(F.linear(x, w, b)), w.t()),
     ),
     "batched matmul": (
-        lambda x, w, b: mpgemm.matmul(x.expand(2, 4, 16), w.t().expand(2, 16, 8)) + b,
+        lambda x, w, b, cd: (
+            mpgemm.matmul(x.expand(2, 4, 16), w.t().expand(2, 16, 8), compute_dtype=cd) + b
+        ),
         lambda x, w, b: torch.matmul(x.expand(2, 4, 16), w.t().expand(2, 16, 8)) + b,
     ),
     "cross_entropy": (
-        lambda x, w, b: mpgemm.cross_entropy(
-            mpgemm.linear(x, w, b, out_dtype=torch.float32), torch.arange(4, device=x.device)
+        lambda x, w, b, cd: mpgemm.cross_entropy(
+            mpgemm.linear(x, w, b, compute_dtype=cd, out_dtype=torch.float32),
+            torch.arange(4, device=x.device),
         ),
         lambda x, w, b: F.cross_entropy(
             F.linear(x, w, b).float(), torch.arange(4, device=x.device)
@@ -536,33 +543,55 @@ def _penalised_gradients(op, tensors, penalised=None):
     return torch.autograd.grad(loss + penalty, tensors)
 
 
+def _relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((got.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+# The seeds of each penalty case's draws (``test_a_gradient_penalty_is_as_accurate_as_autocasts``).
+PENALTY_SEEDS = range(8)
+
+
+@pytest.mark.parametrize("compute_dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize("op", list(PENALISED_OPS))
-def test_a_gradient_penalty_is_differentiated_within_autocasts_error(device, op):
+def test_a_gradient_penalty_is_as_accurate_as_autocasts(device, op, compute_dtype):
     """Under ``create_graph=True`` the backward is recorded (``functional._implementation``:
     the reference's math, its GEMMs by ``matmul``), so a penalty on the gradients reaches
-    the weights' and the input's, as through torch's layers: within twice autocast's
-    error (FP16, the same op) of FP64, with a small atol. The penalty's own share of
-    FP64's gradients is checked to be far above that bar: the first-order gradients
-    alone, or the penalty reaching some tensors and not others (once-differentiable
-    backwards: 7.7 against 20.9 in a trial), fail it."""
+    the weights' and the input's, as through torch's layers. Held to autocast's accuracy
+    (the same op in the same 16-bit dtype) against FP64 over draws: the median and the
+    largest of the gradients' relative errors each within twice autocast's. (Per draw,
+    twice autocast's error fails now and then: over 25 seeds and FP16 both had median
+    relative errors of 4e-4 to 1e-3 and largest ones of 1.3e-3 to 3.6e-3, but one draw
+    of "two layers" had autocast's bias gradient 1.5e-4 off and ours 1.6e-3; and
+    autocast's FP16 overflows in some, which leave its side.) The penalty's own share of
+    FP64's gradients is checked to be far above our error in every draw: the
+    first-order gradients alone, or the penalty reaching some tensors and not others
+    (once-differentiable backwards: 7.7 against 20.9 in a trial), fail it."""
     ours, torchs = PENALISED_OPS[op]
-    torch.manual_seed(0)
-    tensors = [
-        torch.randn(4, 16, device=device),
-        torch.randn(8, 16, device=device) / 4,
-        torch.randn(8, device=device),
-    ]
-    got = _penalised_gradients(ours, leaves(*tensors))
-    wide = leaves(*(t.double() for t in tensors))
-    expected = _penalised_gradients(torchs, wide)
-    with torch.autocast(device.type, dtype=torch.float16):
-        autocast = _penalised_gradients(torchs, leaves(*tensors))
-    first_order = torch.autograd.grad(torchs(*wide).square().sum(), wide)
-    for name, g, g64, g_ac, g1 in zip("xwb", got, expected, autocast, first_order, strict=True):
-        assert g.dtype == torch.float32, name
-        assert_within_torch_error(g, g64, g_ac, f"{op}: {name}'s gradient", rtol=1e-3)
-        bar = 2 * (g_ac.double() - g64).abs().max() + 1e-3 * g64.abs().max()
-        assert (g64 - g1).abs().max() > 10 * bar, f"{op}: {name}: the penalty's share is small"
+    our_errors, autocasts_errors = [], []
+    for draw in PENALTY_SEEDS:
+        g = torch.Generator().manual_seed(draw)
+        shapes = ((4, 16), (8, 16), (8,))
+        tensors = [torch.randn(*shape, generator=g).to(device) for shape in shapes]
+        tensors[1] /= 4
+        got = _penalised_gradients(lambda *t: ours(*t, compute_dtype), leaves(*tensors))
+        wide = leaves(*(t.double() for t in tensors))
+        expected = _penalised_gradients(torchs, wide)
+        with torch.autocast(device.type, dtype=compute_dtype):
+            autocast = _penalised_gradients(torchs, leaves(*tensors))
+        first_order = torch.autograd.grad(torchs(*wide).square().sum(), wide)
+        runs = (got, expected, autocast, first_order)
+        for name, got_, g64, g_ac, g1 in zip("xwb", *runs, strict=True):
+            what = f"{op}, draw {draw}: {name}'s gradient"
+            assert got_.dtype == torch.float32 and torch.isfinite(got_).all(), what
+            error = _relative_error(got_, g64)
+            assert _relative_error(g1, g64) > 10 * error, f"{what}: the penalty's share is small"
+            our_errors.append(error)
+            if torch.isfinite(g_ac).all():
+                autocasts_errors.append(_relative_error(g_ac, g64))
+    assert len(autocasts_errors) >= len(our_errors) // 2  # (few overflows)
+    for statistic in (statistics.median, max):
+        ours_, theirs = statistic(our_errors), statistic(autocasts_errors)
+        assert ours_ <= 2 * theirs, f"{op}: {statistic.__name__} {ours_:.3g} > 2 x {theirs:.3g}"
 
 
 def test_a_backward_under_create_graph_runs_its_gemms_on_the_kernels(device):
