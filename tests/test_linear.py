@@ -594,6 +594,22 @@ def test_a_gradient_penalty_is_as_accurate_as_autocasts(device, op, compute_dtyp
         assert ours_ <= 2 * theirs, f"{op}: {statistic.__name__} {ours_:.3g} > 2 x {theirs:.3g}"
 
 
+@pytest.mark.parametrize("op", ["gelu layer", "two layers", "cross_entropy"])
+def test_an_enclosing_autocast_changes_no_penalty(device, op):
+    """The recorded backward's math states its precision as the kernels' does: under an
+    enclosing ``torch.autocast`` (BF16, which would round FP32 products and sums to 8
+    bits) a penalty's gradients are the same bits."""
+    ours, _ = PENALISED_OPS[op]
+    torch.manual_seed(0)
+    tensors = [torch.randn(4, 16, device=device), torch.randn(8, 16, device=device) / 4]
+    tensors.append(torch.randn(8, device=device))
+    expected = _penalised_gradients(lambda *t: ours(*t, torch.float16), leaves(*tensors))
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        got = _penalised_gradients(lambda *t: ours(*t, torch.float16), leaves(*tensors))
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e), op
+
+
 def test_a_backward_under_create_graph_runs_its_gemms_on_the_kernels(device):
     """Recorded, the backward's products are ``matmul``'s (``functional._RECORDED``):
     the kernels compute them, as they compute the second backward's, where the
