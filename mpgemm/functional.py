@@ -357,6 +357,7 @@ class _Function(torch.autograd.Function):
     def apply(cls, *args):
         function = cls
         transformed = torch._C._are_functorch_transforms_active()
+        # (The common case, neither a transform nor a forward-AD level, asks no more.)
         if (transformed or forward_ad._current_level >= 0) and _forward_ad_active():
             function = cls.forward_mode or cls
         if transformed:
@@ -734,19 +735,17 @@ class _BatchedMatmulWithJvp(BatchedMatmulFunction):
     def setup_context(ctx, inputs, output):
         BatchedMatmulFunction.setup_context(ctx, inputs, output)
         ctx.save_for_forward(*inputs[:2])
-        ctx.out_dtype = inputs[3]
+        ctx.out_shape, ctx.out_dtype = output.shape, output.dtype
 
     @staticmethod
     def jvp(ctx, a_t, b_t, *_):
         """Forward-mode AD: a_t @ b + a @ b_t, each a batch of products of rounded
         operands in FP32 as the forward's, rounded once to the output's dtype."""
         a, b = ctx.saved_tensors
-        c_t = 0.0
+        c_t = a.new_zeros(ctx.out_shape, dtype=torch.float32)  # (as LinearFunction's)
         for x, y in ((a_t, b), (a, b_t)):
             if x is not None and y is not None:
                 c_t = c_t + _batched_product(x, y, ctx.compute_dtype, torch.float32)
-        if isinstance(c_t, float):  # (tangents of neither)
-            c_t = _batched_product(a, b, ctx.compute_dtype, torch.float32).zero_()
         return c_t.to(ctx.out_dtype)
 
 

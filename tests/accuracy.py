@@ -13,6 +13,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
+def away_from_relu_kink(t: torch.Tensor, x, w, b) -> torch.Tensor:
+    """``t`` (a gradient or tangent at a ReLU layer's output, or that output), zeroed where
+    z = x @ w.T + b is within operand-rounding noise of ReLU's kink: there 16-bit
+    rounding decides the mask, differently for every implementation."""
+    z = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    return torch.where(z.abs() < 0.02 * z.abs().max(), 0.0, t.double()).to(t)
+
+
 def assert_within_torch_error(
     out: torch.Tensor,
     exact: torch.Tensor,

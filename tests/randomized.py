@@ -53,6 +53,7 @@ from tests.accuracy import (
     assert_same_bits,
     assert_sum_within_torch_error,
     assert_within_torch_error,
+    away_from_relu_kink,
     fused_relu_gradients,
     optimizer_launch_shape,
 )
@@ -224,9 +225,8 @@ def linear_case(seed: int) -> None:
             y = fn(xl, wl, bl, activation=activation, compute_dtype=compute, out_dtype=out_dtype)
         if grad_y is None:
             grad_y = _randn(*y.shape, g=g)
-            if activation == "relu":  # away from the kink, where rounding decides the mask
-                z = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-                grad_y = torch.where(z.abs() < 0.02 * z.abs().max(), 0.0, grad_y.double())
+            if activation == "relu":
+                grad_y = away_from_relu_kink(grad_y, x, w, bias)
             grad_y = _incoming(grad_y.to(y.dtype), grad_layout)
         if y.numel():
             y.backward(grad_y.to(y.dtype))

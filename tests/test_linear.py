@@ -19,7 +19,12 @@ from mpgemm.reference import (
     linear_ref,
     torch_activation,
 )
-from tests.accuracy import assert_within_torch_error, launched_kernels, nan_padded
+from tests.accuracy import (
+    assert_within_torch_error,
+    away_from_relu_kink,
+    launched_kernels,
+    nan_padded,
+)
 
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 COMPUTE_DTYPES = [torch.float16, torch.bfloat16]
@@ -31,13 +36,6 @@ def fp64_linear(x, w, b, activation):
     # The bias added after: F.linear refuses a bias beside a 1-D weight for 2-D inputs.
     z = F.linear(x, w) if b is None else F.linear(x, w) + b
     return torch_activation(z, activation)
-
-
-def away_from_relu_kink(grad_out, x, w, b):
-    """grad_out, zeroed where z is within operand-rounding noise of ReLU's kink: there
-    16-bit rounding decides the mask, differently for every implementation."""
-    z = F.linear(x.double(), w.double(), None if b is None else b.double())
-    return torch.where(z.abs() < 0.02 * z.abs().max(), 0.0, grad_out.double()).to(grad_out)
 
 
 def leaves(*tensors):
