@@ -58,10 +58,14 @@ class CrossEntropyFunction(torch.autograd.Function):
         x, target, lse, count = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the reference, recorded
             # The softmax's normaliser taken again from x, so that it is differentiated:
-            # the row's largest logit, saved, is a constant of it.
-            m = lse[0]
-            lse = torch.stack((m, torch.logsumexp(x.float() - m[:, None], dim=1)))
-            dx = cross_entropy_backward_ref(grad, x, target, lse, count, *ctx.options)
+            # the row's largest logit, saved, is a constant of it. x widened once: the
+            # gradients of its two uses, which cancel, are summed in FP32 and rounded to
+            # 16 bits once (with a cast each, a BF16 logit's second derivative was off
+            # by a unit of the terms, 0.004 of 0.03).
+            m, wide = lse[0], x.float()
+            lse = torch.stack((m, torch.logsumexp(wide - m[:, None], dim=1)))
+            options = ctx.options
+            dx = cross_entropy_backward_ref(grad, wide, target, lse, count, *options).to(x.dtype)
         elif is_plain(grad):
             from mpgemm.kernels.cross_entropy import triton_cross_entropy_backward
 

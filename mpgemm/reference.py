@@ -221,13 +221,18 @@ def cross_entropy_backward_ref(
     exponential times 0 (torch's 0 - p * 0: NaN where p is, else 0); rounded once to
     x's dtype."""
     classes = x.shape[1]
+    ignored = (target == ignore_index)[:, None]
     g = grad.float()
     g = g[:, None] if reduction == "none" else g / count if reduction == "mean" else g
+    # g is 0 on the rows ignored, whose dx is the other branch's: differentiated again
+    # (create_graph), the branch not taken gets zeros, times g, which for a mean over
+    # no rows is inf (grad / 0): NaN, where torch's second derivative is 0.
+    g = torch.where(ignored, 0.0, g)
     hit = torch.arange(classes, device=x.device)[None, :] == target[:, None]
     p = torch.exp((x.float() - lse[0, :, None]) - lse[1, :, None])
     dx = (p - hit * (1.0 - smoothing) - smoothing / classes) * g
     dx = dx.masked_fill(((target < 0) | (target >= classes))[:, None], float("nan"))
-    return torch.where((target == ignore_index)[:, None], p * 0.0, dx).to(x.dtype)
+    return torch.where(ignored, p * 0.0, dx).to(x.dtype)
 
 
 @_autocast_off

@@ -299,3 +299,53 @@ def test_compiled_or_transformed_it_is_torchs(device):
     assert torch.equal(compiled(x, target), F.cross_entropy(x, target))
     ours = torch.func.grad(lambda z: mpgemm.cross_entropy(z, target))(x)
     assert torch.equal(ours, torch.func.grad(lambda z: F.cross_entropy(z, target))(x))
+
+
+def _second_derivative(loss_fn, x, target, r, **options):
+    """The logits' gradient under ``create_graph`` (of the loss's sum) and the gradient
+    of <r, it> (a Hessian-vector product of the loss), for logits ``x`` as given."""
+    x = x.detach().clone().requires_grad_()
+    loss = loss_fn(x, target, **options).sum()
+    (first,) = torch.autograd.grad(loss, x, create_graph=True)
+    (second,) = torch.autograd.grad((r.double() * first.double()).sum(), x)
+    return first.detach(), second
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_logits_second_derivatives_within_torchs_fp32_error(dtype, reduction, device):
+    """The recorded backward (``create_graph``) widens the logits once: the gradients of
+    the softmax's two uses of them, p R and -p (p . R), which cancel, are summed in FP32
+    and rounded to the logits' dtype once, as torch's FP32 second derivative is. (Widened
+    for each use, each was rounded to 16 bits before the sum: a BF16 element 0.0234
+    where FP64 has 0.0275, 0.0041 off where torch's FP32 rounded to BF16 is 1e-4; the
+    cross_entropy_second_order search found it.)"""
+    x, target = _case(10, dtype, device)
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    loss = (mpgemm.cross_entropy, F.cross_entropy, F.cross_entropy)
+    runs = [
+        _second_derivative(fn, x.to(cast), target, r, reduction=reduction)
+        for fn, cast in zip(loss, (dtype, torch.float32, torch.float64), strict=True)
+    ]
+    for i, what in enumerate(("gradient", "second derivative")):
+        ours, torchs, exact = (run[i] for run in runs)
+        assert ours.dtype == dtype
+        # (the terms' FP32 cancelling: at most 2 |w| |R| a row, w at most 1)
+        atol = 2 * torch.finfo(torch.float32).eps * r.abs().max().item()
+        rtol = torch.finfo(dtype).eps / 2  # (the rounding to the logits' dtype)
+        assert_within_torch_error(ours, exact, torchs.to(dtype), what, rtol=rtol, atol=atol)
+
+
+def test_a_mean_over_no_rows_has_torchs_second_derivative(device):
+    """Every row ignored, the mean's gradient weight is grad / 0: inf. The recorded
+    backward's branch not taken (the ignored rows' gradient is the other) got a zero
+    gradient times it, NaN, where torch's second derivative is 0."""
+    x = torch.randn(3, 4, device=device)
+    target = torch.full((3,), -100, device=device)
+    r = torch.randn(3, 4, device=device)
+    for smoothing in (0.0, 0.5):
+        options = dict(reduction="mean", label_smoothing=smoothing)
+        ours = _second_derivative(mpgemm.cross_entropy, x, target, r, **options)
+        torchs = _second_derivative(F.cross_entropy, x, target, r, **options)
+        for got, want in zip(ours, torchs, strict=True):
+            assert_same_bits(got, want, f"smoothing {smoothing}")
