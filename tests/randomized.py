@@ -19,13 +19,21 @@ API, bit for bit, state dicts loaded across) and ``masters`` (``LossScaleOptimiz
 over a 16-bit model against torch's recipe with FP32 masters by hand, bit for bit) and
 ``relu_fusion`` (a ReLU layer into a layer, its backward in that layer's input-gradient
 GEMM against its own kernel, over dtypes, shapes, frozen parameters, hooks and a second
-consumer: the same gradients, bit for bit but for the bias's summation order).
+consumer: the same gradients, bit for bit but for the bias's summation order) and
+``linear_second_order`` and ``matmul_second_order`` (``linear``'s and ``matmul``'s draws
+differentiated twice: the gradients of a loss taken under ``create_graph`` and those of
+a penalty on them, elementwise within a first-order error bound,
+``tests.error_bounds``, which the references differentiated by torch must meet too)
+and ``cross_entropy_second_order`` (the same of ``cross_entropy``'s draws, against
+torch's).
 Tensors come in drawn layouts: contiguous, transposed, sliced, negative views
 (``_operand``, ``_laid_out``), and incoming gradients also as one value broadcast
 (``_incoming``). Prints each failing case and a count; exit status 1 on any. Searches
 like these found four faults (``bench/NOTES.md``, 2026-11-26, fifth session), and with
 the layouts a fifth (2026-11-28: ``cross_entropy`` took 16-bit logits in 16 bits on
-torch's path); ``tests/test_randomized.py`` runs a few seeds of each.
+torch's path), and the second-order searches two more (2026-11-28, twenty-fifth
+session: ``cross_entropy``'s second derivatives); ``tests/test_randomized.py`` runs a
+few seeds of each.
 
 Where a product's terms cancel, its error against FP64 is bounded by the sum of their
 magnitudes, not by the result's: each bar adds half a unit of the coarsest rounding the
@@ -47,8 +55,15 @@ from torch import nn
 
 import mpgemm
 from mpgemm import functional
-from mpgemm.reference import dz_rounding, linear_ref, torch_activation
+from mpgemm.reference import (
+    compute_dtype_for,
+    dz_rounding,
+    linear_ref,
+    matmul_ref,
+    torch_activation,
+)
 from mpgemm.scaling import unscale_
+from tests import error_bounds
 from tests.accuracy import (
     assert_same_bits,
     assert_sum_within_torch_error,
@@ -119,7 +134,10 @@ def _incoming(values: torch.Tensor, kind: str) -> torch.Tensor:
     return _laid_out(values, kind)
 
 
-def matmul_case(seed: int) -> None:
+def _matmul_operands(seed: int) -> tuple:
+    """``matmul``'s draw from ``seed`` (seeding ``random`` too, for what follows): the
+    generator for later tensors, a, b, and the compute and output dtypes to give (None:
+    the default)."""
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
     m, k, n = (random.choice([0, 1, 2, 3, 5, 8, 16, 17, 31, 33, 40, 64, 70]) for _ in range(3))
@@ -143,12 +161,17 @@ def matmul_case(seed: int) -> None:
     b = _operand(b_shape, random.choice(DTYPES), g)
     compute = random.choice([None, *HALVES])
     out_dtype = random.choice([None, *DTYPES])
+    return g, a, b, compute, out_dtype
+
+
+def matmul_case(seed: int) -> None:
+    g, a, b, compute, out_dtype = _matmul_operands(seed)
     grad = random.random() < 0.5
     a, b = a.detach().requires_grad_(grad), b.detach().requires_grad_(grad)
     what = f"matmul seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b {tuple(b.shape)} "
     what += f"{b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, grad {grad}"
     compute_given = compute
-    compute = compute or (torch.bfloat16 if torch.bfloat16 in (a.dtype, b.dtype) else torch.float16)
+    compute = compute or compute_dtype_for(a, b)
     ar, br = a.detach().to(compute), b.detach().to(compute)
     if not grad and random.random() < 0.3:
         # out=, as torch.matmul's: written in place, transposed or not, returned.
@@ -193,7 +216,10 @@ def matmul_case(seed: int) -> None:
         assert_within_torch_error(t.grad, exact, theirs.to(t.dtype), f"{what}: d{name}", atol=atol)
 
 
-def linear_case(seed: int) -> None:
+def _linear_operands(seed: int) -> tuple:
+    """``linear``'s draw from ``seed`` (seeding ``random`` too, for what follows): the
+    generator for later tensors, x, W, the bias or None, the activation, the compute
+    and output dtypes to give (None: the default), and a description of them."""
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
     lead = tuple(random.choice([1, 2, 3, 5, 17, 33]) for _ in range(random.choice([0, 1, 2])))
@@ -205,13 +231,19 @@ def linear_case(seed: int) -> None:
     activation = random.choice([None, "relu", "gelu", "gelu_tanh", "silu"])
     compute = random.choice([None, *HALVES])
     out_dtype = random.choice([None, *DTYPES])
-    what = f"linear seed {seed}: x {tuple(x.shape)} {x.dtype} {x.stride()}, w {w.dtype} "
-    what += f"{w.stride()}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}, "
+    what = f"x {tuple(x.shape)} {x.dtype} {x.stride()}, w {w.dtype} {w.stride()}, bias "
+    what += f"{None if bias is None else (tuple(bias.shape), bias.dtype)}, {activation}, "
+    what += f"compute {compute}, out {out_dtype}"
+    return g, x, w, bias, activation, compute, out_dtype, what
+
+
+def linear_case(seed: int) -> None:
+    g, x, w, bias, activation, compute, out_dtype, what = _linear_operands(seed)
     # dY's layout (``_incoming``; not broadcast with a ReLU, whose masking of dY near
     # the kink below that would undo).
     grad_layout = random.choice(GRAD_LAYOUTS[:-1] if activation == "relu" else GRAD_LAYOUTS)
-    what += f"{activation}, compute {compute}, out {out_dtype}, dY {grad_layout}"
-    compute = compute or (torch.bfloat16 if torch.bfloat16 in (x.dtype, w.dtype) else torch.float16)
+    what = f"linear seed {seed}: {what}, dY {grad_layout}"
+    compute = compute or compute_dtype_for(x, w)
     results, grad_y = [], None
     for fn, cast in ((mpgemm.linear, None), (None, torch.float64), (linear_ref, None)):
         xl, wl, bl = (
@@ -265,7 +297,150 @@ def linear_case(seed: int) -> None:
         assert_within_torch_error(got, exact, theirs, f"{what}: d{name}", atol=atol)
 
 
-def cross_entropy_case(seed: int) -> None:
+def _derivatives(y_of, given: dict, wrt: list, cast, loss: tuple, penalty: dict) -> tuple:
+    """The gradients of L = <M C, y> + s/2 |M y|^2 (``loss``: (C, M, s)) for the
+    tensors named ``wrt`` of ``given`` (made leaves, cast to ``cast`` unless None),
+    taken under ``create_graph``, and those of P = <R, those gradients> (``penalty``:
+    R by name): two dicts by name. y is ``y_of(leaves)``; L and P are summed in FP64."""
+    leaves = {
+        name: t.detach().to(cast or t.dtype).requires_grad_(name in wrt)
+        for name, t in given.items()
+    }
+    coef, mask, s = loss
+    y = mask * y_of(leaves).double()
+    differentiated = [leaves[name] for name in wrt]
+    firsts = torch.autograd.grad(
+        (coef * y).sum() + s / 2 * (y * y).sum(), differentiated, create_graph=True
+    )
+    p = sum(
+        (penalty[name].double() * d.double()).sum() for name, d in zip(wrt, firsts, strict=True)
+    )
+    if p.requires_grad:
+        seconds = torch.autograd.grad(p, differentiated, materialize_grads=True)
+    else:  # (P does not depend on them: an identity layer's bias, s 0)
+        seconds = [torch.zeros_like(t) for t in differentiated]
+    return dict(zip(wrt, firsts, strict=True)), dict(zip(wrt, seconds, strict=True))
+
+
+def _second_order_draw(given: dict, shape: tuple, g: torch.Generator) -> tuple:
+    """What a second-order case draws besides its operands (``given``, by name; y of
+    ``shape``): s (L's y^2 term, through which G depends on y), the tensors to
+    differentiate (one at least), C, and R for each in one of ``_incoming``'s layouts."""
+    s = random.choice([0.0, 0.5])
+    wrt = sorted(random.sample(sorted(given), random.randint(1, len(given))), key=list(given).index)
+    coef = _randn(*shape, g=g).double()
+    penalty = {}
+    for name in wrt:
+        r = _randn(*given[name].shape, g=g).to(given[name].dtype)
+        # (no value to broadcast from an empty R)
+        penalty[name] = _incoming(r, random.choice(GRAD_LAYOUTS[: None if r.numel() else -1]))
+    return s, wrt, coef, penalty
+
+
+def _check_second_order(what: str, given: dict, wrt: list, runs: list, bounds: tuple) -> None:
+    """``runs`` (mpgemm's, the reference's, FP64's ``_derivatives``) against ``bounds``
+    (first and second gradients, ``given``'s order, None where not differentiated)."""
+    for order, (got, theirs, exact), bound_set in zip(
+        ("", "second "), zip(*runs, strict=True), bounds, strict=True
+    ):
+        for name, bound in zip(given, bound_set, strict=True):
+            if name in wrt:
+                at = f"{what}: {order}d{name}"
+                _within_bound(given[name], got[name], theirs[name], exact[name], bound, at)
+
+
+def linear_second_order_case(seed: int) -> None:
+    """``mpgemm.linear``'s first and second derivatives (``linear``'s draws): the
+    gradients of a loss whose gradient may depend on y, taken under ``create_graph``,
+    and the gradients of a penalty P = <R, those> (a gradient penalty, a
+    Hessian-vector product), against FP64. mpgemm's recorded backward and
+    ``linear_ref`` differentiated by torch round in different places, which the second
+    derivatives amplify past twice either's error (``bench/NOTES.md``, twenty-fourth
+    session): both are held to a first-order bound on any computation that rounds
+    every intermediate (``tests.error_bounds``), elementwise."""
+    g, x, w, bias, activation, compute, out_dtype, what = _linear_operands(seed)
+    given = {name: t for name, t in zip("xwb", (x, w, bias), strict=True) if t is not None}
+    s, wrt, coef, penalty = _second_order_draw(given, (*x.shape[:-1], w.shape[0]), g)
+    what = f"linear_second_order seed {seed}: {what}, s {s}, wrt {''.join(wrt)}"
+    mask = torch.ones_like(coef)
+    if activation == "relu":  # (G zero near the kink, whose side rounding decides)
+        mask = away_from_relu_kink(mask, x, w, bias)
+    options = dict(activation=activation, compute_dtype=compute, out_dtype=out_dtype)
+    runs = [
+        _derivatives(
+            lambda t, fn=fn: fn(t["x"], t["w"], t.get("b"), **options),
+            given,
+            wrt,
+            None,
+            (coef, mask, s),
+            penalty,
+        )
+        for fn in (mpgemm.linear, linear_ref)
+    ]
+
+    def exact(t):
+        z = t["x"] @ t["w"].T
+        return torch_activation(z if "b" not in t else z + t["b"], activation)
+
+    runs.append(_derivatives(exact, given, wrt, torch.float64, (coef, mask, s), penalty))
+    compute = compute or compute_dtype_for(x, w)
+    model = error_bounds.Rounding(compute, out_dtype or compute, *(t.dtype for t in given.values()))
+    bounds = error_bounds.linear_derivatives(
+        x, w, bias, activation, (coef, mask, s), tuple(penalty.get(name) for name in "xwb"), model
+    )
+    _check_second_order(what, given, wrt, runs, tuple(b[: len(given)] for b in bounds))
+
+
+def matmul_second_order_case(seed: int) -> None:
+    """``mpgemm.matmul``'s first and second derivatives (``matmul``'s draws: batches
+    that broadcast, vectors), as ``linear_second_order``'s, against ``matmul_ref``'s
+    differentiated by torch and FP64, within ``tests.error_bounds``'s bound."""
+    g, a, b, compute, out_dtype = _matmul_operands(seed)
+    given = {"a": a, "b": b}
+    s, wrt, coef, penalty = _second_order_draw(given, torch.matmul(a.double(), b.double()).shape, g)
+    what = f"matmul_second_order seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b "
+    what += f"{tuple(b.shape)} {b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, "
+    what += f"s {s}, wrt {''.join(wrt)}"
+    options = dict(compute_dtype=compute, out_dtype=out_dtype)
+    loss = (coef, 1.0, s)
+    runs = [
+        _derivatives(
+            lambda t, fn=fn: fn(t["a"], t["b"], **options), given, wrt, None, loss, penalty
+        )
+        for fn in (mpgemm.matmul, matmul_ref)
+    ]
+    runs.append(_derivatives(lambda t: t["a"] @ t["b"], given, wrt, torch.float64, loss, penalty))
+    compute = compute or compute_dtype_for(a, b)
+    model = error_bounds.Rounding(compute, out_dtype or compute, a.dtype, b.dtype)
+    bounds = error_bounds.matmul_derivatives(
+        a, b, (coef, s), (penalty.get("a"), penalty.get("b")), model
+    )
+    _check_second_order(what, given, wrt, runs, bounds)
+
+
+def _within_bound(t, got, theirs, exact, bound, what: str) -> None:
+    """``got`` (mpgemm's) and ``theirs`` (the reference's), gradients for ``t``, within
+    ``bound``'s error of the FP64 ``exact`` elementwise, finite, in ``t``'s dtype."""
+    exact = exact.detach()
+    # (The closed form the bound follows is the derivative autograd takes in FP64.)
+    scale = float(exact.abs().max()) if exact.numel() else 0.0
+    assert torch.allclose(bound.value, exact, rtol=1e-9, atol=1e-12 * scale), f"{what}: form"
+    for who, out in (("mpgemm", got), ("the reference", theirs)):
+        at = f"{what} by {who}"
+        assert out.dtype == t.dtype and out.shape == t.shape, at
+        err = (out.detach().double() - exact).abs()
+        beyond = err > bound.error
+        assert not beyond.any() and torch.isfinite(out).all(), (
+            f"{at}: {int(beyond.sum())} of {err.numel()} beyond the bound, error "
+            f"{err.max().item():.3g}, worst {(err / bound.error).nan_to_num().max().item():.3g}"
+            " x its bound"
+        )
+
+
+def _cross_entropy_operands(seed: int) -> tuple:
+    """``cross_entropy``'s draw from ``seed`` (seeding ``random`` too, for what
+    follows): the generator for later tensors, the logits, the targets, the options,
+    and a description of them."""
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
     rows, classes = random.choice([0, 1, 2, 5, 17, 64]), random.choice([1, 2, 10, 33, 100])
@@ -288,10 +463,22 @@ def cross_entropy_case(seed: int) -> None:
         reduction=random.choice(["mean", "sum", "none"]),
         label_smoothing=random.choice([0.0, 0.0, 0.1, 0.5]),
     )
-    what = f"cross_entropy seed {seed}: {rows} x {classes} {dtype} {layout}, {options}"
+    return g, x, target, options, f"{rows} x {classes} {dtype} {layout}, {options}"
+
+
+def _out_of_range(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> bool:
+    """Whether a target not ignored names no class of ``logits``."""
+    classes = logits.shape[1]
+    return bool((((target < 0) | (target >= classes)) & (target != ignore_index)).any())
+
+
+def cross_entropy_case(seed: int) -> None:
+    g, x, target, options, what = _cross_entropy_operands(seed)
+    what = f"cross_entropy seed {seed}: {what}"
+    dtype = x.dtype
     ours = x.detach().requires_grad_()
-    out_of_range = (((target < 0) | (target >= classes)) & (target != ignore)).any()
-    if out_of_range and layout == "negative":
+    out_of_range = _out_of_range(x, target, options["ignore_index"])
+    if out_of_range and x.is_neg():
         # torch's path (the kernels do not read a negative view): torch's IndexError
         try:
             mpgemm.cross_entropy(ours, target, **options)
@@ -342,6 +529,62 @@ def cross_entropy_case(seed: int) -> None:
         rtol=rtol,
         atol=atol,
     )
+
+
+def cross_entropy_second_order_case(seed: int) -> None:
+    """``cross_entropy``'s first and second derivatives (``cross_entropy``'s draws but
+    targets out of range, which torch refuses): the logits' gradient taken under
+    ``create_graph`` and that of P = <R, it>, against torch's (of FP32 logits) and
+    FP64: NaN and inf where torch's are, and within twice torch's error. P's gradient,
+    w (p R - p (p . R)) a row (the softmax's Hessian; w the row's weight in the loss),
+    has terms of at most 2 |w| |R| that cancel, to a sum that may round to an FP16
+    subnormal."""
+    g, x, target, options, what = _cross_entropy_operands(seed)
+    if _out_of_range(x, target, options["ignore_index"]) or not x.numel():
+        return
+    dtype = x.dtype
+    grad = _randn(*((x.shape[0],) if options["reduction"] == "none" else ()), g=g).to(dtype)
+    r_layout = random.choice(GRAD_LAYOUTS)
+    r = _incoming(_randn(*x.shape, g=g).to(dtype), r_layout)
+    what = f"cross_entropy_second_order seed {seed}: {what}, R {r_layout}"
+    results = []
+    for fn, cast in (
+        (mpgemm.cross_entropy, dtype),
+        (F.cross_entropy, torch.float32),
+        (F.cross_entropy, torch.float64),
+    ):
+        logits = x.detach().to(cast).requires_grad_()
+        loss = fn(logits, target, **options)
+        (first,) = torch.autograd.grad(loss, logits, grad.to(loss.dtype), create_graph=True)
+        p = (r.double() * first.double()).sum()
+        if p.requires_grad:
+            (second,) = torch.autograd.grad(p, logits, materialize_grads=True)
+        else:  # (every row ignored)
+            second = torch.zeros_like(logits)
+        results.append((first.detach(), second))
+    rtol = torch.finfo(dtype).eps / 2
+    scale = grad.abs().max().item() if grad.numel() else 0.0
+    for name, (got, theirs, exact), terms in zip(
+        ("gradient", "second gradient"),
+        zip(*results, strict=True),
+        (scale, scale * r.abs().max().item()),
+        strict=True,
+    ):
+        at = f"{what}: {name}"
+        assert got.dtype == dtype and got.shape == x.shape, at
+        _same_nonfinite(got, theirs.to(dtype), at)
+        finite = torch.isfinite(exact)
+        atol = 2 * torch.finfo(torch.float32).eps * terms + _half_subnormal(dtype)
+        assert_within_torch_error(
+            got[finite], exact[finite], theirs[finite].to(dtype), at, rtol=rtol, atol=atol
+        )
+
+
+def _half_subnormal(dtype: torch.dtype) -> float:
+    """Half the spacing of ``dtype``'s subnormals: the most a rounding to it moves a
+    value below its normal range."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps / 2
 
 
 def _loss_terms(
@@ -940,6 +1183,9 @@ CASES: dict[str, Callable[[int], None]] = {
     "optim": optim_case,
     "relu_fusion": relu_fusion_case,
     "scaler": scaler_case,
+    "cross_entropy_second_order": cross_entropy_second_order_case,
+    "linear_second_order": linear_second_order_case,
+    "matmul_second_order": matmul_second_order_case,
 }
 
 

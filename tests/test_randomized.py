@@ -1,9 +1,9 @@
 """A few seeds of each randomised search against torch (``tests/randomized.py``): drawn
 cases of unscale and loss scaling, weight copies, matmul, linear, cross_entropy, the
 optimizers, runs of the GradScaler's API and of LossScaleOptimizer's FP32 masters, a
-ReLU's backward fused into the next layer's GEMM against its own kernel,
-each within the suite's bars; ``python -m tests.randomized OP FIRST COUNT`` searches
-further."""
+ReLU's backward fused into the next layer's GEMM against its own kernel, a layer's
+second derivatives, each within the suite's bars; ``python -m tests.randomized OP
+FIRST COUNT`` searches further."""
 
 import pytest
 
