@@ -315,10 +315,9 @@ def _derivatives(y_of, given: dict, wrt: list, cast, loss: tuple, penalty: dict)
     p = sum(
         (penalty[name].double() * d.double()).sum() for name, d in zip(wrt, firsts, strict=True)
     )
-    if p.requires_grad:
-        seconds = torch.autograd.grad(p, differentiated, materialize_grads=True)
-    else:  # (P does not depend on them: an identity layer's bias, s 0)
-        seconds = [torch.zeros_like(t) for t in differentiated]
+    # (P is recorded as a function of the leaves even where its value is not: L's y^2
+    # term is in the graph with s 0 too; materialized, an unused leaf's gradient is 0.)
+    seconds = torch.autograd.grad(p, differentiated, materialize_grads=True)
     return dict(zip(wrt, firsts, strict=True)), dict(zip(wrt, seconds, strict=True))
 
 
@@ -557,10 +556,7 @@ def cross_entropy_second_order_case(seed: int) -> None:
         loss = fn(logits, target, **options)
         (first,) = torch.autograd.grad(loss, logits, grad.to(loss.dtype), create_graph=True)
         p = (r.double() * first.double()).sum()
-        if p.requires_grad:
-            (second,) = torch.autograd.grad(p, logits, materialize_grads=True)
-        else:  # (every row ignored)
-            second = torch.zeros_like(logits)
+        (second,) = torch.autograd.grad(p, logits)
         results.append((first.detach(), second))
     rtol = torch.finfo(dtype).eps / 2
     scale = grad.abs().max().item() if grad.numel() else 0.0

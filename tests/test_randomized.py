@@ -25,4 +25,8 @@ def test_drawn_cases_match_torch(op, device):
         count = 20 if device.type == "cpu" else 2
     if op == "relu_fusion":  # (two backward passes a case: 0.4 s each here)
         count = 20 if device.type == "cpu" else 2
+    if op.endswith("second_order") and device.type != "cpu":
+        # (a recorded backward's products in dtypes and layouts of their own, each a
+        # binary: the suite's fixed double-backward tests run there too)
+        count = 1
     assert randomized.search(op, range(count), device) == []
