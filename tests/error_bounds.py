@@ -142,6 +142,13 @@ def _largest_derivative(activation: str | None, order: int) -> float:
     return 1.25 * derivative(grid, activation, order).abs().max().item()
 
 
+def _preactivation(model: Rounding, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    """x's rows and W as a layer's rounded operands, and z = x W^T + b, stored."""
+    xb, wb = model.operand(x.reshape(-1, x.shape[-1])), model.operand(w)
+    z = model.matmul(xb, wb.mT)
+    return xb, wb, z if b is None else model.add(z, model.exact(b))
+
+
 def linear_derivatives(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -152,12 +159,12 @@ def linear_derivatives(
     model: Rounding,
 ) -> tuple[tuple[Bounded, Bounded, Bounded | None], tuple[Bounded, Bounded, Bounded | None]]:
     """The gradients of L and the gradients of P, each (x's, W's, b's), with their error
-    bounds: P = <Rx, dL/dx> + <Rw, dL/dW> +
-    <Rb, dL/db> (``penalty``: (Rx, Rw, Rb), None for a gradient not penalised; one at
-    least) for y = act(x W^T + b) (x (..., k), W (n, k), b (n,), () or None) and the
-    loss L = <M C, y> + s/2 |M y|^2 (``loss``: (C, M, s), C and the 0/1 mask M of y's
-    shape), whose gradient G = M (C + s y) depends on y where s != 0. With D = G
-    act'(z) (the first backward's dZ) and E = Rx W^T + x Rw^T + Rb:
+    bounds: P = <Rx, dL/dx> + <Rw, dL/dW> + <Rb, dL/db> (``penalty``: (Rx, Rw, Rb),
+    None for a gradient not penalised; one at least) for y = act(x W^T + b) (x (...,
+    k), W (n, k), b (n,), () or None) and the loss L = <M C, y> + s/2 |M y|^2 (``loss``:
+    (C, M, s), C and the 0/1 mask M of y's shape), whose gradient G = M (C + s y)
+    depends on y where s != 0. With D = G act'(z) (the first backward's dZ) and E = Rx
+    W^T + x Rw^T + Rb:
 
         dL/dx = D W,   dL/dW = D^T x,   dL/db = D summed to b's shape
         P = <D, E>,   H = (G act''(z) + s M act'(z)^2) E    (dP/dz)
@@ -166,10 +173,7 @@ def linear_derivatives(
     Every intermediate is rounded (``Rounding``): x, W and the R as GEMM operands, z
     and y stored, G as y's gradient, D as a GEMM operand."""
     k = x.shape[-1]
-    xb, wb = model.operand(x.reshape(-1, k)), model.operand(w)
-    z = model.matmul(xb, wb.mT)
-    if b is not None:
-        z = model.add(z, model.exact(b))
+    xb, wb, z = _preactivation(model, x, w, b)
     coef, mask, s = loss
     mask = mask.reshape(z.value.shape).double()
     y = model.elementwise(z, activation, 0)
@@ -211,6 +215,14 @@ def _as_input(grads: tuple, x: torch.Tensor) -> tuple:
     return (Bounded(dx.value.reshape(x.shape), dx.error.reshape(x.shape)), *grads[1:])
 
 
+def _matrix(model: Rounding, t: torch.Tensor | None, row: bool):
+    """``t`` as a product's operand, rounded: a vector as a row (``row``) or a column, as
+    ``torch.matmul`` takes it; None for None."""
+    if t is None:
+        return None
+    return model.operand(t.unsqueeze(0 if row else -1) if t.dim() == 1 else t)
+
+
 def matmul_derivatives(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -228,16 +240,11 @@ def matmul_derivatives(
         dL/da = G b^T,   dL/db = a^T G
         dP/da = G Rb^T + s E b^T,   dP/db = Ra^T G + s a^T E"""
 
-    def matrix(t: torch.Tensor | None, row: bool) -> Bounded | None:
-        if t is None:
-            return None
-        return model.operand(t.unsqueeze(0 if row else -1) if t.dim() == 1 else t)
-
-    ab, bb = matrix(a, True), matrix(b, False)
+    ab, bb = _matrix(model, a, True), _matrix(model, b, False)
     y = model.matmul(ab, bb)
     coef, s = loss
     g = model.rounded(model.add(model.exact(coef.reshape(y.value.shape)), model.scaled(y, s)))
-    ra, rb = matrix(penalty[0], True), matrix(penalty[1], False)
+    ra, rb = _matrix(model, penalty[0], True), _matrix(model, penalty[1], False)
     terms = [model.matmul(t, u) for t, u in ((ra, bb), (ab, rb)) if t is not None and u is not None]
     e = functools.reduce(model.add, terms)
     da2, db2 = model.scaled(model.matmul(e, bb.mT), s), model.scaled(model.matmul(ab.mT, e), s)
@@ -252,3 +259,48 @@ def matmul_derivatives(
 
     first = (summed(model.matmul(g, bb.mT), a, ab), summed(model.matmul(ab.mT, g), b, bb))
     return first, (summed(da2, a, ab), summed(db2, b, bb))
+
+
+def linear_tangent(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    activation: str | None,
+    tangents: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    model: Rounding,
+) -> Bounded:
+    """Forward-mode AD's tangent of y = act(x W^T + b) (``linear_derivatives``'
+    shapes), with its error bound, for the tangents (x_t, W_t, b_t) (``tangents``, None
+    for an input without one; one at least): y_t = act'(z) (x_t W^T + x W_t^T + b_t),
+    each product of rounded operands."""
+    k = x.shape[-1]
+    xb, wb, z = _preactivation(model, x, w, b)
+    xt, wt, bt = tangents
+    terms = [] if xt is None else [model.matmul(model.operand(xt.reshape(-1, k)), wb.mT)]
+    if wt is not None:
+        terms.append(model.matmul(xb, model.operand(wt).mT))
+    if bt is not None:
+        terms.append(model.exact(bt))
+    zt = functools.reduce(model.add, terms)
+    yt = model.mul(model.elementwise(z, activation, 1), zt)  # (broadcast: b_t alone)
+    shape = (*x.shape[:-1], w.shape[0])
+    return Bounded(yt.value.reshape(shape), yt.error.reshape(shape))
+
+
+def matmul_tangent(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tangents: tuple[torch.Tensor | None, torch.Tensor | None],
+    model: Rounding,
+) -> Bounded:
+    """Forward-mode AD's tangent of y = a @ b (``torch.matmul``'s shapes), with its error
+    bound, for the tangents (a_t, b_t) (None for an operand without one; one at least):
+    y_t = a_t b + a b_t, each product of rounded operands."""
+    at, bt = tangents
+    terms = [] if at is None else [model.matmul(_matrix(model, at, True), _matrix(model, b, False))]
+    if bt is not None:
+        terms.append(model.matmul(_matrix(model, a, True), _matrix(model, bt, False)))
+    yt = functools.reduce(model.add, terms)
+    meta = (torch.empty(t.shape, device="meta") for t in (a, b))
+    shape = torch.matmul(*meta).shape
+    return Bounded(yt.value.reshape(shape), yt.error.reshape(shape))

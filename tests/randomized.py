@@ -25,7 +25,9 @@ differentiated twice: the gradients of a loss taken under ``create_graph`` and t
 a penalty on them, elementwise within a first-order error bound,
 ``tests.error_bounds``, which the references differentiated by torch must meet too)
 and ``cross_entropy_second_order`` (the same of ``cross_entropy``'s draws, against
-torch's).
+torch's), and ``linear_forward_mode`` and ``matmul_forward_mode`` (forward-mode AD:
+tangents for some of the inputs, the tangent within ``tests.error_bounds``'s bound,
+the primal the bits of a plain call).
 Tensors come in drawn layouts: contiguous, transposed, sliced, negative views
 (``_operand``, ``_laid_out``), and incoming gradients also as one value broadcast
 (``_incoming``). Prints each failing case and a count; exit status 1 on any. Searches
@@ -52,6 +54,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 
 import mpgemm
 from mpgemm import functional
@@ -417,16 +420,109 @@ def matmul_second_order_case(seed: int) -> None:
     _check_second_order(what, given, wrt, runs, bounds)
 
 
-def _within_bound(t, got, theirs, exact, bound, what: str) -> None:
-    """``got`` (mpgemm's) and ``theirs`` (the reference's), gradients for ``t``, within
-    ``bound``'s error of the FP64 ``exact`` elementwise, finite, in ``t``'s dtype."""
+def _tangents(given: dict, g: torch.Generator) -> dict:
+    """Forward mode's draw: tangents (normal values in their input's dtype, in one of
+    ``_laid_out``'s layouts) for some of ``given``'s inputs (one at least), by name."""
+    names = random.sample(sorted(given), random.randint(1, len(given)))
+    layouts = ["contiguous", "transposed", "sliced", "negative"]
+    return {
+        name: _laid_out(
+            _randn(*given[name].shape, g=g).to(given[name].dtype), random.choice(layouts)
+        )
+        for name in sorted(names, key=list(given).index)
+    }
+
+
+def _forward_mode(y_of, given: dict, tangents: dict, cast) -> tuple:
+    """(primal, tangent) of ``y_of(inputs)`` under forward-mode AD (dual tensors of
+    ``torch.autograd.forward_ad``), the inputs ``given``'s cast to ``cast`` (None: as
+    given), those named in ``tangents`` dual with theirs, the others plain."""
+    with forward_ad.dual_level():
+        inputs = {name: t.detach().to(cast or t.dtype) for name, t in given.items()}
+        for name, tangent in tangents.items():
+            primal = inputs[name]
+            if 0 in primal.stride():  # (torch makes no dual of an expanded tensor)
+                primal = primal.clone()
+            inputs[name] = forward_ad.make_dual(primal, tangent.to(cast or tangent.dtype))
+        primal, tangent = forward_ad.unpack_dual(y_of(inputs))
+    return primal, tangent
+
+
+def _check_forward_mode(what: str, runs: list, plain: torch.Tensor, bound, kept=None) -> None:
+    """``runs`` (mpgemm's, the reference's and FP64's ``_forward_mode``): mpgemm's primal
+    the bits of its call without forward mode (``plain``), its tangent and the
+    reference's within ``bound`` of FP64's, where ``kept`` (default everywhere)."""
+    (primal, tangent), (_, theirs), (_, exact) = runs
+    assert_same_bits(primal, plain, f"{what}: the primal")
+    if kept is not None:  # (no bound where a ReLU's kink decides)
+        bound = error_bounds.Bounded(bound.value, bound.error.masked_fill(~kept, float("inf")))
+    _within_bound(plain, tangent, theirs, exact, bound, f"{what}: the tangent")
+
+
+def linear_forward_mode_case(seed: int) -> None:
+    """``mpgemm.linear`` under forward-mode AD (``linear``'s draws, tangents for some of
+    x, W and the bias in any layout): its primal the bits of a plain call, its tangent
+    and ``linear_ref``'s within ``tests.error_bounds``'s bound of FP64's."""
+    g, x, w, bias, activation, compute, out_dtype, what = _linear_operands(seed)
+    given = {name: t for name, t in zip("xwb", (x, w, bias), strict=True) if t is not None}
+    tangents = _tangents(given, g)
+    what = f"linear_forward_mode seed {seed}: {what}, tangents {''.join(tangents)}"
+    options = dict(activation=activation, compute_dtype=compute, out_dtype=out_dtype)
+    runs = [
+        _forward_mode(
+            lambda t, fn=fn: fn(t["x"], t["w"], t.get("b"), **options), given, tangents, None
+        )
+        for fn in (mpgemm.linear, linear_ref)
+    ]
+
+    def exact(t):
+        z = t["x"] @ t["w"].T
+        return torch_activation(z if "b" not in t else z + t["b"], activation)
+
+    runs.append(_forward_mode(exact, given, tangents, torch.float64))
+    compute = compute or compute_dtype_for(x, w)
+    model = error_bounds.Rounding(compute, out_dtype or compute, *(t.dtype for t in given.values()))
+    bound = error_bounds.linear_tangent(
+        x, w, bias, activation, tuple(tangents.get(name) for name in "xwb"), model
+    )
+    kept = None
+    if activation == "relu":
+        kept = away_from_relu_kink(torch.ones(bound.value.shape, device=_device), x, w, bias) > 0
+    _check_forward_mode(what, runs, mpgemm.linear(x, w, bias, **options), bound, kept)
+
+
+def matmul_forward_mode_case(seed: int) -> None:
+    """``mpgemm.matmul`` under forward-mode AD (``matmul``'s draws), as
+    ``linear_forward_mode``'s, against ``matmul_ref``'s and FP64's."""
+    g, a, b, compute, out_dtype = _matmul_operands(seed)
+    given = {"a": a, "b": b}
+    tangents = _tangents(given, g)
+    what = f"matmul_forward_mode seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b "
+    what += f"{tuple(b.shape)} {b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, "
+    what += f"tangents {''.join(tangents)}"
+    options = dict(compute_dtype=compute, out_dtype=out_dtype)
+    runs = [
+        _forward_mode(lambda t, fn=fn: fn(t["a"], t["b"], **options), given, tangents, None)
+        for fn in (mpgemm.matmul, matmul_ref)
+    ]
+    runs.append(_forward_mode(lambda t: t["a"] @ t["b"], given, tangents, torch.float64))
+    compute = compute or compute_dtype_for(a, b)
+    model = error_bounds.Rounding(compute, out_dtype or compute, a.dtype, b.dtype)
+    bound = error_bounds.matmul_tangent(a, b, (tangents.get("a"), tangents.get("b")), model)
+    _check_forward_mode(what, runs, mpgemm.matmul(a, b, **options), bound)
+
+
+def _within_bound(like, got, theirs, exact, bound, what: str) -> None:
+    """``got`` (mpgemm's) and ``theirs`` (the reference's) within ``bound``'s error of the
+    FP64 ``exact`` elementwise, finite, of ``like``'s dtype and shape (a gradient's
+    input, a tangent's primal)."""
     exact = exact.detach()
     # (The closed form the bound follows is the derivative autograd takes in FP64.)
     scale = float(exact.abs().max()) if exact.numel() else 0.0
     assert torch.allclose(bound.value, exact, rtol=1e-9, atol=1e-12 * scale), f"{what}: form"
     for who, out in (("mpgemm", got), ("the reference", theirs)):
         at = f"{what} by {who}"
-        assert out.dtype == t.dtype and out.shape == t.shape, at
+        assert out.dtype == like.dtype and out.shape == like.shape, at
         err = (out.detach().double() - exact).abs()
         beyond = err > bound.error
         assert not beyond.any() and torch.isfinite(out).all(), (
@@ -1180,7 +1276,9 @@ CASES: dict[str, Callable[[int], None]] = {
     "relu_fusion": relu_fusion_case,
     "scaler": scaler_case,
     "cross_entropy_second_order": cross_entropy_second_order_case,
+    "linear_forward_mode": linear_forward_mode_case,
     "linear_second_order": linear_second_order_case,
+    "matmul_forward_mode": matmul_forward_mode_case,
     "matmul_second_order": matmul_second_order_case,
 }
 

@@ -1,8 +1,8 @@
 """A few seeds of each randomised search against torch (``tests/randomized.py``): drawn
 cases of unscale and loss scaling, weight copies, matmul, linear, cross_entropy, the
 optimizers, runs of the GradScaler's API and of LossScaleOptimizer's FP32 masters, a
-ReLU's backward fused into the next layer's GEMM against its own kernel, a layer's
-second derivatives, each within the suite's bars; ``python -m tests.randomized OP
+ReLU's backward fused into the next layer's GEMM against its own kernel, second
+derivatives and tangents, each within the suite's bars; ``python -m tests.randomized OP
 FIRST COUNT`` searches further."""
 
 import pytest
@@ -25,8 +25,8 @@ def test_drawn_cases_match_torch(op, device):
         count = 20 if device.type == "cpu" else 2
     if op == "relu_fusion":  # (two backward passes a case: 0.4 s each here)
         count = 20 if device.type == "cpu" else 2
-    if op.endswith("second_order") and device.type != "cpu":
-        # (a recorded backward's products in dtypes and layouts of their own, each a
-        # binary: the suite's fixed double-backward tests run there too)
+    if op.endswith(("second_order", "forward_mode")) and device.type != "cpu":
+        # (a recorded backward's or a jvp rule's products in dtypes and layouts of their
+        # own, each a binary: the suite's fixed tests of both run there too)
         count = 1
     assert randomized.search(op, range(count), device) == []
