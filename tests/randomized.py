@@ -27,7 +27,9 @@ a penalty on them, elementwise within a first-order error bound,
 and ``cross_entropy_second_order`` (the same of ``cross_entropy``'s draws, against
 torch's), and ``linear_forward_mode`` and ``matmul_forward_mode`` (forward-mode AD:
 tangents for some of the inputs, the tangent within ``tests.error_bounds``'s bound,
-the primal the bits of a plain call).
+the primal the bits of a plain call), and ``linear_nonfinite`` and ``matmul_nonfinite``
+(inf, -inf and NaN placed in the operands: the output and gradients non-finite exactly
+where the references' are).
 Tensors come in drawn layouts: contiguous, transposed, sliced, negative views
 (``_operand``, ``_laid_out``), and incoming gradients also as one value broadcast
 (``_incoming``). Prints each failing case and a count; exit status 1 on any. Searches
@@ -418,6 +420,88 @@ def matmul_second_order_case(seed: int) -> None:
         a, b, (coef, s), (penalty.get("a"), penalty.get("b")), model
     )
     _check_second_order(what, given, wrt, runs, bounds)
+
+
+def _with_specials(given: dict) -> tuple[dict, str]:
+    """``given``'s tensors (by name), one to three elements of one or two of them (not
+    an expanded one, whose elements share memory) set to inf, -inf or NaN, in place
+    through their layouts; and a description."""
+    names = [name for name, t in given.items() if t.numel() and 0 not in t.stride()]
+    placed = []
+    for name in random.sample(names, min(len(names), random.randint(1, 2))):
+        t = given[name]
+        for _ in range(random.randint(1, 3)):
+            index = tuple(random.randrange(size) for size in t.shape)
+            value = random.choice([float("inf"), -float("inf"), float("nan")])
+            t[index] = value
+            placed.append(f"{name}{list(index)} {value}")
+    return given, ", ".join(placed)
+
+
+def _same_specials(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """NaN, +inf and -inf where ``want`` has them, and nowhere else."""
+    for kind in ("isnan", "isposinf", "isneginf"):
+        where = getattr(got, kind)().cpu()
+        expected = getattr(want, kind)().cpu()
+        assert torch.equal(where, expected), (
+            f"{what}: {kind} at {where.nonzero().tolist()[:4]}, the reference's at "
+            f"{expected.nonzero().tolist()[:4]}"
+        )
+
+
+def _nonfinite_runs(y_of, given: dict, g: torch.Generator, what: str, ops) -> None:
+    """``y_of(fn, inputs)`` by each of ``ops`` (mpgemm's, then the reference's) on
+    ``given``'s tensors as leaves, its backward from one drawn dY: the output and each
+    gradient non-finite exactly where the reference's are."""
+    results, grad = [], None
+    for fn in ops:
+        leaves = {name: t.detach().requires_grad_() for name, t in given.items()}
+        y = y_of(fn, leaves)
+        if grad is None:
+            layout = random.choice(GRAD_LAYOUTS[: None if y.numel() else -1])
+            grad = _incoming(_randn(*y.shape, g=g).to(y.dtype), layout)
+            what += f", dY {layout}"
+        if y.numel():
+            y.backward(grad)
+        results.append((y.detach(), {name: t.grad for name, t in leaves.items()}))
+    (y, grads), (y_ref, grads_ref) = results
+    _same_specials(y, y_ref, f"{what}: y")
+    for name, got in grads.items():
+        want = grads_ref[name]
+        if want is None:  # (no element: no backward)
+            assert got is None or not got.numel(), f"{what}: d{name}"
+            continue
+        _same_specials(got, want, f"{what}: d{name}")
+
+
+def linear_nonfinite_case(seed: int) -> None:
+    """``linear``'s draws with inf, -inf or NaN in some of x, W and the bias: its output
+    and gradients NaN and inf exactly where ``linear_ref``'s are (torch's ops on the
+    same rounded operands)."""
+    g, x, w, bias, activation, compute, out_dtype, what = _linear_operands(seed)
+    given = {name: t for name, t in zip("xwb", (x, w, bias), strict=True) if t is not None}
+    given, placed = _with_specials(given)
+    what = f"linear_nonfinite seed {seed}: {what}, {placed}"
+    options = dict(activation=activation, compute_dtype=compute, out_dtype=out_dtype)
+
+    def y_of(fn, t):
+        return fn(t["x"], t["w"], t.get("b"), **options)
+
+    _nonfinite_runs(y_of, given, g, what, (mpgemm.linear, linear_ref))
+
+
+def matmul_nonfinite_case(seed: int) -> None:
+    """``matmul``'s draws with inf, -inf or NaN in a or b or both, as
+    ``linear_nonfinite``'s, against ``matmul_ref``."""
+    g, a, b, compute, out_dtype = _matmul_operands(seed)
+    given, placed = _with_specials({"a": a, "b": b})
+    what = f"matmul_nonfinite seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b "
+    what += f"{tuple(b.shape)} {b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, "
+    what += placed
+    options = dict(compute_dtype=compute, out_dtype=out_dtype)
+    _nonfinite_runs(
+        lambda fn, t: fn(t["a"], t["b"], **options), given, g, what, (mpgemm.matmul, matmul_ref)
+    )
 
 
 def _tangents(given: dict, g: torch.Generator) -> dict:
@@ -1277,8 +1361,10 @@ CASES: dict[str, Callable[[int], None]] = {
     "scaler": scaler_case,
     "cross_entropy_second_order": cross_entropy_second_order_case,
     "linear_forward_mode": linear_forward_mode_case,
+    "linear_nonfinite": linear_nonfinite_case,
     "linear_second_order": linear_second_order_case,
     "matmul_forward_mode": matmul_forward_mode_case,
+    "matmul_nonfinite": matmul_nonfinite_case,
     "matmul_second_order": matmul_second_order_case,
 }
 

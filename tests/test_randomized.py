@@ -2,8 +2,8 @@
 cases of unscale and loss scaling, weight copies, matmul, linear, cross_entropy, the
 optimizers, runs of the GradScaler's API and of LossScaleOptimizer's FP32 masters, a
 ReLU's backward fused into the next layer's GEMM against its own kernel, second
-derivatives and tangents, each within the suite's bars; ``python -m tests.randomized OP
-FIRST COUNT`` searches further."""
+derivatives and tangents, inf and NaN operands, each within the suite's bars; ``python
+-m tests.randomized OP FIRST COUNT`` searches further."""
 
 import pytest
 
