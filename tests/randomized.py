@@ -141,8 +141,8 @@ def _incoming(values: torch.Tensor, kind: str) -> torch.Tensor:
 
 def _matmul_operands(seed: int) -> tuple:
     """``matmul``'s draw from ``seed`` (seeding ``random`` too, for what follows): the
-    generator for later tensors, a, b, and the compute and output dtypes to give (None:
-    the default)."""
+    generator for later tensors, a, b, the compute and output dtypes to give (None: the
+    default), and a description of them."""
     random.seed(seed)
     g = torch.Generator().manual_seed(seed)
     m, k, n = (random.choice([0, 1, 2, 3, 5, 8, 16, 17, 31, 33, 40, 64, 70]) for _ in range(3))
@@ -166,15 +166,16 @@ def _matmul_operands(seed: int) -> tuple:
     b = _operand(b_shape, random.choice(DTYPES), g)
     compute = random.choice([None, *HALVES])
     out_dtype = random.choice([None, *DTYPES])
-    return g, a, b, compute, out_dtype
+    what = f"a {tuple(a.shape)} {a.dtype} {a.stride()}, b {tuple(b.shape)} {b.dtype} "
+    what += f"{b.stride()}, compute {compute}, out {out_dtype}"
+    return g, a, b, compute, out_dtype, what
 
 
 def matmul_case(seed: int) -> None:
-    g, a, b, compute, out_dtype = _matmul_operands(seed)
+    g, a, b, compute, out_dtype, what = _matmul_operands(seed)
     grad = random.random() < 0.5
     a, b = a.detach().requires_grad_(grad), b.detach().requires_grad_(grad)
-    what = f"matmul seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b {tuple(b.shape)} "
-    what += f"{b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, grad {grad}"
+    what = f"matmul seed {seed}: {what}, grad {grad}"
     compute_given = compute
     compute = compute or compute_dtype_for(a, b)
     ar, br = a.detach().to(compute), b.detach().to(compute)
@@ -242,6 +243,17 @@ def _linear_operands(seed: int) -> tuple:
     return g, x, w, bias, activation, compute, out_dtype, what
 
 
+def _layer_inputs(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> dict:
+    """A layer's inputs by name: "x", "w" and, if it has one, "b"."""
+    return {name: t for name, t in zip("xwb", (x, w, bias), strict=True) if t is not None}
+
+
+def _layer(x, w, b, activation: str | None) -> torch.Tensor:
+    """act(x @ w.T + b) by torch's ops, in the inputs' dtype (FP64 for the exact)."""
+    z = x @ w.T
+    return torch_activation(z if b is None else z + b, activation)
+
+
 def linear_case(seed: int) -> None:
     g, x, w, bias, activation, compute, out_dtype, what = _linear_operands(seed)
     # dY's layout (``_incoming``; not broadcast with a ReLU, whose masking of dY near
@@ -256,8 +268,7 @@ def linear_case(seed: int) -> None:
             for t in (x, w, bias)
         )
         if fn is None:  # FP64
-            z = xl @ wl.T if bl is None else xl @ wl.T + bl
-            y = torch_activation(z, activation)
+            y = _layer(xl, wl, bl, activation)
         else:
             y = fn(xl, wl, bl, activation=activation, compute_dtype=compute, out_dtype=out_dtype)
         if grad_y is None:
@@ -363,7 +374,7 @@ def linear_second_order_case(seed: int) -> None:
     session): both are held to a first-order bound on any computation that rounds
     every intermediate (``tests.error_bounds``), elementwise."""
     g, x, w, bias, activation, compute, out_dtype, what = _linear_operands(seed)
-    given = {name: t for name, t in zip("xwb", (x, w, bias), strict=True) if t is not None}
+    given = _layer_inputs(x, w, bias)
     s, wrt, coef, penalty = _second_order_draw(given, (*x.shape[:-1], w.shape[0]), g)
     what = f"linear_second_order seed {seed}: {what}, s {s}, wrt {''.join(wrt)}"
     mask = torch.ones_like(coef)
@@ -383,8 +394,7 @@ def linear_second_order_case(seed: int) -> None:
     ]
 
     def exact(t):
-        z = t["x"] @ t["w"].T
-        return torch_activation(z if "b" not in t else z + t["b"], activation)
+        return _layer(t["x"], t["w"], t.get("b"), activation)
 
     runs.append(_derivatives(exact, given, wrt, torch.float64, (coef, mask, s), penalty))
     compute = compute or compute_dtype_for(x, w)
@@ -399,12 +409,10 @@ def matmul_second_order_case(seed: int) -> None:
     """``mpgemm.matmul``'s first and second derivatives (``matmul``'s draws: batches
     that broadcast, vectors), as ``linear_second_order``'s, against ``matmul_ref``'s
     differentiated by torch and FP64, within ``tests.error_bounds``'s bound."""
-    g, a, b, compute, out_dtype = _matmul_operands(seed)
+    g, a, b, compute, out_dtype, what = _matmul_operands(seed)
     given = {"a": a, "b": b}
     s, wrt, coef, penalty = _second_order_draw(given, torch.matmul(a.double(), b.double()).shape, g)
-    what = f"matmul_second_order seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b "
-    what += f"{tuple(b.shape)} {b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, "
-    what += f"s {s}, wrt {''.join(wrt)}"
+    what = f"matmul_second_order seed {seed}: {what}, s {s}, wrt {''.join(wrt)}"
     options = dict(compute_dtype=compute, out_dtype=out_dtype)
     loss = (coef, 1.0, s)
     runs = [
@@ -422,10 +430,10 @@ def matmul_second_order_case(seed: int) -> None:
     _check_second_order(what, given, wrt, runs, bounds)
 
 
-def _with_specials(given: dict) -> tuple[dict, str]:
-    """``given``'s tensors (by name), one to three elements of one or two of them (not
-    an expanded one, whose elements share memory) set to inf, -inf or NaN, in place
-    through their layouts; and a description."""
+def _with_specials(given: dict) -> str:
+    """One to three elements of one or two of ``given``'s tensors (by name; not an
+    expanded one, whose elements share memory) set to inf, -inf or NaN, in place through
+    their layouts; a description of them."""
     names = [name for name, t in given.items() if t.numel() and 0 not in t.stride()]
     placed = []
     for name in random.sample(names, min(len(names), random.randint(1, 2))):
@@ -435,7 +443,7 @@ def _with_specials(given: dict) -> tuple[dict, str]:
             value = random.choice([float("inf"), -float("inf"), float("nan")])
             t[index] = value
             placed.append(f"{name}{list(index)} {value}")
-    return given, ", ".join(placed)
+    return ", ".join(placed)
 
 
 def _same_specials(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -479,9 +487,8 @@ def linear_nonfinite_case(seed: int) -> None:
     and gradients NaN and inf exactly where ``linear_ref``'s are (torch's ops on the
     same rounded operands)."""
     g, x, w, bias, activation, compute, out_dtype, what = _linear_operands(seed)
-    given = {name: t for name, t in zip("xwb", (x, w, bias), strict=True) if t is not None}
-    given, placed = _with_specials(given)
-    what = f"linear_nonfinite seed {seed}: {what}, {placed}"
+    given = _layer_inputs(x, w, bias)
+    what = f"linear_nonfinite seed {seed}: {what}, {_with_specials(given)}"
     options = dict(activation=activation, compute_dtype=compute, out_dtype=out_dtype)
 
     def y_of(fn, t):
@@ -493,11 +500,9 @@ def linear_nonfinite_case(seed: int) -> None:
 def matmul_nonfinite_case(seed: int) -> None:
     """``matmul``'s draws with inf, -inf or NaN in a or b or both, as
     ``linear_nonfinite``'s, against ``matmul_ref``."""
-    g, a, b, compute, out_dtype = _matmul_operands(seed)
-    given, placed = _with_specials({"a": a, "b": b})
-    what = f"matmul_nonfinite seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b "
-    what += f"{tuple(b.shape)} {b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, "
-    what += placed
+    g, a, b, compute, out_dtype, what = _matmul_operands(seed)
+    given = {"a": a, "b": b}
+    what = f"matmul_nonfinite seed {seed}: {what}, {_with_specials(given)}"
     options = dict(compute_dtype=compute, out_dtype=out_dtype)
     _nonfinite_runs(
         lambda fn, t: fn(t["a"], t["b"], **options), given, g, what, (mpgemm.matmul, matmul_ref)
@@ -548,7 +553,7 @@ def linear_forward_mode_case(seed: int) -> None:
     x, W and the bias in any layout): its primal the bits of a plain call, its tangent
     and ``linear_ref``'s within ``tests.error_bounds``'s bound of FP64's."""
     g, x, w, bias, activation, compute, out_dtype, what = _linear_operands(seed)
-    given = {name: t for name, t in zip("xwb", (x, w, bias), strict=True) if t is not None}
+    given = _layer_inputs(x, w, bias)
     tangents = _tangents(given, g)
     what = f"linear_forward_mode seed {seed}: {what}, tangents {''.join(tangents)}"
     options = dict(activation=activation, compute_dtype=compute, out_dtype=out_dtype)
@@ -560,8 +565,7 @@ def linear_forward_mode_case(seed: int) -> None:
     ]
 
     def exact(t):
-        z = t["x"] @ t["w"].T
-        return torch_activation(z if "b" not in t else z + t["b"], activation)
+        return _layer(t["x"], t["w"], t.get("b"), activation)
 
     runs.append(_forward_mode(exact, given, tangents, torch.float64))
     compute = compute or compute_dtype_for(x, w)
@@ -578,12 +582,10 @@ def linear_forward_mode_case(seed: int) -> None:
 def matmul_forward_mode_case(seed: int) -> None:
     """``mpgemm.matmul`` under forward-mode AD (``matmul``'s draws), as
     ``linear_forward_mode``'s, against ``matmul_ref``'s and FP64's."""
-    g, a, b, compute, out_dtype = _matmul_operands(seed)
+    g, a, b, compute, out_dtype, what = _matmul_operands(seed)
     given = {"a": a, "b": b}
     tangents = _tangents(given, g)
-    what = f"matmul_forward_mode seed {seed}: a {tuple(a.shape)} {a.dtype} {a.stride()}, b "
-    what += f"{tuple(b.shape)} {b.dtype} {b.stride()}, compute {compute}, out {out_dtype}, "
-    what += f"tangents {''.join(tangents)}"
+    what = f"matmul_forward_mode seed {seed}: {what}, tangents {''.join(tangents)}"
     options = dict(compute_dtype=compute, out_dtype=out_dtype)
     runs = [
         _forward_mode(lambda t, fn=fn: fn(t["a"], t["b"], **options), given, tangents, None)
