@@ -495,7 +495,10 @@ def record_launch(kernel, grid, args, kwargs, configs, *, path: str) -> None:
         # default, such as a batch flag, is not).
         keys = [_plain(named[key]) for key in kernel.keys if key in named]
         record["tune_key"] = keys + dtypes
-        record["configs"] = len(configs())
+        kept = configs()
+        record["configs"] = len(kept)
+        # What each kept config adds to the binary's specialisation (count_compiles).
+        record["tiles"] = [json.dumps(c.all_kwargs(), sort_keys=True, default=str) for c in kept]
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -524,8 +527,11 @@ def _plain(value) -> object:
 def count_compiles(records: Iterable[dict]) -> int:
     """Binaries a cold cache compiles for these launch records: every kept config of
     each autotune key (autotuning compiles them all), then one binary for each further
-    specialisation of the chosen config; one per specialisation of a plain kernel."""
-    tuned: dict[tuple, int] = {}
+    specialisation of the chosen config; one per specialisation of a plain kernel. A
+    config of one key and the same config of another key with the same specialisation
+    (the key's sizes, each bucketed to a power of two, are arguments that specialise
+    alike) are one binary: compiled once, then found in the JIT's cache."""
+    tuned: dict[tuple, set[str]] = {}
     binaries: set[tuple] = set()
     for record in records:
         spec = (record["kernel"], json.dumps(record["specialization"], sort_keys=True))
@@ -533,9 +539,13 @@ def count_compiles(records: Iterable[dict]) -> int:
             binaries.add(spec)
             continue
         key = (record["kernel"], json.dumps(record["tune_key"]))
-        tuned.setdefault(key, record["configs"])
-        binaries.add((*key, *spec))
-    return sum(tuned.values()) + len(binaries) - len(tuned)
+        if key not in tuned:
+            tuned[key] = {spec[1]}
+            binaries.update((*spec, tile) for tile in record["tiles"])
+        elif spec[1] not in tuned[key]:
+            tuned[key].add(spec[1])
+            binaries.add((*spec, *key))  # (the config chosen for the key: not known here)
+    return len(binaries)
 
 
 # torch ops that launch no kernel: allocations without a fill, metadata, host reads,

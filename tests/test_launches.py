@@ -173,8 +173,14 @@ def test_16_bit_parameters_are_rewritten_from_their_masters_in_one_launch():
     assert count.torch.get("aten._foreach_copy_") == 1 and "aten.copy_" not in count.torch
 
 
-def _gemm(key, spec, configs=8):
-    return {"kernel": "_gemm_kernel", "tune_key": key, "configs": configs, "specialization": spec}
+def _gemm(key, spec, tiles=range(8)):
+    return {
+        "kernel": "_gemm_kernel",
+        "tune_key": key,
+        "configs": len(tiles),
+        "tiles": [f"tile {t}" for t in tiles],
+        "specialization": spec,
+    }
 
 
 def test_count_compiles():
@@ -183,12 +189,15 @@ def test_count_compiles():
         _gemm([1, 2, 3], {"a": "d16"}),
         _gemm([1, 2, 3], {"a": "d16"}),  # the same launch again: nothing new
         _gemm([1, 2, 3], {"a": "i"}),  # same key, new specialisation: the chosen config
-        _gemm([4, 2, 3], {"a": "d16"}, configs=2),  # a new key: every kept config
+        _gemm([4, 2, 3], {"a": "i"}, tiles=(8, 9)),  # a new key: every kept config
+        # Another key whose specialisation an earlier key's shares: its configs that
+        # the earlier one compiled are the same binaries (tiles 6 and 7), the rest new.
+        _gemm([8, 2, 3], {"a": "d16"}, tiles=(6, 7, 10)),
         {**plain, "specialization": {"n": "i"}},
         {**plain, "specialization": {"n": "i"}},
         {**plain, "specialization": {"n": "1"}},
     ]
-    assert count_compiles(records) == 8 + 1 + 2 + 2
+    assert count_compiles(records) == 8 + 1 + 2 + 1 + 2
 
 
 def test_precompile_fills_the_compile_cache_from_threads(tmp_path):
