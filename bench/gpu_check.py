@@ -198,7 +198,14 @@ def _train_workloads() -> list[Command]:
 
 # Not on the GPU: the compile check runs the GPU compiler anyway, and this runbook's own
 # tests are about the CPU.
-_NOT_ON_GPU = ["--ignore", "tests/test_hopper_compile.py", "--ignore", "tests/test_gpu_check.py"]
+_NOT_ON_GPU = [
+    "--ignore",
+    "tests/test_hopper_compile.py",
+    "--ignore",
+    "tests/test_gpu_check.py",
+    "--ignore",
+    "tests/test_warm_cache.py",
+]
 _TESTS_TOY = ["tests/test_errors.py"]
 # One autotune config per launch: each kernel compiles once, not once per config.
 _SINGLE_CONFIG = {"MPGEMM_SINGLE_CONFIG": "1"}

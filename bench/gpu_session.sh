@@ -16,7 +16,10 @@
 # variants). A
 # part starts only with its minimum time left, and every part is cut at the session's
 # end. GPU_CHECK_DRY_RUN=1: the same on a CPU at toy scale (the stages' dry runs, the
-# scripts' --smoke, their kernels interpreted).
+# scripts' --smoke, their kernels interpreted). With a warm cache carried ($WARM,
+# .warm/triton-cache.tar.xz unless set: bench/warm_cache.py build), its binaries are
+# installed in triton's cache before the first part, and after the last the binaries
+# compiled beyond them are counted.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -26,6 +29,7 @@ trap 'rm -rf "$work"' EXIT  # (what a part made is in its archive)
 end=$((SECONDS + ${SESSION_SECONDS:-560}))
 dry=${GPU_CHECK_DRY_RUN:-0}
 scratch=${SCRATCH:-.scratch}
+warm=${WARM:-.warm/triton-cache.tar.xz}
 # (run8 answered the head's, the ReLU backward's and the 8192x4096x4096 products'
 # sections; they stay in profile_gpu.py. The head's weight gradient again: its K split
 # 8 ways now, against the 4 run8 timed. The two input gradients that now take the ReLU's
@@ -98,6 +102,7 @@ for part in "${parts[@]}"; do  # all names checked before anything runs
   fi
 done
 mkdir -p "$out"
+[ -f "$warm" ] && "$python" bench/warm_cache.py install "$warm"
 for part in "${parts[@]}"; do
   if [ "$part" = ab ] && [ ! -f "$scratch/old_activation.py" ]; then
     echo "gpu_session: ab skipped: no $scratch/old_activation.py"
@@ -115,4 +120,5 @@ for part in "${parts[@]}"; do
   grep -hE "passed|failed|section\(s\) failed|stage .* took" "$work/$part.out" | tail -3
   if [ -f "$work/$part/report.md" ]; then grep -A16 "^### targets" "$work/$part/report.md"; fi
 done
+[ -f "$warm" ] && "$python" bench/warm_cache.py misses
 echo "gpu_session: done at $SECONDS s"

@@ -12,7 +12,10 @@ launch to an interceptor instead:
   Under ``MPGEMM_PRECOMPILE=1`` the compiles run on a thread per core (triton's async
   compile mode) into triton's on-disk cache: a run of the same workload afterwards finds
   every binary there instead of compiling them one after another as it autotunes.
-  ``mpgemm.kernels.aot`` compiles this way for an H100 on a machine without one.
+  ``mpgemm.kernels.aot`` compiles this way for an H100 on a machine without one, as
+  does ``MPGEMM_PRECOMPILE=hopper`` (``compile_for_hopper``); with
+  ``MPGEMM_CACHE_KEYS=path``, each compile's cache key is recorded
+  (``record_cache_keys``): ``bench/warm_cache.py`` builds the GPU's cache so, here.
 
 The JIT compiles one binary per *specialisation* of a kernel: its constexpr arguments,
 the dtype of each pointer and whether it is 16-byte aligned, and whether each integer is
@@ -620,8 +623,41 @@ def _precompile_in_background() -> None:
     atexit.register(mode.__exit__, None, None, None)
 
 
-# A process started to be counted or to fill the compile cache (``gpu_check.sh``) is
-# intercepted from the start.
+def compile_for_hopper(kernel, grid, args, kwargs, configs: Configs) -> list:
+    """``compile_launch`` for an H100 or H200 (sm_90a) on a machine with neither: the JIT
+    asks ``mpgemm.kernels.aot``'s stand-in driver for its target."""
+    from mpgemm.kernels.aot import _hopper_target  # (aot imports this module)
+
+    with _hopper_target():
+        return compile_launch(kernel, grid, args, kwargs, configs)
+
+
+def record_cache_keys(path: str) -> None:
+    """From now on, append each compile's key in triton's cache to ``path``, one JSON
+    line ``{"key": ...}`` per compile (also a compile that finds its binary there). The
+    key's SHA-256 names the binary's folder in the cache; the key less its first part,
+    ``triton_key()`` (a digest of the triton build's own files), is what the same
+    triton version built for another Python hashes to find it (``bench/warm_cache.py``
+    moves a cache so)."""
+    import threading
+
+    from triton.compiler import compiler
+
+    keyed = compiler.get_cache_key
+    lock = threading.Lock()  # (compiles run on threads: _precompile_in_background)
+
+    def get_cache_key(*args, **kwargs) -> str:
+        key = keyed(*args, **kwargs)
+        with lock, open(path, "a") as f:
+            f.write(json.dumps({"key": key}) + "\n")
+        return key
+
+    compiler.get_cache_key = get_cache_key
+
+
+# A process started to be counted or to fill the compile cache (``gpu_check.sh``;
+# ``hopper``: for an H100 on any machine, ``bench/warm_cache.py``) is intercepted from
+# the start.
 if os.environ.get("MPGEMM_RECORD_LAUNCHES"):
     _interceptor = lambda *launch_args: record_launch(  # noqa: E731
         *launch_args, path=os.environ["MPGEMM_RECORD_LAUNCHES"]
@@ -629,3 +665,10 @@ if os.environ.get("MPGEMM_RECORD_LAUNCHES"):
 elif os.environ.get("MPGEMM_PRECOMPILE") == "1":
     _interceptor = compile_launch
     _precompile_in_background()
+elif os.environ.get("MPGEMM_PRECOMPILE") == "hopper":
+    # One compile at a time: the test suite, compiled so on Python 3.11 with triton's
+    # compiles on threads, ended in "SystemError: AST constructor recursion depth
+    # mismatch" (ast.parse on two threads at once, pytest's and triton's).
+    _interceptor = compile_for_hopper
+if os.environ.get("MPGEMM_CACHE_KEYS"):
+    record_cache_keys(os.environ["MPGEMM_CACHE_KEYS"])

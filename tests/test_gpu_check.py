@@ -344,7 +344,11 @@ def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_pat
     A/B is skipped without an earlier kernel file; the Adam probe runs interpreted (its
     ncu not: no GPU) and is archived with its rows, as the graphed steps' A/B is, and
     the targets stage with the launches from C++ on; a part that needs more time than
-    is left is skipped; an unknown part stops the call before anything runs."""
+    is left is skipped; an unknown part stops the call before anything runs. A warm
+    cache carried (bench/warm_cache.py) is installed first (here: not, for want of a
+    GPU to compile for), and the binaries compiled beyond it are counted last."""
+    warm = tmp_path / "warm.tar.xz"
+    warm.write_bytes(b"")
 
     def session(*parts, seconds=300):
         env = {
@@ -354,6 +358,8 @@ def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_pat
             "SCRATCH": str(tmp_path / "scratch"),  # (empty)
             "SESSION_SECONDS": str(seconds),
             "PYTHON": sys.executable,
+            "WARM": str(warm),
+            "TRITON_CACHE_DIR": str(tmp_path / "triton"),
         }
         return subprocess.run(
             ["bash", str(ROOT / "bench" / "gpu_session.sh"), *parts],
@@ -365,6 +371,9 @@ def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_pat
 
     run = session("profile", "ab", "adam", "graph", "native")
     assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("warm cache not installed: no GPU target here")
+    assert lines[-2].startswith("warm cache: ") and " compiled beyond the 0 installed" in lines[-2]
     assert "gpu_session: profile rc=1" in run.stdout
     assert "ab skipped: no " in run.stdout
     assert "gpu_session: adam rc=0" in run.stdout
