@@ -15,8 +15,8 @@ GPU's sizes, every launch intercepted) with every launch compiled for sm_90a
 (``MPGEMM_CACHE_KEYS``); default: every stage, tests first; the workloads side by side,
 a core each, their output in ``.warm/build-STAGE-N.log``. It writes
 ``.warm/triton-cache.tar.xz`` (carried by the device call with ``carry: [".warm"]``):
-each binary's metadata, cubin and PTX, without the intermediate IRs (some two thirds of
-the bytes), and the rest of its key.
+each binary's metadata, cubin and PTX, without the intermediate IRs (some 70% of the
+bytes), and the rest of its key.
 
 Why keys are moved: triton finds a binary in its cache by the SHA-256 of a key that
 begins with ``triton_key()``, a digest of the triton build's own files, among them
