@@ -56,7 +56,7 @@ from triton.runtime import driver
 
 from mpgemm.kernels import dependent_launch
 from mpgemm.kernels.gemm_tma import SMEM_BYTES
-from mpgemm.kernels.launches import compile_launch, intercept, jit_function, named_arguments
+from mpgemm.kernels.launches import compile_for_hopper, intercept, jit_function, named_arguments
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SPECIALIZATIONS = ("aligned", "unaligned")
@@ -589,8 +589,7 @@ def compile_job(job: Job) -> dict:
     config = None if job.config is None else configs[job.config]
     named = named_arguments(kernel, args, kwargs)
     start = time.perf_counter()
-    with _hopper_target():
-        [compiled] = compile_launch(kernel, grid, args, kwargs, lambda: [config] if config else [])
+    [compiled] = compile_for_hopper(kernel, grid, args, kwargs, lambda: [config] if config else [])
     seconds = time.perf_counter() - start
     ptx = compiled.asm["ptx"]
     name = jit_function(kernel).fn.__name__
