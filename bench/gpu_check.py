@@ -17,7 +17,8 @@ isolation or dependencies (the machine has no network), then a check that torch 
 a GPU, then (best effort) the install of any wheels carried in ``.whl/``. The bench
 and train stages first compile every kernel their run will launch, on a thread per
 core, into triton's cache (``MPGEMM_PRECOMPILE=1``): the run then autotunes without
-compiling.
+compiling. Where a warm cache built on another machine is installed (``warm_cache.py``,
+which ``gpu_session.sh`` installs), every stage finds the binaries it holds there.
 
 ``GPU_CHECK_DRY_RUN=1 OUT=DIR bash bench/gpu_check.sh STAGE`` runs a stage on the CPU
 at toy scale and writes the same files, so CI checks the runbook itself.
