@@ -23,6 +23,10 @@ the control says whether a difference is the variant's.
     python3 bench/ab_graph.py [OUT.json]   # on a GPU of compute capability 9.0 or more
     python3 bench/ab_graph.py --smoke      # a small eager step, any machine (under the
                                            # interpreter PDL stays off: the rows say so)
+    python3 bench/ab_graph.py --once [--smoke]   # each case's eager step once per variant,
+                                                 # with the variant's settings on; nothing
+                                                 # timed, checked or written
+                                                 # (``compile_variants``)
 
 Exit status 1 if a variant's weights differ from the shipped recipe's while the
 control's match them.
@@ -87,6 +91,24 @@ def _recipe(batch: int, hidden: tuple[int, ...], impl: str, mode: str):
     return recipe, x, y, dependent_launch.enabled()
 
 
+def compile_variants(cases: dict) -> None:
+    """Each case's eager step once per variant, its settings on while it steps (PDL, the
+    ReLU fusion): the kernels a GPU run of this script launches, the variants' among
+    them. Run with every launch intercepted and compiled (``bench/warm_cache.py``), it
+    compiles them ahead; its steps compute nothing to time or compare."""
+    shipped_fusion = functional._FUSE_RELU
+    try:
+        for batch, hidden, _ in cases.values():
+            for impl, (pdl, _, fused, _, _) in IMPLS.items():
+                recipe, x, y, _ = _recipe(batch, hidden, impl, "mpgemm")
+                dependent_launch.enable(pdl)  # (as at a graphed recipe's capture)
+                functional._FUSE_RELU = fused
+                recipe.step(x, y)
+    finally:
+        dependent_launch.enable(False)
+        functional._FUSE_RELU = shipped_fusion
+
+
 def _same_bits(a: Recipe, b: Recipe) -> bool:
     return (
         all(
@@ -99,6 +121,9 @@ def _same_bits(a: Recipe, b: Recipe) -> bool:
 
 def main(argv: list[str]) -> int:
     smoke = "--smoke" in argv
+    if "--once" in argv:
+        compile_variants(SMOKE_CASES if smoke else CASES)
+        return 0
     paths = [a for a in argv if not a.startswith("--")]
     out = paths[0] if paths else None
     # On a GPU the eager steps too: the ReLU fusion, slower graphed (run13), saves two

@@ -5,15 +5,16 @@ stages run, so that they load those binaries instead of compiling them (a GEMM b
 takes some 0.8 s of a core: ``bench/gpu_check.py``'s ``COMPILE_S``; run13's stages
 compiled some 1,500).
 
-    python bench/warm_cache.py build [STAGE ...]   # here, under the GPU's triton version
+    python bench/warm_cache.py build [PART ...]    # here, under the GPU's triton version
     python bench/warm_cache.py install [ARCHIVE]   # on the device, before the stages
     python bench/warm_cache.py misses              # on the device, after them
 
-``build`` runs each stage's workloads (``gpu_check.py``'s, which ``plan`` records: at the
-GPU's sizes, every launch intercepted) with every launch compiled for sm_90a
+``build`` runs each part's commands (``parts``: each stage's workloads, ``gpu_check.py``'s,
+which ``plan`` records: at the GPU's sizes, every launch intercepted; and the graph
+part's compile-only mode, ``ab_graph.py --once``) with every launch compiled for sm_90a
 (``MPGEMM_PRECOMPILE=hopper``) into a fresh cache, recording each compile's cache key
-(``MPGEMM_CACHE_KEYS``); default: every stage, tests first; the workloads side by side,
-a core each, their output in ``.warm/build-STAGE-N.log``. It writes
+(``MPGEMM_CACHE_KEYS``); default: every part; the commands side by side, a core each,
+their output in ``.warm/build-PART-N.log``. It writes
 ``.warm/triton-cache.tar.xz`` (carried by the device call with ``carry: [".warm"]``):
 each binary's metadata, cubin and PTX, without the intermediate IRs (some 70% of the
 bytes), and the rest of its key.
@@ -91,13 +92,31 @@ def _gpu_check():
     return gpu_check
 
 
-def build(stages: list[str], archive: Path = ARCHIVE) -> int:
-    """Compile every launch of ``stages``' workloads for sm_90a into a fresh cache and
-    pack it into ``archive`` (``pack``); returns the binaries packed. The workloads run
-    side by side, one a core (the cache takes each binary once: a workload that
-    meets one another has compiled finds it), each with its output in a log beside the
-    archive."""
+def parts() -> dict[str, tuple[list, bool]]:
+    """What ``build`` can compile, by the name of the session's part (``gpu_session.sh``)
+    that would compile it on the GPU: each ``gpu_check`` stage's workloads, and the
+    compile-only mode of a script part that has one; with whether its commands must
+    exit 0 (the tests stage's suite does not: its checks read what intercepted
+    launches never compute). The tests stage first: the longest (the whole suite), it
+    runs beside the rest."""
     gpu_check = _gpu_check()
+    found = {
+        name: (stage.workloads(), stage.workloads_pass)
+        for name, stage in sorted(gpu_check.STAGES.items(), key=lambda item: item[0] != "tests")
+    }
+    # The graphed steps' variants, PDL's and the fused ReLU's binaries among them.
+    graph = gpu_check.Command([gpu_check.PYTHON, "bench/ab_graph.py", "--once"], "graph.log")
+    found["graph"] = ([graph], True)
+    return found
+
+
+def build(names: list[str], archive: Path = ARCHIVE) -> int:
+    """Compile every launch of the ``parts`` named for sm_90a into a fresh cache and
+    pack it into ``archive`` (``pack``); returns the binaries packed. The commands run
+    side by side, one a core (the cache takes each binary once: a command that meets
+    one another has compiled finds it), each with its output in a log beside the
+    archive."""
+    gpu_check, table = _gpu_check(), parts()
     archive.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cache, keys = Path(tmp) / "cache", Path(tmp) / "keys"
@@ -106,30 +125,28 @@ def build(stages: list[str], archive: Path = ARCHIVE) -> int:
         # Compiled, not interpreted: the test suite interprets where it sees no GPU.
         env.update(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(cache))
         jobs = [
-            (name, index, workload)
-            for name in stages
-            for index, workload in enumerate(gpu_check.STAGES[name].workloads())
+            (name, index, command) for name in names for index, command in enumerate(table[name][0])
         ]
 
         def run(job) -> str:
-            name, index, workload = job
+            name, index, command = job
             start, log = time.monotonic(), archive.with_name(f"build-{name}-{index}.log")
             with open(log, "w") as sink:
                 done = subprocess.run(
-                    workload.argv,
+                    command.argv,
                     cwd=ROOT,
                     env={
                         **env,
-                        **workload.env,
+                        **command.env,
                         "MPGEMM_PRECOMPILE": "hopper",
                         "MPGEMM_CACHE_KEYS": str(keys / f"{name}-{index}.jsonl"),
                     },
                     stdout=sink,
                     stderr=subprocess.STDOUT,
                 )
-            said = f"warm_cache: stage {name}, `{' '.join(workload.argv[1:4])} ...`,"
-            # A failed workload stops before its later launches: a colder cache.
-            failed = done.returncode and gpu_check.STAGES[name].workloads_pass
+            said = f"warm_cache: {name}, `{' '.join(command.argv[1:4])} ...`,"
+            # A failed command stops before its later launches: a colder cache.
+            failed = done.returncode and table[name][1]
             return f"{said} took {time.monotonic() - start:.0f} s" + (
                 f", exited with {done.returncode} ({log})" if failed else ""
             )
@@ -252,14 +269,16 @@ def misses() -> str:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["build"]:
-        known = _gpu_check().STAGES
-        # The tests stage first: the longest (the whole suite), it runs beside the rest.
-        stages = argv[1:] or sorted(known, key=lambda name: name != "tests")
-        unknown = set(stages) - set(known)
+        known = list(parts())
+        names = argv[1:] or known
+        unknown = set(names) - set(known)
         if unknown:
-            print(f"warm_cache: no stage {', '.join(sorted(unknown))}", file=sys.stderr)
+            print(
+                f"warm_cache: no part {', '.join(sorted(unknown))} (parts: {' '.join(known)})",
+                file=sys.stderr,
+            )
             return 2
-        count = build(stages)
+        count = build(names)
         print(f"warm_cache: {count} binaries in {ARCHIVE} ({ARCHIVE.stat().st_size >> 20} MiB)")
         return 0
     if argv[:1] == ["install"] and len(argv) <= 2:
@@ -268,7 +287,7 @@ def main(argv: list[str]) -> int:
     if argv == ["misses"]:
         print(misses())
         return 0
-    print("usage: warm_cache.py build [STAGE ...] | install [ARCHIVE] | misses", file=sys.stderr)
+    print("usage: warm_cache.py build [PART ...] | install [ARCHIVE] | misses", file=sys.stderr)
     return 2
 
 

@@ -338,6 +338,35 @@ def test_the_graph_ab_steps_every_variant_to_the_same_bits():
     assert all(s["same_bits"] for s in summaries if s["impl"] != "relu backward fused")
 
 
+def test_the_graph_abs_compile_only_mode_launches_each_variants_kernels(tmp_path):
+    """``ab_graph.py --once``, which bench/warm_cache.py compiles ahead: each variant's
+    step with its settings on, so that the launches recorded include PDL's, for every
+    kernel the step launches, and the ReLU's backward fused into an input gradient."""
+    path = tmp_path / "launches.jsonl"
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "CUDA_VISIBLE_DEVICES": "",
+        "MPGEMM_RECORD_LAUNCHES": str(path),
+    }
+    run = subprocess.run(
+        [sys.executable, "ab_graph.py", "--once", "--smoke"],
+        cwd=ROOT / "bench",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    by_pdl = {
+        pdl: {r["kernel"] for r in records if bool(r["specialization"].get("launch_pdl")) is pdl}
+        for pdl in (False, True)
+    }
+    assert by_pdl[True] and by_pdl[True] == by_pdl[False]
+    assert any(r["specialization"].get("RELU_GRAD") for r in records)
+
+
 def test_the_session_script_archives_each_part_and_skips_what_cannot_run(tmp_path):
     """bench/gpu_session.sh, a device call's parts in order, as a dry run on the CPU: the
     profile (every section fails here: no GPU) is archived with its log; the activation

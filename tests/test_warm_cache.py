@@ -1,6 +1,7 @@
 """bench/warm_cache.py, the GPU's triton cache built here: binaries compiled for sm_90a
-under one triton build, packed, and installed under the keys another build of the same
-version computes, are what that build's compiles then find (every one a cache hit);
+under one triton build (``build``), packed, and installed under the keys another build
+of the same version computes, are what that build's compiles then find (every one a
+cache hit); the parts it builds are the session's stages and the graph part;
 an archive of another triton version or backend installs nothing; the binaries compiled
 beyond those installed are counted by kernel."""
 
@@ -55,6 +56,12 @@ print(warm_cache.misses())
 """
 
 
+def test_the_parts_are_the_stages_tests_first_and_the_graph_part():
+    names = list(warm_cache.parts())
+    assert names[0] == "tests"
+    assert sorted(names) == sorted([*warm_cache._gpu_check().STAGES, "graph"])
+
+
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
@@ -69,17 +76,23 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
     return run
 
 
-def test_a_cache_built_here_is_what_another_builds_compiles_find(tmp_path):
-    keys, archive = tmp_path / "keys.jsonl", tmp_path / "warm.tar.xz"
-    built, device = tmp_path / "built", tmp_path / "device"
-    _python(
-        WORKLOAD,
-        MPGEMM_PRECOMPILE="hopper",
-        MPGEMM_CACHE_KEYS=str(keys),
-        TRITON_CACHE_DIR=str(built),
+def test_a_cache_built_here_is_what_another_builds_compiles_find(tmp_path, monkeypatch):
+    archive, device = tmp_path / "warm.tar.xz", tmp_path / "device"
+    # build, on a part of one command: the workload, each launch compiled for sm_90a.
+    command = warm_cache._gpu_check().Command(
+        [sys.executable, "-c", WORKLOAD], "tiny.log", {"MPGEMM_SINGLE_CONFIG": "1"}
     )
-    packed = warm_cache.pack(built, [keys], archive)
+    monkeypatch.setattr(warm_cache, "parts", lambda: {"tiny": ([command], True)})
+    built = []
+    pack = warm_cache.pack
+    monkeypatch.setattr(
+        warm_cache,
+        "pack",
+        lambda cache, keys, out: built.extend(cache.iterdir()) or pack(cache, keys, out),
+    )
+    packed = warm_cache.build(["tiny"], archive)
     assert packed == 2  # the GEMM's binary and the unscale's
+    assert (tmp_path / "build-tiny-0.log").exists()
     with tarfile.open(archive) as tar:
         manifest = json.load(tar.extractfile("manifest.json"))
         names = tar.getnames()
@@ -91,7 +104,7 @@ def test_a_cache_built_here_is_what_another_builds_compiles_find(tmp_path):
     assert lines[0].startswith("warm cache: 2 binaries installed in ")
     # Installed under other keys than the build's, and every compile found its binary.
     installed = json.loads((device / warm_cache.INSTALLED).read_text())
-    assert len(installed) == 2 and not set(installed) & {p.name for p in built.iterdir()}
+    assert len(installed) == 2 and not set(installed) & {p.name for p in built}
     assert json.loads(lines[1]) == [True, True]
     assert lines[2] == "warm cache: 0 binaries compiled beyond the 2 installed"
 
