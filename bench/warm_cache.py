@@ -2,8 +2,8 @@
 compile, compiled on this machine for an H100 or H200 (sm_90a) under the GPU's triton
 version, in one archive that the device tool carries; installed on the device before the
 stages run, so that they load those binaries instead of compiling them (a GEMM binary
-takes some 0.8 s of a core: ``bench/gpu_check.py``'s ``COMPILE_S``; run13's stages
-compiled some 1,500).
+takes some 0.8 s of a core: ``bench/gpu_check.py``'s ``COMPILE_S``; ``plan`` counts 1689
+for the tests stage alone).
 
     python bench/warm_cache.py build [PART ...]    # here, under the GPU's triton version
     python bench/warm_cache.py install [ARCHIVE]   # on the device, before the stages
@@ -62,6 +62,7 @@ KEPT = (".json", ".cubin", ".ptx")
 MANIFEST = "manifest.json"
 # Beside the cache's folders on the device: the folders ``install`` made.
 INSTALLED = "mpgemm-warm-cache.json"
+# (mpgemm.kernels.aot's, not imported: the device installs before mpgemm is.)
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
@@ -239,7 +240,9 @@ def install(archive: Path = ARCHIVE, target: GPUTarget | None = None) -> str:
                     group[name] = manager.put(data, name, binary=True)
             manager.put_group(metadata_name, group)
             folders.append(_base32(digest))
-    (Path(knobs.cache.dir) / INSTALLED).write_text(json.dumps(folders))
+    record = Path(knobs.cache.dir) / INSTALLED
+    record.parent.mkdir(parents=True, exist_ok=True)  # (an archive of no binaries)
+    record.write_text(json.dumps(folders))
     return (
         f"warm cache: {len(folders)} binaries installed in {knobs.cache.dir} (triton "
         f"{triton.__version__}, {_brief(here)})"
