@@ -37,6 +37,8 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from harness import DEVICE, ON_GPU, median, synchronize, write_rows
@@ -91,22 +93,30 @@ def _recipe(batch: int, hidden: tuple[int, ...], impl: str, mode: str):
     return recipe, x, y, dependent_launch.enabled()
 
 
-def compile_variants(cases: dict) -> None:
-    """Each case's eager step once per variant, its settings on while it steps (PDL, the
-    ReLU fusion): the kernels a GPU run of this script launches, the variants' among
-    them. Run with every launch intercepted and compiled (``bench/warm_cache.py``), it
-    compiles them ahead; its steps compute nothing to time or compare."""
-    shipped_fusion = functional._FUSE_RELU
+@contextmanager
+def _shipped_afterwards() -> Iterator[None]:
+    """Within the block the variants set PDL, the ReLU fusion and the C++ launches
+    (``_recipe``); after it, PDL is off and the others are as shipped."""
+    fusion, native = functional._FUSE_RELU, native_launch._ENABLED
     try:
-        for batch, hidden, _ in cases.values():
-            for impl, (pdl, _, fused, _, _) in IMPLS.items():
-                recipe, x, y, _ = _recipe(batch, hidden, impl, "mpgemm")
-                dependent_launch.enable(pdl)  # (as at a graphed recipe's capture)
-                functional._FUSE_RELU = fused
-                recipe.step(x, y)
+        yield
     finally:
         dependent_launch.enable(False)
-        functional._FUSE_RELU = shipped_fusion
+        functional._FUSE_RELU = fusion
+        native_launch._ENABLED = native
+
+
+def compile_variants(cases: dict) -> None:
+    """Each case's eager step once per variant, the variant's settings on while it
+    steps (``_recipe`` sets them: PDL as at a graphed recipe's capture, the ReLU
+    fusion): the kernels a GPU run of this script launches, the variants' among them.
+    Run with every launch intercepted and compiled (``bench/warm_cache.py``), it
+    compiles them ahead; its steps compute nothing to time or compare."""
+    with _shipped_afterwards():
+        for batch, hidden, _ in cases.values():
+            for impl in IMPLS:
+                recipe, x, y, _ = _recipe(batch, hidden, impl, "mpgemm")
+                recipe.step(x, y)
 
 
 def _same_bits(a: Recipe, b: Recipe) -> bool:
@@ -132,8 +142,8 @@ def main(argv: list[str]) -> int:
     cases = SMOKE_CASES if smoke else CASES
     rounds = SMOKE_ROUNDS if smoke else ROUNDS
     rows: list[dict] = []
-    raced, shipped_fusion, shipped_native = False, functional._FUSE_RELU, native_launch._ENABLED
-    try:
+    raced = False
+    with _shipped_afterwards():
         for mode, (case, (batch, hidden, steps)) in itertools.product(modes, cases.items()):
             built = {impl: _recipe(batch, hidden, impl, mode) for impl in IMPLS}
             dependent_launch.enable(False)
@@ -169,10 +179,6 @@ def main(argv: list[str]) -> int:
                         )
                     )
             del built
-    finally:
-        dependent_launch.enable(False)
-        functional._FUSE_RELU = shipped_fusion
-        native_launch._ENABLED = shipped_native
     write_rows(rows, out, rounds=rounds, warmup_steps={m: WARMUP_STEPS[m] for m in modes})
     return 1 if raced else 0
 
