@@ -489,7 +489,7 @@ def plan_stage(stage: Stage) -> tuple[int, int]:
                 )
         text = records_path.read_text() if records_path.exists() else ""
     records = [json.loads(line) for line in text.splitlines()]
-    tuned = {json.dumps(r["tune_key"]): r["configs"] for r in records if r["tune_key"]}
+    tuned = {json.dumps(r["tune_key"]): len(r["tiles"]) for r in records if r["tune_key"]}
     return count_compiles(records), sum(n for n in tuned.values() if n > 1)
 
 

@@ -490,7 +490,9 @@ def record_launch(kernel, grid, args, kwargs, configs, *, path: str) -> None:
             **{name: _plain(value) for name, value in kwargs.items()},
         },
         "tune_key": None,
-        "configs": 1,
+        # An autotuned launch's configs that pruning keeps, each as the keywords it adds
+        # to the binary's specialisation (count_compiles); none for a plain kernel's.
+        "tiles": [],
     }
     if isinstance(kernel, Autotuner):
         dtypes = [str(v.dtype) for v in named.values() if isinstance(v, torch.Tensor)]
@@ -498,10 +500,9 @@ def record_launch(kernel, grid, args, kwargs, configs, *, path: str) -> None:
         # default, such as a batch flag, is not).
         keys = [_plain(named[key]) for key in kernel.keys if key in named]
         record["tune_key"] = keys + dtypes
-        kept = configs()
-        record["configs"] = len(kept)
-        # What each kept config adds to the binary's specialisation (count_compiles).
-        record["tiles"] = [json.dumps(c.all_kwargs(), sort_keys=True, default=str) for c in kept]
+        record["tiles"] = [
+            json.dumps(c.all_kwargs(), sort_keys=True, default=str) for c in configs()
+        ]
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
